@@ -1,0 +1,1 @@
+"""Tensor codecs, error feedback, two-way and adaptive compression. Depends on torch only."""

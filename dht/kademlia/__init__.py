@@ -1,0 +1,1 @@
+"""Kademlia DHT on top of dht.p2p."""

@@ -1,0 +1,1 @@
+"""libp2p-compatible transport stack: identity, multiaddr, multistream-select, Noise, yamux, Host."""

@@ -1,0 +1,35 @@
+"""moshpit: decentralized volunteer training for PyTorch.
+
+The public API is imported lazily so that torch-free commands (``moshpit dht`` on a tiny
+bootstrap VM) never pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "DHT": "dht.facade",
+    "DHTNode": "dht.kademlia.node",
+    "Averager": "moshpit.averaging.averager",
+    "StepResult": "moshpit.averaging.averager",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'moshpit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
