@@ -1,0 +1,138 @@
+"""Moshpit group keys: which DHT key a peer declares itself under for the next round.
+
+A key is ``{prefix}.0b{bits}``. The bits are the peer's last ``d - 1`` grid coordinates (``b``
+bits each, ``b = ceil(log2(target_group_size))``); peers that share all of them form a group.
+After a round every member shifts in a new coordinate (its position in a permutation of the
+group seeded by the group ID, hence distinct within the group) and drops the oldest one, so
+former groupmates are spread over different groups for the next ``d - 1`` rounds. On a full
+grid (``N = M**d`` peers, groups of ``M``) every peer then holds the exact mean after ``d``
+rounds (PAPERS.md, "Moshpit All-Reduce").
+
+The key length never changes. Pure logic: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import re
+from collections.abc import Sequence
+
+__all__ = [
+    "GroupKeyManager",
+    "coordinate_bits",
+    "default_num_bits",
+    "group_position",
+    "make_group_key",
+    "parse_group_key",
+]
+
+_BITS_RE = re.compile(r"^[01]*$")
+MAX_GROUP_BITS = 64  # 2**64 groups is far beyond any swarm; bounds key length
+
+
+def coordinate_bits(target_group_size: int) -> int:
+    """Bits needed to write a position in a group of ``target_group_size`` (at least 1)."""
+    if target_group_size < 1:
+        raise ValueError(f"target_group_size must be >= 1, got {target_group_size}")
+    return max(1, math.ceil(math.log2(target_group_size)))
+
+
+def default_num_bits(target_group_size: int, expected_num_peers: int | None = None) -> int:
+    """Number of key bits for a swarm of about ``expected_num_peers`` peers.
+
+    A grid with ``M = target_group_size`` peers per side needs ``d = ceil(log_M(N))``
+    dimensions; the key holds the other ``d - 1`` coordinates. Without an estimate we
+    assume ``d = 2`` (up to ``M**2`` peers averaging exactly in 2 rounds), which is also
+    what a larger swarm degrades to gracefully (groups simply fill up to the target).
+    """
+    b = coordinate_bits(target_group_size)
+    if expected_num_peers is None:
+        return b
+    if expected_num_peers <= max(target_group_size, 1):
+        return 0
+    m = max(2, target_group_size)
+    dims = math.ceil(math.log(expected_num_peers) / math.log(m) - 1e-9)
+    return min(MAX_GROUP_BITS, max(0, (dims - 1) * b))
+
+
+def make_group_key(prefix: str, bits: str) -> str:
+    """``{prefix}.0b{bits}``."""
+    if not _BITS_RE.match(bits):
+        raise ValueError(f"group bits must be a string of 0/1, got {bits!r}")
+    return f"{prefix}.0b{bits}"
+
+
+def parse_group_key(key: str) -> tuple[str, str]:
+    """Inverse of :func:`make_group_key` -> ``(prefix, bits)``; ``ValueError`` if malformed."""
+    prefix, sep, bits = key.rpartition(".0b")
+    if not sep or not prefix or not _BITS_RE.match(bits):
+        raise ValueError(f"not a group key: {key!r} (expected '<prefix>.0b<bits>')")
+    return prefix, bits
+
+
+def group_position(group_id: bytes, num_members: int, index: int) -> int:
+    """Position of member ``index`` in a permutation of ``range(num_members)`` seeded by ``group_id``.
+
+    Every member computes the same permutation from the group ID, so positions are distinct
+    within the group and reproducible; hashing (not ``random``) keeps it stable across
+    Python versions and machines.
+    """
+    if not 0 <= index < num_members:
+        raise ValueError(f"member index {index} out of range for a group of {num_members}")
+    order = sorted(
+        range(num_members),
+        key=lambda i: hashlib.sha256(group_id + i.to_bytes(4, "big")).digest(),
+    )
+    return order.index(index)
+
+
+class GroupKeyManager:
+    """Holds one peer's current group bits and moves them after each round."""
+
+    def __init__(
+        self,
+        prefix: str,
+        target_group_size: int,
+        initial_group_bits: str | None = None,
+        *,
+        expected_num_peers: int | None = None,
+        rng: random.Random | None = None,
+    ):
+        if not prefix or ".0b" in prefix:
+            raise ValueError(f"invalid averaging prefix {prefix!r} (non-empty, without '.0b')")
+        self.prefix = prefix
+        self.coord_bits = coordinate_bits(target_group_size)
+        self._rng = rng or random.Random()
+        if initial_group_bits is None:
+            n = default_num_bits(target_group_size, expected_num_peers)
+            initial_group_bits = "".join(self._rng.choice("01") for _ in range(n))
+        if not _BITS_RE.match(initial_group_bits) or len(initial_group_bits) > MAX_GROUP_BITS:
+            raise ValueError(
+                f"initial_group_bits must be at most {MAX_GROUP_BITS} characters of 0/1, "
+                f"got {initial_group_bits!r}"
+            )
+        self.bits = initial_group_bits
+        self.num_bits = len(initial_group_bits)
+
+    @property
+    def key(self) -> str:
+        return make_group_key(self.prefix, self.bits)
+
+    def _shift_in(self, coordinate: int) -> str:
+        if self.num_bits == 0:
+            return self.key
+        coord = format(coordinate % (1 << self.coord_bits), f"0{self.coord_bits}b")
+        self.bits = (self.bits + coord)[-self.num_bits :]
+        return self.key
+
+    def update_after_round(self, group_id: bytes, members: Sequence[object], me: object) -> str:
+        """Shift in this peer's coordinate from the group it just averaged with; returns the new key."""
+        members = list(members)
+        position = group_position(group_id, len(members), members.index(me))
+        return self._shift_in(position)
+
+    def update_without_group(self) -> str:
+        """No group formed: move to a random neighbouring key so lonely peers find company."""
+        return self._shift_in(self._rng.randrange(1 << self.coord_bits))

@@ -1,0 +1,133 @@
+"""Moshpit group keys: format, constant length, distinct coordinates, exact grid averaging."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moshpit.averaging.group_keys import (
+    GroupKeyManager,
+    coordinate_bits,
+    default_num_bits,
+    group_position,
+    make_group_key,
+    parse_group_key,
+)
+
+
+def test_key_format_and_parse():
+    assert make_group_key("run", "0110") == "run.0b0110"
+    assert parse_group_key("my.run.0b01") == ("my.run", "01")
+    assert parse_group_key("run.0b") == ("run", "")
+    for bad in ["run", "run.0b012", ".0b01", "run.0bxx"]:
+        with pytest.raises(ValueError):
+            parse_group_key(bad)
+    with pytest.raises(ValueError):
+        make_group_key("run", "2")
+    with pytest.raises(ValueError):
+        GroupKeyManager("bad.0bprefix", 4)
+    with pytest.raises(ValueError):
+        GroupKeyManager("run", 4, initial_group_bits="01x")
+
+
+def test_default_num_bits():
+    assert coordinate_bits(1) == 1 and coordinate_bits(2) == 1
+    assert coordinate_bits(4) == 2 and coordinate_bits(5) == 3 and coordinate_bits(16) == 4
+    assert default_num_bits(4) == 2  # unknown swarm size: 2-d grid
+    assert default_num_bits(4, expected_num_peers=16) == 2  # 4x4
+    assert default_num_bits(2, expected_num_peers=8) == 2  # 2x2x2
+    assert default_num_bits(16, expected_num_peers=4096) == 8  # 16^3
+    assert default_num_bits(16, expected_num_peers=10) == 0  # one group is enough
+    assert len(GroupKeyManager("p", 4, expected_num_peers=256).bits) == 6  # 4^4
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    group_id=st.binary(min_size=1, max_size=32),
+    size=st.integers(min_value=1, max_value=64),
+)
+def test_positions_form_a_permutation(group_id, size):
+    positions = [group_position(group_id, size, i) for i in range(size)]
+    assert sorted(positions) == list(range(size))
+
+
+def test_positions_depend_on_group_id():
+    perms = {tuple(group_position(os.urandom(8), 8, i) for i in range(8)) for _ in range(20)}
+    assert len(perms) > 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    target=st.integers(min_value=2, max_value=16),
+    bits=st.text(alphabet="01", max_size=12),
+    rounds=st.integers(min_value=1, max_value=8),
+)
+def test_key_length_constant_and_groupmates_spread(target, bits, rounds):
+    size = target
+    managers = [GroupKeyManager("run", target, initial_group_bits=bits) for _ in range(size)]
+    members = list(range(size))
+    for _ in range(rounds):
+        group_id = os.urandom(16)
+        for i, m in enumerate(managers):
+            m.update_after_round(group_id, members, i)
+            assert len(m.bits) == len(bits)
+            assert m.key == f"run.0b{m.bits}"
+        # the coordinate just shifted in is distinct within the group (when it fits in the key)
+        if len(bits) >= coordinate_bits(target):
+            last = [m.bits[-coordinate_bits(target) :] for m in managers]
+            assert len(set(last)) == size
+
+
+def _simulate_grid(num_peers: int, group_size: int, num_bits: int, rounds: int):
+    """Pure-logic Moshpit rounds where groups are exactly the peers sharing a key."""
+    rng = random.Random(0)
+    values = [rng.random() * 100 for _ in range(num_peers)]
+    mean = sum(values) / num_peers
+    width = max(num_bits, 1)
+    managers = [
+        GroupKeyManager(
+            "grid",
+            group_size,
+            initial_group_bits=format(i % (1 << num_bits), f"0{width}b")[-num_bits:]
+            if num_bits
+            else "",
+        )
+        for i in range(num_peers)
+    ]
+    history = []
+    for _ in range(rounds):
+        groups = defaultdict(list)
+        for i, m in enumerate(managers):
+            groups[m.key].append(i)
+        assert all(len(g) == group_size for g in groups.values())
+        for g in groups.values():
+            avg = sum(values[i] for i in g) / len(g)
+            group_id = rng.randbytes(16)
+            for i in g:
+                values[i] = avg
+                managers[i].update_after_round(group_id, g, i)
+        history.append(max(abs(v - mean) for v in values))
+    return history
+
+
+def test_grid_4x4_exact_after_two_rounds():
+    history = _simulate_grid(16, 4, 2, rounds=2)
+    assert history[-1] < 1e-9
+
+
+def test_grid_2x2x2_exact_after_three_rounds():
+    history = _simulate_grid(8, 2, 2, rounds=3)
+    assert history[1] > 1e-6  # not yet exact after 2 rounds
+    assert history[-1] < 1e-9
+
+
+def test_update_without_group_keeps_length():
+    m = GroupKeyManager("p", 4, initial_group_bits="0101", rng=random.Random(1))
+    keys = {m.update_without_group() for _ in range(20)}
+    assert all(len(parse_group_key(k)[1]) == 4 for k in keys)
+    assert len(keys) > 1
