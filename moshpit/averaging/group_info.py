@@ -1,0 +1,140 @@
+"""Who is in an all-reduce group, in which role, and how fast they are.
+
+A :class:`GroupInfo` is built by the group leader (matchmaking) and sent to every member; all
+members must hold the *same* value, because the partition of the flattened tensors into parts
+(one per reducing member) is computed deterministically from it on every member.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # dht.p2p is imported lazily so this module stays cheap to import
+    from dht.p2p import PeerID
+
+MODE_NODE = "node"  # contributes tensors and reduces a part
+MODE_CLIENT = "client"  # contributes tensors, reduces nothing (cannot accept inbound streams)
+MODE_AUX = "aux"  # reduces a part, contributes no tensors (weight 0)
+MODES = (MODE_NODE, MODE_CLIENT, MODE_AUX)
+
+MAX_GROUP_SIZE = 256
+MAX_GROUP_ID_BYTES = 64
+
+
+class GroupInfoError(ValueError):
+    """A GroupInfo (built locally or received from the network) is inconsistent."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """The members of one all-reduce round, in the same order on every member.
+
+    ``bandwidths[i]`` is member i's advertised bandwidth in bytes/s (``None`` = unknown); it only
+    decides part sizes. ``gathered[i]`` is opaque msgpack-able metadata that member i sent the
+    leader (passed through to the user, e.g. for progress tracking); empty or one per member.
+    """
+
+    group_id: bytes
+    members: tuple[PeerID, ...]
+    modes: tuple[str, ...]
+    bandwidths: tuple[float | None, ...]
+    gathered: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_id, bytes) or not 0 < len(self.group_id) <= MAX_GROUP_ID_BYTES:
+            raise GroupInfoError(f"group_id must be 1..{MAX_GROUP_ID_BYTES} bytes")
+        n = len(self.members)
+        if not 0 < n <= MAX_GROUP_SIZE:
+            raise GroupInfoError(f"a group has 1..{MAX_GROUP_SIZE} members, got {n}")
+        if len(set(self.members)) != n:
+            raise GroupInfoError("group members must be distinct")
+        if len(self.modes) != n or len(self.bandwidths) != n:
+            raise GroupInfoError("members, modes and bandwidths must have the same length")
+        if self.gathered and len(self.gathered) != n:
+            raise GroupInfoError("gathered must be empty or have one entry per member")
+        for mode in self.modes:
+            if mode not in MODES:
+                raise GroupInfoError(f"unknown member mode {mode!r}; expected one of {MODES}")
+        for bw in self.bandwidths:
+            if bw is not None and (
+                isinstance(bw, bool)
+                or not isinstance(bw, (int, float))
+                or not math.isfinite(bw)
+                or bw <= 0
+            ):
+                raise GroupInfoError(
+                    f"bandwidth must be None or a finite positive number, got {bw!r}"
+                )
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def index_of(self, peer: PeerID) -> int:
+        """Position of ``peer`` in the group; raises GroupInfoError if it is not a member."""
+        try:
+            return self.members.index(peer)
+        except ValueError:
+            raise GroupInfoError(f"{peer} is not a member of this group") from None
+
+    @property
+    def reducer_indices(self) -> tuple[int, ...]:
+        """Members that reduce a part (node and aux), in group order."""
+        return tuple(i for i, m in enumerate(self.modes) if m != MODE_CLIENT)
+
+    @property
+    def sender_indices(self) -> tuple[int, ...]:
+        """Members that contribute tensors (node and client), in group order."""
+        return tuple(i for i, m in enumerate(self.modes) if m != MODE_AUX)
+
+    # ---- wire form (the leader sends this to every member) ----
+
+    def to_msg(self) -> dict[str, Any]:
+        """A msgpack-ready dict; PeerIDs travel as their multihash bytes."""
+        return {
+            "gid": self.group_id,
+            "members": [p.to_bytes() for p in self.members],
+            "modes": list(self.modes),
+            "bw": [None if b is None else float(b) for b in self.bandwidths],
+            "gathered": list(self.gathered),
+        }
+
+    @classmethod
+    def from_msg(cls, msg: Any) -> GroupInfo:
+        """Parse and validate an untrusted message produced by :meth:`to_msg`."""
+        from dht.p2p import PeerID
+
+        if not isinstance(msg, Mapping):
+            raise GroupInfoError("group info must be a map")
+        try:
+            members_raw, modes, bws = msg["members"], msg["modes"], msg["bw"]
+            gid, gathered = msg["gid"], msg.get("gathered", [])
+        except KeyError as e:
+            raise GroupInfoError(f"group info lacks field {e.args[0]!r}") from None
+        for name, value in (("members", members_raw), ("modes", modes), ("bw", bws)):
+            if not isinstance(value, (list, tuple)) or len(value) > MAX_GROUP_SIZE:
+                raise GroupInfoError(
+                    f"group info field {name!r} must be a list of <= {MAX_GROUP_SIZE}"
+                )
+        if not isinstance(gathered, (list, tuple)):
+            raise GroupInfoError("group info field 'gathered' must be a list")
+        if not all(isinstance(m, str) for m in modes):
+            raise GroupInfoError("member modes must be strings")
+        members = []
+        for raw in members_raw:
+            if not isinstance(raw, bytes):
+                raise GroupInfoError("member PeerIDs must be bytes")
+            try:
+                members.append(PeerID.from_bytes(raw))
+            except Exception as e:  # the PeerID parser's own error type, whatever it is
+                raise GroupInfoError(f"invalid member PeerID: {e}") from e
+        return cls(
+            group_id=gid,
+            members=tuple(members),
+            modes=tuple(modes),
+            bandwidths=tuple(bws),
+            gathered=tuple(gathered),
+        )
