@@ -133,7 +133,7 @@ def _deadline(timeout: float | None) -> float:
 async def negotiate_outbound(
     stream: trio.abc.Stream,
     protocols: Sequence[str],
-    timeout: float | None = 10.0,
+    timeout: float | None = 10.0,  # noqa: ASYNC109 - part of the documented API
     *,
     lazy: bool = False,
 ) -> tuple[str, trio.abc.Stream]:
@@ -182,7 +182,7 @@ async def negotiate_outbound(
 async def negotiate_inbound(
     stream: trio.abc.Stream,
     supported: Supported,
-    timeout: float | None = 10.0,
+    timeout: float | None = 10.0,  # noqa: ASYNC109 - part of the documented API
 ) -> tuple[str, trio.abc.Stream]:
     """Listener side: answer proposals until one is ``supported``; return it and the stream.
 
@@ -231,7 +231,10 @@ def _encode_ls(protocols: list[str]) -> bytes:
     return encode_uvarint(len(body)) + bytes(body)
 
 
-async def list_protocols(stream: trio.abc.Stream, timeout: float | None = 10.0) -> list[str]:
+async def list_protocols(
+    stream: trio.abc.Stream,
+    timeout: float | None = 10.0,  # noqa: ASYNC109 - part of the documented API
+) -> list[str]:
     """Ask the listener for its protocols with ``ls`` (the stream is unusable afterwards)."""
     with trio.move_on_after(_deadline(timeout)) as scope:
         reader = _Reader(stream)
