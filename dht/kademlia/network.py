@@ -1,0 +1,120 @@
+"""The seam between the Kademlia logic and the transport that carries its RPCs.
+
+:class:`DHTNode` talks to peers only through an :class:`RPCNetwork`: unary calls, an inbound
+handler, and an address book. :class:`HostNetwork` adapts the real ``dht.p2p.Host`` (TCP or
+the in-memory network); ``dht.kademlia.loopback`` offers a direct in-process fabric for very
+large simulations. Every transport failure surfaces as :class:`PeerUnreachableError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import trio
+
+from dht.kademlia.errors import DHTError
+from dht.kademlia.protocol import PROTOCOL_ID
+
+logger = logging.getLogger(__name__)
+
+RPCHandler = Callable[[Any, Any], Awaitable[Any]]
+
+
+class PeerUnreachableError(DHTError):
+    """A DHT RPC to a peer failed (dial, timeout, reset, or the peer replied with an error)."""
+
+    def __init__(self, message: str, *, answered: bool = False):
+        super().__init__(message)
+        self.answered = answered  # True when the peer is alive but refused/failed the request
+
+
+class RPCNetwork(Protocol):
+    peer_id: Any
+
+    def set_handler(self, handler: RPCHandler | None) -> None: ...
+
+    async def call(self, peer_id: Any, request: Any, time_limit: float) -> Any: ...
+
+    async def connect(self, address: Any, time_limit: float) -> tuple[Any, tuple[bytes, ...]]:
+        """Dial an initial peer given as an address; return (PeerID, its addresses as bytes)."""
+        ...
+
+    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> None: ...
+
+    def own_addrs(self) -> list[bytes]: ...
+
+    def peer_from_bytes(self, data: bytes) -> Any: ...
+
+
+class HostNetwork:
+    """:class:`RPCNetwork` over a ``dht.p2p.Host``."""
+
+    def __init__(self, host: Any, announce_maddrs: Sequence[Any] | None = None):
+        from dht.p2p import Multiaddr, PeerID
+
+        self._Multiaddr = Multiaddr
+        self._PeerID = PeerID
+        self.host = host
+        self.peer_id = host.peer_id
+        self._announce = [Multiaddr(str(a)) for a in announce_maddrs] if announce_maddrs else None
+
+    def set_handler(self, handler: RPCHandler | None) -> None:
+        if handler is not None:
+            self.host.set_rpc_handler(PROTOCOL_ID, handler)
+
+    async def call(self, peer_id: Any, request: Any, time_limit: float) -> Any:
+        from dht.p2p import P2PError, RemoteError
+
+        try:
+            with trio.fail_after(time_limit):
+                return await self.host.call(peer_id, PROTOCOL_ID, request, timeout=time_limit)
+        except RemoteError as e:
+            raise PeerUnreachableError(
+                f"{peer_id} refused a DHT request: {e}", answered=True
+            ) from e
+        except (
+            P2PError,
+            OSError,
+            trio.TooSlowError,
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+        ) as e:
+            raise PeerUnreachableError(f"DHT RPC to {peer_id} failed: {e!r}") from e
+
+    async def connect(self, address: Any, time_limit: float) -> tuple[Any, tuple[bytes, ...]]:
+        from dht.p2p import P2PError
+
+        maddr = address if isinstance(address, self._Multiaddr) else self._Multiaddr(str(address))
+        try:
+            with trio.fail_after(time_limit):
+                peer_id = await self.host.connect(
+                    [maddr], peer_id=maddr.peer_id, timeout=time_limit
+                )
+        except (P2PError, OSError, trio.TooSlowError) as e:
+            raise PeerUnreachableError(f"cannot reach initial peer {maddr}: {e!r}") from e
+        addrs = (maddr.without_peer_id().to_bytes(),)
+        self.remember_addrs(peer_id, addrs)
+        return peer_id, addrs
+
+    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> None:
+        parsed = []
+        for raw in addrs:
+            try:
+                parsed.append(self._Multiaddr.from_bytes(raw).without_peer_id())
+            except ValueError:
+                logger.debug("ignoring a malformed address announced for %s", peer_id)
+        if parsed:
+            self.host.peerstore.add_addrs(peer_id, parsed)
+
+    def visible_maddrs(self) -> list[Any]:
+        """Full multiaddrs (with ``/p2p/<PeerID>``) others can use to reach this peer."""
+        addrs = self._announce if self._announce is not None else list(self.host.listen_addrs)
+        return [a if a.peer_id is not None else a.with_peer_id(self.peer_id) for a in addrs]
+
+    def own_addrs(self) -> list[bytes]:
+        return [a.without_peer_id().to_bytes() for a in self.visible_maddrs()]
+
+    def peer_from_bytes(self, data: bytes) -> Any:
+        return self._PeerID.from_bytes(data)

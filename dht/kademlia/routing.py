@@ -1,0 +1,174 @@
+"""Kademlia routing table (k-buckets with replacement caches) and a backoff blacklist.
+
+Buckets cover contiguous ID ranges; only the bucket containing our own ID splits, so the table
+keeps ~k contacts per distance scale. Within a bucket contacts are ordered least-recently-seen
+first. When a full bucket cannot split, the newcomer waits in the bucket's replacement cache
+and the caller is told which oldest contact to ping: if that ping fails the oldest is evicted
+and the freshest replacement promoted (live, long-lived contacts are preferred, as in the paper).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+
+from dht.kademlia.ids import MAX_ID
+
+
+@dataclass
+class Contact:
+    """A peer we can route to: its PeerID, node ID and the addresses it announced."""
+
+    peer_id: Hashable
+    node_id: int
+    addrs: tuple[bytes, ...] = ()
+
+
+@dataclass
+class KBucket:
+    lower: int
+    upper: int  # exclusive
+    size: int
+    contacts: OrderedDict[Hashable, Contact] = field(default_factory=OrderedDict)
+    replacements: OrderedDict[Hashable, Contact] = field(default_factory=OrderedDict)
+    last_updated: float = 0.0
+
+    def covers(self, node_id: int) -> bool:
+        return self.lower <= node_id < self.upper
+
+    def add_replacement(self, contact: Contact) -> None:
+        self.replacements.pop(contact.peer_id, None)
+        self.replacements[contact.peer_id] = contact
+        while len(self.replacements) > self.size:
+            self.replacements.popitem(last=False)
+
+    def split(self) -> tuple[KBucket, KBucket]:
+        middle = (self.lower + self.upper) // 2
+        left = KBucket(self.lower, middle, self.size, last_updated=self.last_updated)
+        right = KBucket(middle, self.upper, self.size, last_updated=self.last_updated)
+        for source, attr in ((self.contacts, "contacts"), (self.replacements, "replacements")):
+            for pid, contact in source.items():
+                target = left if left.covers(contact.node_id) else right
+                getattr(target, attr)[pid] = contact
+        return left, right
+
+
+class RoutingTable:
+    """k-buckets around ``node_id``. Not thread-safe; used from one trio loop."""
+
+    def __init__(self, node_id: int, bucket_size: int = 20):
+        self.node_id = node_id
+        self.bucket_size = bucket_size
+        self.buckets: list[KBucket] = [KBucket(0, MAX_ID, bucket_size)]
+        self._by_peer: dict[Hashable, Contact] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_peer)
+
+    def __contains__(self, peer_id: Hashable) -> bool:
+        return peer_id in self._by_peer
+
+    def __iter__(self) -> Iterator[Contact]:
+        return iter(list(self._by_peer.values()))
+
+    def get(self, peer_id: Hashable) -> Contact | None:
+        return self._by_peer.get(peer_id)
+
+    def bucket_index(self, node_id: int) -> int:
+        lo, hi = 0, len(self.buckets) - 1
+        while lo < hi:  # buckets are sorted and contiguous: binary search
+            mid = (lo + hi) // 2
+            if node_id < self.buckets[mid].upper:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def add_or_update(self, contact: Contact, now: float) -> Contact | None:
+        """Record that ``contact`` was seen alive.
+
+        Returns the bucket's least-recently-seen contact if the bucket is full (the caller
+        should ping it and call :meth:`remove` if it is dead), else None.
+        """
+        if contact.node_id == self.node_id:
+            return None
+        while True:
+            index = self.bucket_index(contact.node_id)
+            bucket = self.buckets[index]
+            if contact.peer_id in bucket.contacts:
+                bucket.contacts.move_to_end(contact.peer_id)
+                if contact.addrs:
+                    bucket.contacts[contact.peer_id].addrs = contact.addrs
+                bucket.last_updated = now
+                return None
+            if len(bucket.contacts) < bucket.size:
+                bucket.contacts[contact.peer_id] = contact
+                bucket.replacements.pop(contact.peer_id, None)
+                self._by_peer[contact.peer_id] = contact
+                bucket.last_updated = now
+                return None
+            if bucket.covers(self.node_id) and bucket.upper - bucket.lower > 1:
+                self.buckets[index : index + 1] = bucket.split()
+                continue
+            bucket.add_replacement(contact)
+            return next(iter(bucket.contacts.values()))
+
+    def remove(self, peer_id: Hashable) -> Contact | None:
+        """Drop a contact (dead or misbehaving) and promote the freshest replacement, if any."""
+        contact = self._by_peer.pop(peer_id, None)
+        if contact is None:
+            for bucket in self.buckets:
+                bucket.replacements.pop(peer_id, None)
+            return None
+        bucket = self.buckets[self.bucket_index(contact.node_id)]
+        del bucket.contacts[peer_id]
+        bucket.replacements.pop(peer_id, None)
+        if bucket.replacements:
+            _, promoted = bucket.replacements.popitem(last=True)
+            bucket.contacts[promoted.peer_id] = promoted
+            bucket.contacts.move_to_end(promoted.peer_id, last=False)  # not yet seen alive
+            self._by_peer[promoted.peer_id] = promoted
+        return contact
+
+    def nearest(self, target_id: int, count: int, exclude: Hashable | None = None) -> list[Contact]:
+        """The ``count`` contacts closest to ``target_id`` by XOR distance."""
+        candidates = (c for c in self._by_peer.values() if c.peer_id != exclude)
+        return heapq.nsmallest(count, candidates, key=lambda c: c.node_id ^ target_id)
+
+    def stale_buckets(self, now: float, period: float) -> list[KBucket]:
+        return [b for b in self.buckets if now - b.last_updated >= period]
+
+
+class Blacklist:
+    """Peers that failed to answer, banned for exponentially growing periods (capped, bounded)."""
+
+    def __init__(
+        self, base_delay: float = 5.0, max_delay: float = 300.0, max_entries: int = 10_000
+    ):
+        self.base_delay = base_delay
+        self.max_delay = max_delay
+        self.max_entries = max_entries
+        self._banned: OrderedDict[Hashable, tuple[float, int]] = (
+            OrderedDict()
+        )  # peer -> (until, failures)
+
+    def __len__(self) -> int:
+        return len(self._banned)
+
+    def register_failure(self, peer_id: Hashable, now: float) -> float:
+        """Ban ``peer_id``; returns the ban duration."""
+        _, failures = self._banned.pop(peer_id, (0.0, 0))
+        delay = min(self.base_delay * (2**failures), self.max_delay)
+        self._banned[peer_id] = (now + delay, failures + 1)
+        while len(self._banned) > self.max_entries:
+            self._banned.popitem(last=False)
+        return delay
+
+    def register_success(self, peer_id: Hashable) -> None:
+        self._banned.pop(peer_id, None)
+
+    def is_banned(self, peer_id: Hashable, now: float) -> bool:
+        entry = self._banned.get(peer_id)
+        return entry is not None and entry[0] > now

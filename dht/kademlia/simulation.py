@@ -1,0 +1,124 @@
+"""Many DHT nodes in one trio loop, for tests and benchmarks (pair with MockClock).
+
+``Swarm`` runs each node in its own task so any node can be stopped independently (churn).
+Nodes talk over a :class:`~dht.kademlia.loopback.LoopbackFabric` by default, or over a
+``dht.p2p.MemoryNetwork`` with real hosts when ``memory_network`` is given.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from dht.kademlia.loopback import LoopbackFabric
+from dht.kademlia.node import DHTNode
+
+
+class Swarm:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        fabric: LoopbackFabric | None,
+        memory_network: Any,
+        node_kwargs: dict,
+    ):
+        self._nursery = nursery
+        self.fabric = fabric
+        self.memory_network = memory_network
+        self.node_kwargs = node_kwargs
+        self.nodes: list[DHTNode] = []
+        self._scopes: dict[Any, trio.CancelScope] = {}
+        self._addrs: dict[Any, Any] = {}
+
+    def alive(self) -> list[DHTNode]:
+        return [n for n in self.nodes if n.peer_id in self._scopes]
+
+    def bootstrap_address(self, node: DHTNode) -> Any:
+        return self._addrs[node.peer_id]
+
+    async def add(self, initial: list[DHTNode] | None = None, **overrides: Any) -> DHTNode:
+        """Start one node joined through ``initial`` (default: one random live node)."""
+        alive = self.alive()
+        if initial is None:
+            initial = [random.choice(alive)] if alive else []
+        kwargs = {**self.node_kwargs, **overrides}
+        return await self._nursery.start(
+            self._run_node, [self._addrs[n.peer_id] for n in initial], kwargs
+        )
+
+    async def _run_node(
+        self, initial_peers: list[Any], kwargs: dict, task_status=trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            from dht.p2p import Identity
+        except ImportError:
+            from dht.p2p.identity import Identity
+
+        identity = Identity.generate()
+        with trio.CancelScope() as scope:
+            if self.fabric is not None:
+                network = self.fabric.network(identity.peer_id)
+                opener = DHTNode.open(
+                    network=network, identity=identity, initial_peers=initial_peers, **kwargs
+                )
+            else:
+                opener = DHTNode.open(
+                    identity=identity,
+                    transport=self.memory_network.transport(),
+                    host_maddrs=["/memory/0"],
+                    initial_peers=initial_peers,
+                    **kwargs,
+                )
+            async with opener as node:
+                if self.fabric is not None:
+                    self._addrs[node.peer_id] = node.peer_id
+                else:
+                    self._addrs[node.peer_id] = node.get_visible_maddrs()[0]
+                self._scopes[node.peer_id] = scope
+                self.nodes.append(node)
+                task_status.started(node)
+                await trio.sleep_forever()
+        self._scopes.pop(identity.peer_id, None)
+
+    def kill(self, node: DHTNode) -> None:
+        """Stop a node abruptly: it goes silent for everyone else, then its tasks are cancelled."""
+        if self.fabric is not None:
+            self.fabric.kill(node.peer_id)
+        elif node.host is not None:
+            for addr in node.host.listen_addrs:
+                self.memory_network.kill(addr.without_peer_id())
+        scope = self._scopes.pop(node.peer_id, None)
+        if scope is not None:
+            scope.cancel()
+
+
+@asynccontextmanager
+async def open_swarm(
+    size: int,
+    *,
+    latency: float = 0.005,
+    memory_network: Any = None,
+    seed: int | None = None,
+    **node_kwargs: Any,
+) -> AsyncIterator[Swarm]:
+    """Start ``size`` nodes, each joining through one random earlier node."""
+    from dht.kademlia.validation import _peer_id_class
+
+    PeerID = _peer_id_class()
+    if seed is not None:
+        random.seed(seed)
+    fabric = (
+        None if memory_network is not None else LoopbackFabric(PeerID.from_bytes, latency=latency)
+    )
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, fabric, memory_network, node_kwargs)
+        for _ in range(size):
+            await swarm.add()
+        try:
+            yield swarm
+        finally:
+            nursery.cancel_scope.cancel()
