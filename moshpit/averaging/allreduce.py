@@ -5,52 +5,99 @@ Public API (stable; see docs/allreduce.md for the wire protocol and failure sema
     service = AllReduceService(host)          # one per Host; registers the stream handler
     result = await service.run(
         group,                                # GroupInfo, identical on every member
-        tensors,                              # this member's tensors (None for an aux member)
+        tensors,                              # this member's tensors (aux: None, or a shape template)
         weight=1.0,                           # this member's weight in the weighted mean
         compression=None,                     # TwoWayCompression | Codec | None
         timeout=30.0,                         # the round never takes longer than this
         sender_timeout=None,                  # reducer side: a sender stalled this long is left out
         reducer_timeout=None,                 # sender side: a reducer stalled this long is given up
-        aggregation=None,                     # Aggregator (default: streaming weighted mean)
+        aggregation=None,                     # Aggregator (default: streaming WeightedMean)
+        numel=None,                           # aux member without tensors: the flat size
     )
     result.averaged                           # new tensors, same shapes/dtypes (None for aux)
     result.failed_senders, result.failed_reducers, result.excluded   # who failed, and why
 
 ``run`` never raises because of other peers: stalls, disconnects and bad input become entries in
 the result, and parts that could not be averaged keep this member's local values. It raises
-``ValueError``/``GroupInfoError`` for bad local arguments, and propagates cancellation.
+``ValueError``/``TypeError``/``GroupInfoError`` for bad local arguments and propagates
+cancellation. The caller's tensors are only read, never written.
+
+How a round runs on member ``me`` (part ``j`` = flat range reduced by member ``j``):
+
+- for every other reducer ``j``: open a stream, send ``hello``, then part ``j`` chunk by chunk
+  (compressed with sender-side error feedback), at most ``window`` chunks ahead of the results
+  received; results are written into the output as they arrive (pipelined);
+- for its own part: a :class:`PartReducer` takes chunks from incoming streams (routed here by
+  group id) and from this member directly, aggregates each chunk once every sender delivered
+  it, compresses it once (reducer-side error feedback) and streams it back to every sender.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+import os
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import trio
 
-from moshpit.averaging.group_info import GroupInfo
+from compression import Codec, CompressedTensor, NoCompression, TwoWayCompression
+from dht.p2p.errors import MessageTooLargeError, P2PError, ProtocolViolationError
+from moshpit.averaging.aggregation import Aggregator, WeightedMean
+from moshpit.averaging.allreduce_protocol import (
+    HELLO_MAX_BYTES,
+    MAX_WEIGHT,
+    ProtocolError,
+    RemoteAbort,
+    chunk_msg,
+    decode_chunk,
+    error_msg,
+    hello_msg,
+    max_chunk_message,
+    parse_chunk,
+    parse_hello,
+    parse_result,
+    result_msg,
+)
+from moshpit.averaging.allreduce_reducer import PartReducer, SenderFailed
+from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, GroupInfo, GroupInfoError
+from moshpit.averaging.partition import (
+    TensorLayout,
+    chunk_bounds,
+    copy_range,
+    empty_like_all,
+    gather,
+    part_bounds,
+    scatter,
+)
 
 if TYPE_CHECKING:
-    from compression import Codec, TwoWayCompression
     from dht.p2p import Host, P2PStream, PeerID
-    from moshpit.averaging.aggregation import Aggregator
 
 logger = logging.getLogger(__name__)
 
 ALLREDUCE_PROTOCOL = "/moshpit/averaging/1.0.0"
+DEFAULT_CHUNK_NUMEL = 1 << 18  # 1 MiB of float32 per chunk message
+DEFAULT_WINDOW = 4  # chunks a sender may be ahead of the results it received
+THREAD_MIN_NUMEL = 1 << 15  # smaller chunks are processed inline on the event loop (< ~1 ms)
+MAX_PENDING_STREAMS = 256  # incoming streams waiting for their round to start
+CLOSE_TIMEOUT = 2.0  # best-effort goodbye (error message / EOF) to a peer
 
 
 @dataclass
 class AllReduceResult:
     """What one member got out of a round.
 
-    ``failed_senders``: members whose contribution to *this* member's part was (partly) missing.
+    ``failed_senders``: members left out of *this* member's part (stalled, disconnected).
     ``failed_reducers``: members whose part this member did not get back (it kept local values).
-    ``excluded``: members left out for bad input / protocol violations, with the reason.
-    ``deviation``: sum over parts of ``sum_i w_i ||x_i - mean||^2 / sum_i w_i`` (for adaptive
-    averaging periods, ADPSGD); ``None`` when some part did not report it.
+    ``excluded``: members left out for bad input / protocol violations, with the reason (as a
+    sender to our part, or as a reducer that returned garbage).
+    ``deviation``: sum over parts of ``sum_i w_i ||x_i - mean||^2 / sum_i w_i`` (the spread of
+    the group before averaging, for adaptive averaging periods); ``None`` if a part is missing.
+    ``bytes_sent``/``bytes_received``: compressed tensor payload bytes (framing not counted).
     """
 
     averaged: list[torch.Tensor] | None
@@ -65,20 +112,466 @@ class AllReduceResult:
 
     @property
     def failed_peers(self) -> set[PeerID]:
-        """Everyone who misbehaved in this round in any role (for H6 to avoid repeat offenders)."""
+        """Everyone who failed this round in any role (to avoid repeat offenders)."""
         return self.failed_senders | self.failed_reducers | set(self.excluded)
 
 
-class AllReduceService:
-    """Runs all-reduce rounds for one Host and routes incoming streams to them by group id."""
+class _Codecs:
+    """The two directions of compression for one round (error-feedback keys = flat ranges)."""
 
-    def __init__(self, host: Host, *, protocol: str = ALLREDUCE_PROTOCOL) -> None:
+    def __init__(self, compression: TwoWayCompression | Codec | None) -> None:
+        if compression is None:
+            compression = NoCompression()
+        if not isinstance(compression, (TwoWayCompression, Codec)):
+            raise TypeError(
+                f"compression must be a TwoWayCompression, Codec or None, not {type(compression).__name__}"
+            )
+        self.spec = compression
+
+    def send(self, values: torch.Tensor, key: tuple[int, int]) -> CompressedTensor:
+        if isinstance(self.spec, TwoWayCompression):
+            return self.spec.compress_send(values, key)
+        return self.spec.compress(values)
+
+    def reduced(
+        self, values: torch.Tensor, key: tuple[int, int]
+    ) -> tuple[CompressedTensor, torch.Tensor]:
+        if isinstance(self.spec, TwoWayCompression):
+            ct, decoded = self.spec.reducer.compress_with_decoded(values, key)
+        else:
+            ct, decoded = self.spec.roundtrip(values)
+        return ct, decoded.reshape(-1).to(torch.float32)
+
+
+async def _first_error(*fns: Callable[[], Awaitable[None]]) -> Exception | None:
+    """Run ``fns`` concurrently; on the first Exception cancel the others and return it."""
+    error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def guarded(fn: Callable[[], Awaitable[None]]) -> None:
+            nonlocal error
+            try:
+                await fn()
+            except Exception as e:
+                if error is None:
+                    error = e
+                nursery.cancel_scope.cancel()
+
+        for fn in fns:
+            nursery.start_soon(guarded, fn)
+    return error
+
+
+class _RoundEnded(Exception):
+    """Placeholder error of an exchange cut short by the end of the round."""
+
+
+async def _quietly(aw: Awaitable[Any]) -> None:
+    """Await a goodbye (error message, close) to a peer that may already be gone."""
+    try:
+        await aw
+    except (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+def _is_violation(e: BaseException) -> bool:
+    """Errors that mean the peer misbehaved (exclude it), as opposed to failed/stalled."""
+    return isinstance(e, (ProtocolError, ProtocolViolationError, MessageTooLargeError))
+
+
+class _Round:
+    """One run() on this member: shared by the caller's task and the incoming stream handlers."""
+
+    def __init__(
+        self,
+        service: AllReduceService,
+        group: GroupInfo,
+        me: int,
+        tensors: Sequence[torch.Tensor] | None,
+        layout_numel: int,
+        layout: TensorLayout | None,
+        weight: float,
+        codecs: _Codecs,
+        aggregator: Aggregator,
+        sender_timeout: float,
+        reducer_timeout: float,
+    ) -> None:
+        self.service = service
+        self.group = group
+        self.me = me
+        self.tensors = tensors
+        self.layout = layout
+        self.total = layout_numel
+        self.weight = weight
+        self.codecs = codecs
+        self.sender_timeout = sender_timeout
+        self.reducer_timeout = reducer_timeout
+        self.is_sender = group.modes[me] != MODE_AUX
+        self.bounds = part_bounds(group, layout_numel)
+        self.chunks = [chunk_bounds(a, b, service.chunk_numel) for a, b in self.bounds]
+        self.outputs = empty_like_all(tensors) if self.is_sender and tensors is not None else None
+        self.part_ok = [False] * group.size
+        self.part_dev = [0.0] * group.size
+        self.failed_reducers: dict[int, str] = {}
+        self.bad_reducers: dict[int, str] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._connected: set[int] = set()
+        self._scopes: set[trio.CancelScope] = set()
+        self.closed = False
+        self.reducer: PartReducer | None = None
+        if group.modes[me] != MODE_CLIENT and self.chunks[me]:
+            self.reducer = PartReducer(
+                list(group.sender_indices),
+                self.chunks[me],
+                aggregator,
+                self._finalize,
+                service._run_cpu,
+                sender_timeout=sender_timeout,
+                window=service.window,
+                local=me if self.is_sender else None,
+            )
+
+    # ---- reducer side ----
+
+    async def _finalize(
+        self, k: int, values: torch.Tensor | None, dev: float
+    ) -> tuple[Any, torch.Tensor | None]:
+        if values is None:
+            return result_msg(k, None, 0.0), None
+        ct, decoded = await self.service._run_cpu(
+            self.codecs.reduced, values, self.chunks[self.me][k], numel=values.numel()
+        )
+        return result_msg(k, ct, dev), decoded
+
+    async def serve(self, stream: P2PStream, hello: Any) -> None:
+        """Serve a remote sender's stream for this member's part."""
+        group, reducer = self.group, self.reducer
+        peer = stream.remote_peer
+        if peer not in group.members:
+            raise ProtocolError("not a member of this group")
+        s = group.members.index(peer)
+        if group.modes[s] == MODE_AUX:
+            raise ProtocolError("an aux member contributes no tensors")
+        if reducer is None or hello.part != self.me:
+            raise ProtocolError(f"part {hello.part} is not reduced by this member")
+        if self.closed:
+            raise SenderFailed("the round has ended")
+        if s in self._connected:
+            reducer.fail(s, "opened a second stream for the same part", excluded=True)
+            raise ProtocolError("duplicate stream for this part")
+        self._connected.add(s)
+        if hello.total != self.total:
+            reason = f"flat size {hello.total} != ours {self.total} (different tensors)"
+            reducer.fail(s, reason, excluded=True)
+            raise ProtocolError(reason)
+        scope = trio.CancelScope()
+        reducer.on_fail(s, scope.cancel)
+        self._scopes.add(scope)
+        try:
+            with scope:
+                error = await _first_error(
+                    lambda: self._serve_chunks(stream, s, hello.weight),
+                    lambda: self._serve_results(stream, s),
+                )
+                if error is not None and not isinstance(error, SenderFailed):
+                    if isinstance(error, trio.TooSlowError):
+                        reason = f"not reading results for {self.sender_timeout:.3g}s"
+                    else:
+                        reason = f"{type(error).__name__}: {error}"
+                    reducer.fail(s, reason, excluded=_is_violation(error))
+        finally:
+            self._scopes.discard(scope)
+        if s not in reducer.active:
+            raise SenderFailed(reducer._reason(s))
+        if self.closed:
+            raise SenderFailed("the round ended before the exchange completed")
+        await stream.aclose()
+
+    async def _serve_chunks(self, stream: P2PStream, s: int, weight: float) -> None:
+        assert self.reducer is not None
+        for k, (a, b) in enumerate(self.chunks[self.me]):
+            await self.reducer.wait_turn(s, k)
+            msg = await stream.receive_msg(max_size=max_chunk_message(b - a))
+            ct = parse_chunk(msg, k, b - a)
+            values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=b - a)
+            self.bytes_received += ct.nbytes
+            await self.reducer.contribute(s, k, values, weight)
+
+    async def _serve_results(self, stream: P2PStream, s: int) -> None:
+        assert self.reducer is not None
+        for _ in self.chunks[self.me]:
+            k, msg = await self.reducer.next_result(s)
+            with trio.fail_after(self.sender_timeout):
+                await stream.send_msg(msg)
+            if msg["ct"] is not None:
+                self.bytes_sent += len(msg["ct"]["payload"])
+            self.reducer.mark_sent(s, k)
+
+    async def _local_sender(self) -> None:
+        """This member's own contribution to its own part: no network, no compression."""
+        assert self.reducer is not None and self.tensors is not None and self.layout is not None
+        for k, (a, b) in enumerate(self.chunks[self.me]):
+            await self.reducer.wait_turn(self.me, k)
+            values = await self.service._run_cpu(
+                gather, self.tensors, self.layout, a, b, numel=b - a
+            )
+            await self.reducer.contribute(self.me, k, values, self.weight)
+
+    async def _local_receiver(self) -> None:
+        assert self.reducer is not None
+        for _ in self.chunks[self.me]:
+            k, msg = await self.reducer.next_result(self.me)
+            self._write(self.chunks[self.me][k], self.reducer.local_result(k))
+            self.part_dev[self.me] += msg["dev"]
+            self.reducer.mark_sent(self.me, k)
+        self.part_ok[self.me] = True
+
+    async def run_own_part(self) -> None:
+        assert self.reducer is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.reducer.run)
+            if self.is_sender:
+                nursery.start_soon(self._local_sender)
+                nursery.start_soon(self._local_receiver)
+        await self.reducer.wait_all_sent()
+
+    # ---- sender side ----
+
+    def _write(self, bounds: tuple[int, int], values: torch.Tensor | None) -> None:
+        assert self.outputs is not None and self.tensors is not None and self.layout is not None
+        if values is None:  # nobody with positive weight contributed: keep local values
+            copy_range(self.tensors, self.outputs, self.layout, *bounds)
+        else:
+            scatter(values, self.outputs, self.layout, bounds[0])
+
+    async def exchange(self, j: int) -> None:
+        """Send part ``j`` to its reducer and receive the averaged part back."""
+        peer = self.group.members[j]
+        try:
+            stream = await self.service.host.new_stream(
+                peer, self.service.protocol, timeout=self.reducer_timeout
+            )
+        except (P2PError, OSError, trio.TooSlowError) as e:
+            self.failed_reducers[j] = f"cannot open stream: {type(e).__name__}: {e}"
+            logger.info("part %d: cannot reach reducer %s: %s", j, peer, e)
+            return
+        error: BaseException | None = _RoundEnded("round ended")
+        try:
+            error = await _first_error(lambda: self._exchange_part(stream, j))
+        finally:
+            if error is None:
+                self.part_ok[j] = True
+                with trio.move_on_after(CLOSE_TIMEOUT) as cs:
+                    cs.shield = True
+                    await _quietly(stream.aclose())
+            else:
+                await self._give_up(stream, j, error)
+
+    async def _exchange_part(self, stream: P2PStream, j: int) -> None:
+        with trio.fail_after(self.reducer_timeout):
+            await stream.send_msg(hello_msg(self.group.group_id, j, self.total, self.weight))
+        received = [0]
+        progress = [trio.Event()]
+        error = await _first_error(
+            lambda: self._send_chunks(stream, j, received, progress),
+            lambda: self._receive_results(stream, j, received, progress),
+        )
+        if error is not None:
+            raise error
+
+    async def _send_chunks(
+        self, stream: P2PStream, j: int, received: list[int], progress: list[trio.Event]
+    ) -> None:
+        assert self.tensors is not None and self.layout is not None
+        for k, (a, b) in enumerate(self.chunks[j]):
+            while k >= received[0] + self.service.window:
+                await progress[0].wait()
+
+            def compress(a: int = a, b: int = b) -> CompressedTensor:
+                return self.codecs.send(gather(self.tensors, self.layout, a, b), (a, b))
+
+            ct = await self.service._run_cpu(compress, numel=b - a)
+            with trio.fail_after(self.reducer_timeout):
+                await stream.send_msg(chunk_msg(k, ct))
+            self.bytes_sent += ct.nbytes
+
+    async def _receive_results(
+        self, stream: P2PStream, j: int, received: list[int], progress: list[trio.Event]
+    ) -> None:
+        for k, (a, b) in enumerate(self.chunks[j]):
+            with trio.fail_after(self.reducer_timeout):
+                msg = await stream.receive_msg(max_size=max_chunk_message(b - a))
+            ct, dev = parse_result(msg, k, b - a)
+            if ct is None:
+                self._write((a, b), None)
+            else:
+                values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=b - a)
+                self.bytes_received += ct.nbytes
+                self._write((a, b), values)
+            self.part_dev[j] += dev
+            received[0] = k + 1
+            progress[0].set()
+            progress[0] = trio.Event()
+
+    async def _give_up(self, stream: P2PStream, j: int, error: BaseException) -> None:
+        """Part ``j`` failed: record why, tell the reducer if it was its fault, drop the stream."""
+        if isinstance(error, _RoundEnded):
+            reason = "round ended before the part was complete"
+        elif isinstance(error, trio.TooSlowError):
+            reason = f"stalled: nothing for {self.reducer_timeout:.3g}s"
+        elif isinstance(error, RemoteAbort):
+            reason = f"reducer ended the exchange: {error}"
+        else:
+            reason = f"{type(error).__name__}: {error}"
+        self.failed_reducers[j] = reason
+        logger.info("part %d (reducer %s) failed: %s", j, self.group.members[j], reason)
+        with trio.move_on_after(CLOSE_TIMEOUT) as cs:
+            cs.shield = True
+            if _is_violation(error):
+                self.bad_reducers[j] = reason
+                await _quietly(stream.send_msg(error_msg(reason)))
+            await _quietly(stream.aclose())
+
+    # ---- end of round ----
+
+    def close(self) -> None:
+        self.closed = True
+        for scope in list(self._scopes):
+            scope.cancel()
+
+    def finish(self, seconds: float, timed_out: bool) -> AllReduceResult:
+        group, reducer = self.group, self.reducer
+        if self.outputs is not None:
+            for j, (a, b) in enumerate(self.bounds):
+                if a < b and not self.part_ok[j]:
+                    copy_range(self.tensors, self.outputs, self.layout, a, b)
+        failed_senders: set[PeerID] = set()
+        excluded: dict[PeerID, str] = {}
+        if reducer is not None:
+            for s in reducer.failed:
+                if s != self.me:
+                    failed_senders.add(group.members[s])
+            for s, reason in reducer.excluded.items():
+                excluded[group.members[s]] = reason
+            if not reducer.all_sent():
+                for s in reducer.active:
+                    if s != self.me:
+                        failed_senders.add(group.members[s])
+        for j, reason in self.bad_reducers.items():
+            excluded[group.members[j]] = f"as reducer: {reason}"
+        failed_reducers = {group.members[j] for j in self.failed_reducers if j != self.me}
+        parts_needed = [j for j, c in enumerate(self.chunks) if c]
+        deviation = (
+            sum(self.part_dev[j] for j in parts_needed)
+            if self.is_sender and all(self.part_ok[j] for j in parts_needed)
+            else None
+        )
+        return AllReduceResult(
+            averaged=self.outputs,
+            failed_senders=failed_senders,
+            failed_reducers=failed_reducers,
+            excluded=excluded,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            seconds=seconds,
+            deviation=deviation,
+            timed_out=timed_out,
+        )
+
+
+class AllReduceService:
+    """Runs all-reduce rounds for one Host and routes incoming streams to them by group id.
+
+    ``accept_timeout``: how long an incoming stream may wait for its hello and for the local
+    round with that group id to start (peers finish matchmaking at slightly different times).
+    ``register=False`` leaves registering :meth:`handle_stream` to the caller (e.g. to share
+    the protocol with another handler).
+    """
+
+    def __init__(
+        self,
+        host: Host,
+        *,
+        protocol: str = ALLREDUCE_PROTOCOL,
+        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        window: int = DEFAULT_WINDOW,
+        accept_timeout: float = 5.0,
+        max_threads: int | None = None,
+        register: bool = True,
+    ) -> None:
+        if not 1 <= chunk_numel <= 1 << 24:
+            raise ValueError("chunk_numel must be in [1, 2**24]")
+        if not 1 <= window <= 64:
+            raise ValueError("window must be in [1, 64]")
         self.host = host
         self.protocol = protocol
+        self.chunk_numel = chunk_numel
+        self.window = window
+        self.accept_timeout = accept_timeout
+        self._limiter = trio.CapacityLimiter(max_threads or max(1, min(4, os.cpu_count() or 1)))
+        self._rounds: dict[bytes, _Round] = {}
+        self._round_added = trio.Event()
+        self._pending_streams = 0
+        if register:
+            host.set_stream_handler(protocol, self.handle_stream)
+
+    async def _run_cpu(self, fn: Callable[..., Any], *args: Any, numel: int) -> Any:
+        """Run CPU work inline when small, in a worker thread (bounded) when large."""
+        if numel >= THREAD_MIN_NUMEL:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        return fn(*args)
+
+    async def _find_round(self, group_id: bytes, deadline: float) -> _Round | None:
+        with trio.move_on_at(deadline):
+            while group_id not in self._rounds:
+                await self._round_added.wait()
+        return self._rounds.get(group_id)
 
     async def handle_stream(self, stream: P2PStream) -> None:
-        """Serve one incoming stream (registered as the protocol's stream handler)."""
-        raise NotImplementedError("work in progress (H5)")
+        """Serve one incoming stream: read hello, find the round, feed its reducer."""
+        peer = stream.remote_peer
+        if self._pending_streams >= MAX_PENDING_STREAMS:
+            logger.warning("too many pending all-reduce streams; refusing one from %s", peer)
+            await self._refuse(stream, "busy: too many pending streams")
+            return
+        self._pending_streams += 1
+        round_ = hello = None
+        try:
+            deadline = trio.current_time() + self.accept_timeout
+            with trio.move_on_at(deadline):
+                hello = parse_hello(await stream.receive_msg(max_size=HELLO_MAX_BYTES))
+            if hello is not None:
+                round_ = await self._find_round(hello.group_id, deadline)
+        except (ProtocolError, P2PError, RemoteAbort) as e:
+            logger.info("bad all-reduce stream from %s: %s", peer, e)
+            await self._refuse(stream, str(e))
+            return
+        finally:
+            self._pending_streams -= 1
+        if round_ is None or hello is None:
+            logger.info(
+                "all-reduce stream from %s: no hello or unknown group within %.3gs",
+                peer,
+                self.accept_timeout,
+            )
+            await self._refuse(stream, "unknown group (or no hello in time)")
+            return
+        try:
+            await round_.serve(stream, hello)
+        except (ProtocolError, SenderFailed) as e:
+            logger.info("all-reduce sender %s left out: %s", peer, e)
+            await self._refuse(stream, str(e))
+        except (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            logger.info("all-reduce stream from %s broke: %s", peer, e)
+            await self._refuse(stream, str(e))
+
+    async def _refuse(self, stream: P2PStream, reason: str) -> None:
+        """Best effort: tell the peer why, then drop the stream."""
+        with trio.move_on_after(CLOSE_TIMEOUT) as cs:
+            cs.shield = True
+            await _quietly(stream.send_msg(error_msg(reason)))
+            await _quietly(stream.aclose())
 
     async def run(
         self,
@@ -87,13 +580,63 @@ class AllReduceService:
         *,
         weight: float = 1.0,
         compression: TwoWayCompression | Codec | None = None,
-        timeout: float = 30.0,
+        timeout: float = 30.0,  # noqa: ASYNC109 - the documented API; enforced with move_on_after
         sender_timeout: float | None = None,
         reducer_timeout: float | None = None,
         aggregation: Aggregator | None = None,
+        numel: int | None = None,
     ) -> AllReduceResult:
         """Average ``tensors`` with the rest of ``group``; see the module docstring."""
-        raise NotImplementedError("work in progress (H5)")
+        started = trio.current_time()
+        me = group.index_of(self.host.peer_id)
+        aux = group.modes[me] == MODE_AUX
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError("timeout must be a finite positive number of seconds")
+        sender_timeout = timeout / 3 if sender_timeout is None else sender_timeout
+        reducer_timeout = 2 * timeout / 3 if reducer_timeout is None else reducer_timeout
+        if not (sender_timeout > 0 and reducer_timeout > 0):
+            raise ValueError("sender_timeout and reducer_timeout must be positive")
+        if not aux and not (isinstance(weight, (int, float)) and 0 <= weight <= MAX_WEIGHT):
+            raise ValueError(f"weight must be a number in [0, {MAX_WEIGHT}], got {weight!r}")
+        layout = None
+        if tensors is not None:
+            tensors = [t.detach().contiguous() for t in tensors]
+            layout = TensorLayout.from_tensors(tensors)
+            if not aux and not await self._run_cpu(_all_finite, tensors, numel=layout.numel):
+                raise ValueError("local tensors contain NaN or Inf; refusing to average them")
+            total = layout.numel
+        elif aux and numel is not None and numel >= 0:
+            total = numel
+        else:
+            raise ValueError("tensors are required (an aux member may pass numel= instead)")
+        if group.group_id in self._rounds:
+            raise GroupInfoError("a round with this group id is already running on this host")
+        round_ = _Round(
+            self, group, me, None if aux else tensors, total, layout, 0.0 if aux else float(weight),
+            _Codecs(compression), aggregation or WeightedMean(), sender_timeout, reducer_timeout,
+        )  # fmt: skip
+        self._rounds[group.group_id] = round_
+        self._round_added.set()
+        self._round_added = trio.Event()
+        try:
+            with trio.move_on_after(timeout) as deadline_scope:
+                async with trio.open_nursery() as nursery:
+                    if round_.reducer is not None:
+                        nursery.start_soon(round_.run_own_part)
+                    if round_.is_sender:
+                        for j in range(group.size):
+                            if j != me and round_.chunks[j]:
+                                nursery.start_soon(round_.exchange, j)
+        finally:
+            round_.close()
+            del self._rounds[group.group_id]
+        timed_out = deadline_scope.cancelled_caught
+        if timed_out:
+            logger.warning(
+                "all-reduce round %s timed out after %.3gs", group.group_id.hex()[:8], timeout
+            )
+        return round_.finish(trio.current_time() - started, timed_out)
 
-    def close(self) -> None:
-        """Stop accepting streams (unregisters nothing the Host does not own)."""
+
+def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())

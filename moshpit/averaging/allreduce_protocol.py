@@ -1,0 +1,168 @@
+"""Messages of the all-reduce stream protocol, and strict validation of everything received.
+
+One stream per (sender, reducer) pair, opened by the sender (see docs/allreduce.md)::
+
+    sender -> reducer   {"t": "hello", "v": 1, "gid": bytes, "part": int, "total": int, "w": float}
+    sender -> reducer   {"t": "chunk", "k": int, "ct": CompressedTensor msg}      k = 0, 1, ...
+    reducer -> sender   {"t": "result", "k": int, "ct": CompressedTensor msg | None, "dev": float}
+    either way          {"t": "error", "reason": str}                            then the stream ends
+
+``ct = None`` in a result means "no contributor to this chunk had positive weight: keep your
+local values". Every parser here raises :class:`ProtocolError` with a reason that names what
+was wrong; the caller turns it into an exclusion of that peer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compression import CompressedTensor, CompressionError, decompress
+
+PROTOCOL_VERSION = 1
+MAX_WEIGHT = 1e9  # a sender's weight is its own claim; cap it so it cannot dwarf everyone
+MAX_REASON_CHARS = 500
+HELLO_MAX_BYTES = 512
+ERROR_MAX_BYTES = 1024
+# Largest encoding of a chunk: a sparse codec sending every element as (value, int64 index).
+MAX_BYTES_PER_ELEMENT = 12
+MESSAGE_OVERHEAD = 4096
+
+
+class ProtocolError(Exception):
+    """A peer sent something invalid; ``str(e)`` is the reason recorded in the result."""
+
+
+class RemoteAbort(Exception):
+    """The other side ended our exchange with an error message (its reason is the text)."""
+
+
+def max_chunk_message(numel: int) -> int:
+    """Cap on one framed chunk/result message for a chunk of ``numel`` elements."""
+    return numel * MAX_BYTES_PER_ELEMENT + MESSAGE_OVERHEAD
+
+
+@dataclass(frozen=True)
+class Hello:
+    group_id: bytes
+    part: int
+    total: int
+    weight: float
+
+
+def hello_msg(group_id: bytes, part: int, total: int, weight: float) -> dict[str, Any]:
+    return {
+        "t": "hello",
+        "v": PROTOCOL_VERSION,
+        "gid": group_id,
+        "part": part,
+        "total": total,
+        "w": weight,
+    }
+
+
+def _field(msg: Any, kind: str, fields: set[str]) -> dict[str, Any]:
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"expected a {kind!r} message (map), got {type(msg).__name__}")
+    t = msg.get("t")
+    if t == "error" and kind != "error":
+        reason = msg.get("reason")
+        raise RemoteAbort(
+            reason[:MAX_REASON_CHARS] if isinstance(reason, str) else "unspecified error"
+        )
+    if t != kind:
+        raise ProtocolError(f"expected a {kind!r} message, got type {str(t)[:40]!r}")
+    if set(msg) != fields:
+        raise ProtocolError(
+            f"{kind!r} message has fields {sorted(map(str, msg))}, expected {sorted(fields)}"
+        )
+    return msg
+
+
+def _int(value: Any, what: str, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise ProtocolError(f"{what} must be an int in [{lo}, {hi}], got {str(value)[:40]}")
+    return value
+
+
+def _float(value: Any, what: str, lo: float, hi: float) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
+        raise ProtocolError(
+            f"{what} must be a finite number in [{lo}, {hi}], got {str(value)[:40]}"
+        )
+    return float(value)
+
+
+def parse_hello(msg: Any) -> Hello:
+    m = _field(msg, "hello", {"t", "v", "gid", "part", "total", "w"})
+    if m["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {str(m['v'])[:20]} (we speak {PROTOCOL_VERSION})"
+        )
+    gid = m["gid"]
+    if not isinstance(gid, bytes) or not 0 < len(gid) <= 64:
+        raise ProtocolError("group id must be 1..64 bytes")
+    return Hello(
+        group_id=gid,
+        part=_int(m["part"], "part", 0, 1 << 16),
+        total=_int(m["total"], "total", 0, 1 << 62),
+        weight=_float(m["w"], "weight", 0.0, MAX_WEIGHT),
+    )
+
+
+def chunk_msg(k: int, ct: CompressedTensor) -> dict[str, Any]:
+    return {"t": "chunk", "k": k, "ct": ct.to_msg()}
+
+
+def result_msg(k: int, ct: CompressedTensor | None, deviation: float) -> dict[str, Any]:
+    return {"t": "result", "k": k, "ct": None if ct is None else ct.to_msg(), "dev": deviation}
+
+
+def error_msg(reason: str) -> dict[str, Any]:
+    return {"t": "error", "reason": reason[:MAX_REASON_CHARS]}
+
+
+def _parse_ct(raw: Any, numel: int) -> CompressedTensor:
+    try:
+        ct = CompressedTensor.from_msg(raw, max_numel=numel)
+    except CompressionError as e:
+        raise ProtocolError(f"bad compressed tensor: {e}") from e
+    if ct.numel != numel:
+        raise ProtocolError(f"chunk has {ct.numel} elements, expected {numel}")
+    return ct
+
+
+def parse_chunk(msg: Any, k: int, numel: int) -> CompressedTensor:
+    """Validate chunk ``k`` of ``numel`` elements (structure only; decode with :func:`decode_chunk`)."""
+    m = _field(msg, "chunk", {"t", "k", "ct"})
+    if m["k"] != k or type(m["k"]) is not int:
+        raise ProtocolError(f"expected chunk {k}, got chunk {str(m['k'])[:20]}")
+    return _parse_ct(m["ct"], numel)
+
+
+def parse_result(msg: Any, k: int, numel: int) -> tuple[CompressedTensor | None, float]:
+    m = _field(msg, "result", {"t", "k", "ct", "dev"})
+    if m["k"] != k or type(m["k"]) is not int:
+        raise ProtocolError(f"expected result {k}, got result {str(m['k'])[:20]}")
+    dev = _float(m["dev"], "deviation", 0.0, math.inf)
+    return (None if m["ct"] is None else _parse_ct(m["ct"], numel)), dev
+
+
+def decode_chunk(ct: CompressedTensor, numel: int) -> torch.Tensor:
+    """Decompress a validated chunk into a flat float32 tensor; reject NaN/Inf.
+
+    CPU-heavy for big chunks: call it in a worker thread.
+    """
+    try:
+        values = decompress(ct)
+    except CompressionError as e:
+        raise ProtocolError(f"cannot decode chunk: {e}") from e
+    values = values.reshape(-1).to(torch.float32)
+    if values.numel() != numel:
+        raise ProtocolError(f"chunk decoded to {values.numel()} elements, expected {numel}")
+    if not bool(torch.isfinite(values).all()):
+        raise ProtocolError("chunk contains NaN or Inf")
+    return values

@@ -1,0 +1,186 @@
+"""The reducing side of one part: collect chunk k from every sender, aggregate, publish result k.
+
+Chunks are finalized strictly in order. Chunk k is finalized once every sender that is still
+active has contributed it, or when ``sender_timeout`` has passed since chunk k became the next
+one to finalize; senders still missing then are marked failed for the rest of the part
+(per-chunk semantics: a failed sender stays in the chunks it completed before failing).
+A sender may be at most ``window`` chunks ahead of the results it has been sent, so memory is
+bounded by ``window x senders`` chunks whatever the peers do.
+
+This class knows nothing about streams: the service feeds it decoded chunks and forwards its
+results; the local member feeds its own chunks directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+import trio
+
+from moshpit.averaging.aggregation import Aggregator
+
+logger = logging.getLogger(__name__)
+
+# (chunk index, values) -> (wire message, local float32 result); compresses in a worker thread
+Finalizer = Callable[[int, torch.Tensor | None, float], Awaitable[tuple[Any, torch.Tensor | None]]]
+
+
+class SenderFailed(Exception):
+    """This sender was left out of the part (its reason is the text)."""
+
+
+class PartReducer:
+    def __init__(
+        self,
+        senders: list[int],
+        chunks: list[tuple[int, int]],
+        aggregator: Aggregator,
+        finalize: Finalizer,
+        run_cpu: Callable[..., Awaitable[Any]],
+        *,
+        sender_timeout: float,
+        window: int,
+        local: int | None,
+    ) -> None:
+        self.senders = list(senders)
+        self.chunks = chunks
+        self.aggregator = aggregator
+        self._finalize_fn = finalize
+        self._run_cpu = run_cpu
+        self.sender_timeout = sender_timeout
+        self.window = window
+        self.local = local  # this member's own sender index, if it contributes to this part
+        self.active: set[int] = set(senders)
+        self.failed: dict[int, str] = {}
+        self.excluded: dict[int, str] = {}
+        self.next_emit = 0  # chunks [0, next_emit) are finalized
+        self.deviation = 0.0
+        self._contributed: list[set[int]] = [set() for _ in chunks]
+        self._pending: dict[int, Any] = {}  # chunk index -> ChunkAggregation
+        self._results: dict[int, Any] = {}  # chunk index -> wire message (pruned when all sent)
+        self._local_results: dict[int, torch.Tensor | None] = {}
+        self._consumed: dict[int, int] = {s: 0 for s in senders}  # results handed to each sender
+        self._lock = trio.Lock()  # guards aggregation state; a ChunkAggregation is not thread-safe
+        self._closed = 0  # chunks below this index accept no more contributions
+        self._changed = trio.Event()
+        self._on_fail: dict[int, Callable[[], None]] = {}
+
+    # ---- state changes ----
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def fail(self, sender: int, reason: str, *, excluded: bool = False) -> None:
+        """Leave ``sender`` out of every chunk not finalized yet."""
+        if sender not in self.active:
+            return
+        self.active.discard(sender)
+        (self.excluded if excluded else self.failed)[sender] = reason
+        callback = self._on_fail.pop(sender, None)
+        if callback is not None:
+            callback()
+        self._notify()
+
+    def on_fail(self, sender: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once if ``sender`` fails (e.g. to cancel its stream task)."""
+        self._on_fail[sender] = callback
+
+    @property
+    def done(self) -> bool:
+        return self.next_emit >= len(self.chunks)
+
+    # ---- the sender-facing side ----
+
+    async def wait_turn(self, sender: int, k: int) -> None:
+        """Block until ``sender`` may contribute chunk ``k`` (flow control)."""
+        while sender in self.active and k >= self._consumed[sender] + self.window:
+            await self._changed.wait()
+        if sender not in self.active:
+            raise SenderFailed(self._reason(sender))
+
+    async def contribute(self, sender: int, k: int, values: torch.Tensor, weight: float) -> None:
+        """Add ``sender``'s validated float32 chunk ``k``; raises SenderFailed if it was left out."""
+        async with self._lock:
+            if sender not in self.active:
+                raise SenderFailed(self._reason(sender))
+            if k < self._closed or sender in self._contributed[k]:
+                raise RuntimeError(
+                    f"chunk {k} from sender {sender} is late or duplicate"
+                )  # our bug
+            agg = self._pending.get(k)
+            if agg is None:
+                agg = self._pending[k] = self.aggregator.begin(values.numel())
+            await self._run_cpu(agg.add, values, weight, numel=values.numel())
+            self._contributed[k].add(sender)
+        self._notify()
+
+    async def next_result(self, sender: int) -> tuple[int, Any]:
+        """The next (chunk index, wire message) to send to ``sender``; raises SenderFailed."""
+        k = self._consumed[sender]
+        while sender in self.active and k not in self._results:
+            await self._changed.wait()
+        if sender not in self.active:
+            raise SenderFailed(self._reason(sender))
+        return k, self._results[k]
+
+    def mark_sent(self, sender: int, k: int) -> None:
+        self._consumed[sender] = k + 1
+        self._prune()
+        self._notify()
+
+    def local_result(self, k: int) -> torch.Tensor | None:
+        """The float32 result of chunk ``k`` as every receiver decodes it (None = keep local)."""
+        return self._local_results.pop(k)
+
+    async def wait_finalized(self, k: int) -> None:
+        while self.next_emit <= k:
+            await self._changed.wait()
+
+    def _reason(self, sender: int) -> str:
+        return self.excluded.get(sender) or self.failed.get(sender) or "left out"
+
+    def _prune(self) -> None:
+        lowest = min((self._consumed[s] for s in self.active), default=self.next_emit)
+        for k in [k for k in self._results if k < lowest]:
+            del self._results[k]
+
+    def all_sent(self) -> bool:
+        return self.done and all(self._consumed[s] >= len(self.chunks) for s in self.active)
+
+    # ---- the finalizing loop (runs in the round's nursery) ----
+
+    async def run(self) -> None:
+        """Finalize every chunk in order; returns when all are finalized."""
+        for k in range(len(self.chunks)):
+            with trio.move_on_after(self.sender_timeout):
+                while not self.active <= self._contributed[k]:
+                    await self._changed.wait()
+            numel = self.chunks[k][1] - self.chunks[k][0]
+            async with self._lock:  # nobody adds to chunk k while we decide who is in it
+                for s in sorted(self.active - self._contributed[k]):
+                    logger.info(
+                        "sender %d stalled on chunk %d; left out of the rest of the part", s, k
+                    )
+                    self.fail(
+                        s, f"stalled: chunk {k} not received within {self.sender_timeout:.3g}s"
+                    )
+                agg = self._pending.pop(k, None)
+                self._closed = k + 1
+                res = None if agg is None else await self._run_cpu(agg.result, numel=numel)
+            values, dev = (None, 0.0) if res is None else res
+            msg, local = await self._finalize_fn(k, values, dev)
+            self.deviation += dev
+            self._results[k] = msg
+            if self.local is not None:
+                self._local_results[k] = local
+            self.next_emit = k + 1
+            self._prune()
+            self._notify()
+
+    async def wait_all_sent(self) -> None:
+        while not self.all_sent():
+            await self._changed.wait()

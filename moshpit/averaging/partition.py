@@ -1,0 +1,153 @@
+"""Splitting a list of tensors into one contiguous part per reducing member, and back.
+
+The tensors are treated as one flat float32 vector (the concatenation of their flattened
+values, in order) without ever materialising that vector: :func:`gather` copies any range of
+it into a small float32 buffer, and :func:`scatter` writes a float32 range back into output
+tensors of the original dtypes. So a round needs one output copy of the tensors, not three.
+
+Part sizes come only from :class:`GroupInfo`, so every member computes the same split.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moshpit.averaging.group_info import GroupInfo, GroupInfoError
+
+ALLOWED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Shapes, dtypes and flat offsets of a tensor list (the flat vector's index space)."""
+
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    offsets: tuple[int, ...]  # offsets[i] = flat index of tensor i's first element; len = n + 1
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor]) -> TensorLayout:
+        offsets = [0]
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+            if t.dtype not in ALLOWED_DTYPES:
+                raise ValueError(
+                    f"tensor {i} has dtype {t.dtype}; only floating tensors can be averaged"
+                )
+            offsets.append(offsets[-1] + t.numel())
+        return cls(
+            shapes=tuple(t.shape for t in tensors),
+            dtypes=tuple(t.dtype for t in tensors),
+            offsets=tuple(offsets),
+        )
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    def _pieces(self, start: int, end: int):
+        """Yield (tensor index, start within tensor, end within tensor, flat start) covering [start, end)."""
+        if not 0 <= start <= end <= self.numel:
+            raise IndexError(f"range [{start}, {end}) outside a flat vector of {self.numel}")
+        i = bisect.bisect_right(self.offsets, start) - 1
+        pos = start
+        while pos < end:
+            t_end = self.offsets[i + 1]
+            if t_end > pos:  # skips empty tensors
+                stop = min(end, t_end)
+                yield i, pos - self.offsets[i], stop - self.offsets[i], pos
+                pos = stop
+            i += 1
+
+
+def gather(
+    tensors: Sequence[torch.Tensor], layout: TensorLayout, start: int, end: int
+) -> torch.Tensor:
+    """A new float32 CPU tensor holding flat elements [start, end) of ``tensors``."""
+    out = torch.empty(end - start, dtype=torch.float32)
+    for i, lo, hi, flat in layout._pieces(start, end):
+        src = tensors[i].detach().reshape(-1)[lo:hi]
+        out[flat - start : flat - start + hi - lo].copy_(src)
+    return out
+
+
+def scatter(
+    values: torch.Tensor, outputs: Sequence[torch.Tensor], layout: TensorLayout, start: int
+) -> None:
+    """Write the float32 vector ``values`` into flat range [start, start + len) of ``outputs``.
+
+    ``outputs`` must be contiguous (as made by :func:`empty_like_all`); values are cast to
+    each output's dtype and device.
+    """
+    end = start + values.numel()
+    for i, lo, hi, flat in layout._pieces(start, end):
+        outputs[i].view(-1)[lo:hi].copy_(values[flat - start : flat - start + hi - lo])
+
+
+def copy_range(
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    layout: TensorLayout,
+    start: int,
+    end: int,
+) -> None:
+    """dst[start:end] = src[start:end] in flat coordinates (local values for a failed part)."""
+    for i, lo, hi, _ in layout._pieces(start, end):
+        dst[i].view(-1)[lo:hi].copy_(src[i].detach().reshape(-1)[lo:hi])
+
+
+def empty_like_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous output tensors with the inputs' shapes, dtypes and devices."""
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+
+
+def part_sizes(group: GroupInfo, total: int) -> list[int]:
+    """Number of flat elements each member reduces (0 for client-mode members).
+
+    A reducer's time is dominated by receiving and returning its part from every sender, so
+    part sizes proportional to bandwidth equalise the reducers' times (minimising the slowest).
+    Unknown bandwidths count as the mean of the known ones; all unknown -> equal parts. Sizes
+    are integers summing to ``total``, rounded by largest remainder with ties to the lower index.
+    """
+    if total < 0:
+        raise ValueError("total must be >= 0")
+    reducers = group.reducer_indices
+    if not reducers:
+        raise GroupInfoError("the group has no member that can reduce (all are clients)")
+    known = [group.bandwidths[i] for i in reducers if group.bandwidths[i] is not None]
+    fill = sum(known) / len(known) if known else 1.0
+    shares = [
+        float(group.bandwidths[i]) if group.bandwidths[i] is not None else fill for i in reducers
+    ]
+    norm = sum(shares)
+    exact = [total * s / norm for s in shares]
+    sizes = [int(x) for x in exact]
+    remainder = total - sum(sizes)
+    by_fraction = sorted(range(len(reducers)), key=lambda j: (-(exact[j] - sizes[j]), j))
+    for j in by_fraction[:remainder]:
+        sizes[j] += 1
+    out = [0] * group.size
+    for j, idx in enumerate(reducers):
+        out[idx] = sizes[j]
+    return out
+
+
+def part_bounds(group: GroupInfo, total: int) -> list[tuple[int, int]]:
+    """Flat [start, end) of each member's part, in group order (empty for clients)."""
+    bounds, pos = [], 0
+    for size in part_sizes(group, total):
+        bounds.append((pos, pos + size))
+        pos += size
+    return bounds
+
+
+def chunk_bounds(start: int, end: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """Split [start, end) into consecutive chunks of at most ``chunk_numel`` elements."""
+    if chunk_numel <= 0:
+        raise ValueError("chunk_numel must be positive")
+    return [(s, min(s + chunk_numel, end)) for s in range(start, end, chunk_numel)]
