@@ -1,0 +1,222 @@
+"""Hundreds of DHT nodes in one trio loop under MockClock (loopback fabric: real msgpack
+round-trips and virtual latency, no transport stack; see test_memory_network.py for hosts)."""
+
+import random
+
+import pytest
+import trio
+
+from dht.kademlia.clock import get_dht_time
+from dht.kademlia.ids import key_id_of, serialize
+from dht.kademlia.network import PeerUnreachableError
+from dht.kademlia.records import DHTRecord
+from dht.kademlia.simulation import open_swarm
+
+
+def brute_force_nearest(nodes, target, k):
+    return [n.peer_id for n in sorted(nodes, key=lambda n: n.node_id ^ target)[:k]]
+
+
+async def test_256_peers_store_get_and_exact_nearest(autojump_clock, virtual_dht_time):
+    rng = random.Random(1)
+    async with open_swarm(256, seed=1) as swarm:
+        nodes = swarm.nodes
+        expiration = get_dht_time() + 1000
+        for i in range(200):
+            assert await rng.choice(nodes).store(f"key{i}", {"i": i}, expiration)
+        for i in range(200):
+            found = await rng.choice(nodes).get(f"key{i}")
+            assert (
+                found is not None
+                and found.value == {"i": i}
+                and found.expiration_time == expiration
+            )
+        for _ in range(20):
+            node, target = rng.choice(nodes), rng.getrandbits(256)
+            found = await node.find_nearest_peers(target, 20)
+            others = [n for n in nodes if n is not node]
+            assert [c.peer_id for c in found] == brute_force_nearest(others, target, 20)
+        # every record sits on the true nearest replicas
+        holders = [n.peer_id for n in nodes if n.storage.get(key_id_of("key7"), get_dht_time())]
+        assert set(brute_force_nearest(nodes, key_id_of("key7"), 5)) <= set(holders)
+        hops = sorted(s.hops for n in nodes for s in n.lookup_stats)
+        assert hops[len(hops) // 2] <= 4
+
+
+async def test_dictionary_values_merge_across_replicas(autojump_clock, virtual_dht_time):
+    async with open_swarm(64, seed=2) as swarm:
+        nodes, now = swarm.nodes, get_dht_time()
+        for i, node in enumerate(nodes[:10]):
+            assert await node.store("group", f"peer{i}", now + 100 + i, subkey=f"sub{i}")
+        # write two more subkeys to disjoint replica sets only, bypassing the normal path
+        replicas = sorted(nodes, key=lambda n: n.node_id ^ key_id_of("group"))[:5]
+        for node, sub in ((replicas[0], "only-first"), (replicas[4], "only-last")):
+            record = DHTRecord(serialize("group"), serialize(sub), serialize(sub), now + 500)
+            assert node.storage.store(key_id_of("group"), record, now) == (True, None)
+        newer = DHTRecord(serialize("group"), serialize("sub0"), serialize("newer"), now + 600)
+        assert replicas[2].storage.store(key_id_of("group"), newer, now)[0]
+        reader = nodes[-1]
+        found = await reader.get("group", latest=True)
+        assert set(found.value) == {f"sub{i}" for i in range(10)} | {"only-first", "only-last"}
+        assert found.value["sub0"].value == "newer" and found.value["sub3"].value == "peer3"
+        assert found.expiration_time == now + 600
+        # each subkey expires on its own
+        await trio.sleep(now + 105.5 - trio.current_time())
+        found = await reader.get("group", latest=True)
+        assert set(found.value) == {
+            "sub0",
+            "sub6",
+            "sub7",
+            "sub8",
+            "sub9",
+            "only-first",
+            "only-last",
+        }
+
+
+async def test_expiration_is_exact_under_the_mock_clock(autojump_clock, virtual_dht_time):
+    async with open_swarm(32, seed=3) as swarm:
+        writer, reader = swarm.nodes[0], swarm.nodes[-1]
+        expiration = get_dht_time() + 60
+        assert await writer.store("ttl", "alive", expiration)
+        await trio.sleep(expiration - 1 - trio.current_time())
+        found = await reader.get("ttl")
+        assert found == ("alive", expiration)
+        await trio.sleep(expiration - trio.current_time())
+        assert get_dht_time() == expiration
+        assert await reader.get("ttl") is None
+        assert all(n.storage.get(key_id_of("ttl"), get_dht_time()) is None for n in swarm.nodes)
+        with pytest.raises(Exception, match="expired"):
+            await writer.store("ttl", "too late", expiration)
+
+
+@pytest.mark.slow
+async def test_churn_30_percent(autojump_clock, virtual_dht_time):
+    rng = random.Random(4)
+    async with open_swarm(256, seed=4) as swarm:
+        expiration = get_dht_time() + 10_000
+        items = [(f"churn{i}", None, i, expiration) for i in range(1000)]
+        stored = await swarm.nodes[0].store_many(items)
+        assert all(stored.values())
+        for victim in rng.sample(swarm.nodes, int(0.3 * len(swarm.nodes))):
+            swarm.kill(victim)
+        alive = swarm.alive()
+        assert len(alive) == 180
+        readers = rng.sample(alive, 20)
+        results = await readers[0].get_many([f"churn{i}" for i in range(0, 1000, 2)])
+        for reader in readers[1:]:
+            results.update(await reader.get_many([f"churn{i}" for i in range(1, 1000, 40)]))
+        ok = sum(
+            1 for i in range(1000) if (v := results.get(f"churn{i}")) is not None and v.value == i
+        )
+        assert ok / len(results) >= 0.99, ok / len(results)
+        # peers joining after the churn can read the old keys
+        newcomers = [await swarm.add() for _ in range(10)]
+        results = {}
+        for node in newcomers:
+            results.update(
+                await node.get_many([f"churn{i}" for i in range(node is newcomers[0], 1000, 10)])
+            )
+        ok = sum(1 for key, v in results.items() if v is not None and v.value == int(key[5:]))
+        assert ok / len(results) >= 0.99, ok / len(results)
+
+
+async def test_client_mode_peers_use_the_dht_but_never_enter_routing_tables(
+    autojump_clock, virtual_dht_time
+):
+    async with open_swarm(32, seed=5) as swarm:
+        client = await swarm.add(client_mode=True)
+        assert await client.store("from-client", 42, get_dht_time() + 100)
+        assert (await swarm.nodes[3].get("from-client")).value == 42
+        assert await swarm.nodes[5].store("to-client", 7, get_dht_time() + 100)
+        assert (await client.get("to-client")).value == 7
+        assert len(client.storage) == 0
+        assert all(client.peer_id not in n.routing_table for n in swarm.nodes if n is not client)
+
+
+async def test_concurrent_lookups_of_one_key_share_a_search(autojump_clock, virtual_dht_time):
+    async with open_swarm(64, seed=6) as swarm:
+        node = swarm.nodes[10]
+        assert await swarm.nodes[0].store("shared", 1, get_dht_time() + 100)
+        before = len(node.lookup_stats)
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(node.get, "shared", True)
+        assert len(node.lookup_stats) == before + 1
+
+
+async def test_malformed_rpcs_get_errors_and_the_node_keeps_serving(
+    autojump_clock, virtual_dht_time
+):
+    async with open_swarm(8, seed=7) as swarm:
+        target, attacker = swarm.nodes[0], swarm.nodes[1]
+        garbage = [
+            None,
+            b"\x00" * 10,
+            {"op": "nope"},
+            {"op": "store", "records": "x"},
+            {"op": "store", "records": [[b"k", None, b"v", "soon", None]]},
+            {"op": "store", "records": [[b"k", None, b"v", float("nan"), None]]},
+            {"op": "find", "keys": [b"short"]},
+            {"op": "find", "keys": [b"\x00" * 32] * 10_000},
+            {"op": "ping", "from": {"addrs": [b"x" * 10_000]}},
+        ]
+        for request in garbage:
+            with pytest.raises(PeerUnreachableError) as info:
+                await attacker.network.call(target.peer_id, request, 1.0)
+            assert (
+                info.value.answered
+                and "malformed" in str(info.value)
+                or "unknown" in str(info.value)
+            )
+        assert await attacker.ping(target.peer_id)
+        assert await target.store("still", "serving", get_dht_time() + 10)
+
+
+async def test_store_flood_and_oversized_and_forged_records_are_refused(
+    autojump_clock, virtual_dht_time
+):
+    from dht.kademlia.errors import RecordRejectedError
+    from dht.kademlia.storage import StorageLimits
+
+    from .conftest import Identity
+
+    limits = StorageLimits(max_record_bytes=4096, max_records=200, max_total_bytes=200_000)
+    async with open_swarm(8, seed=8, limits=limits) as swarm:
+        target, flooder = swarm.nodes[0], swarm.nodes[1]
+        now = get_dht_time()
+        reasons = set()
+        for batch in range(20):
+            records = [
+                DHTRecord(
+                    serialize(f"flood{batch}-{i}"), None, b"\xc4\x00" + b"x" * 1000, now + 100
+                ).to_wire()
+                for i in range(100)
+            ]
+            reply = await flooder.network.call(
+                target.peer_id, flooder._request("store", records=records), 1.0
+            )
+            reasons.update(r for ok, r in reply["results"] if not ok)
+            assert target.storage.num_records <= 200 and target.storage.num_bytes <= 200_000
+        assert any(r.startswith("storage full") for r in reasons)
+        with pytest.raises(RecordRejectedError, match="too large"):
+            await flooder.store("huge", b"x" * 10_000, now + 10)
+        huge = DHTRecord(serialize("huge"), None, serialize(b"x" * 10_000), now + 10).to_wire()
+        reply = await flooder.network.call(
+            swarm.nodes[2].peer_id, flooder._request("store", records=[huge]), 1.0
+        )
+        assert reply["results"][0][0] is False and "too large" in reply["results"][0][1]
+        victim = Identity.generate()
+        forged = DHTRecord(
+            serialize(f"x[owner:{victim.peer_id}]"), None, serialize(1), now + 10, b"s" * 64
+        )
+        reply = await flooder.network.call(
+            target.peer_id, flooder._request("store", records=[forged.to_wire()]), 1.0
+        )
+        assert reply["results"][0] == [False, "invalid owner signature"]
+        with pytest.raises(RecordRejectedError, match="not signed"):
+            await flooder.store(f"x[owner:{victim.peer_id}]", 1, now + 10)
+        # a node's own owner records are signed automatically and readable by everyone
+        own_key = f"state[owner:{flooder.peer_id}]"
+        assert await flooder.store(own_key, "mine", now + 10, subkey="s")
+        assert (await swarm.nodes[5].get(own_key)).value["s"].value == "mine"
