@@ -1,0 +1,378 @@
+"""libp2p Noise security: the ``/noise`` handshake and the encrypted ``SecureSession`` stream.
+
+Wire format (libp2p noise spec): every Noise message, handshake or transport, is sent as a
+2-byte big-endian length followed by that many bytes (so at most 65535, i.e. 65519 bytes of
+plaintext plus the 16-byte Poly1305 tag). The handshake is ``Noise_XX_25519_ChaChaPoly_SHA256``
+with an empty prologue; messages 2 and 3 carry a protobuf ``NoiseHandshakePayload``:
+
+    identity_key = 1  (bytes: the libp2p protobuf PublicKey)
+    identity_sig = 2  (bytes: signature of "noise-libp2p-static-key:" || static X25519 key)
+    extensions   = 4  (optional NoiseExtensions; ignored here)
+
+so each side proves that its libp2p identity owns the Noise static key. The dialer checks
+the responder's identity *before* revealing its own in message 3.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+
+import trio
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from ._crypto_noise import TAGLEN, CipherState, XXHandshakeState, x25519_public_bytes
+from ._proto import WIRE_LEN, ProtobufDecodeError, encode_bytes_field, iter_fields
+from .errors import (
+    HandshakeError,
+    IdentityError,
+    P2PTimeoutError,
+    PeerIDMismatchError,
+    ProtocolViolationError,
+    StreamResetError,
+)
+from .identity import Identity, PeerID, decode_public_key, verify_ed25519
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_ID = "/noise"
+SIGNATURE_PREFIX = b"noise-libp2p-static-key:"
+MAX_FRAME = 0xFFFF  # 2-byte length prefix
+MAX_PLAINTEXT = MAX_FRAME - TAGLEN  # 65519
+SEND_BATCH = 1 << 20  # plaintext bytes encrypted and written per raw send_all
+RECEIVE_CHUNK = 256 * 1024  # bytes asked from the raw stream per read
+_LEN = struct.Struct(">H")
+# cryptography >= 45 can encrypt/decrypt straight into our frame buffers (no extra copy).
+_HAS_INTO = hasattr(ChaCha20Poly1305, "encrypt_into")
+
+
+# ---------------------------------------------------------------------------------------------
+# Handshake payload
+
+
+def encode_handshake_payload(identity_key: bytes, identity_sig: bytes) -> bytes:
+    return encode_bytes_field(1, identity_key) + encode_bytes_field(2, identity_sig)
+
+
+def decode_handshake_payload(data: bytes) -> tuple[bytes, bytes]:
+    """Return ``(identity_key, identity_sig)``; other fields (extensions) are ignored."""
+    key: bytes | None = None
+    sig: bytes | None = None
+    try:
+        for field, wire, value in iter_fields(data):
+            if wire != WIRE_LEN:
+                continue
+            if field == 1:
+                key = value  # type: ignore[assignment]
+            elif field == 2:
+                sig = value  # type: ignore[assignment]
+    except ProtobufDecodeError as e:
+        raise HandshakeError(f"malformed Noise handshake payload: {e}") from None
+    if not key or not sig:
+        raise HandshakeError("Noise handshake payload lacks identity_key or identity_sig")
+    return key, sig
+
+
+def _make_payload(identity: Identity, static_public: bytes) -> bytes:
+    signature = identity.sign(SIGNATURE_PREFIX + static_public)
+    return encode_handshake_payload(identity.public_key_proto, signature)
+
+
+def _verify_payload(payload: bytes, remote_static: bytes) -> PeerID:
+    """Check the remote's identity proof; return the PeerID it proved."""
+    key_proto, signature = decode_handshake_payload(payload)
+    try:
+        public_key = decode_public_key(key_proto)
+    except IdentityError as e:
+        raise HandshakeError(f"remote identity key rejected: {e}") from None
+    if not verify_ed25519(public_key, SIGNATURE_PREFIX + remote_static, signature):
+        raise HandshakeError(
+            "remote's signature over its Noise static key is invalid (identity not proven)"
+        )
+    return PeerID.from_public_key(public_key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Framed I/O during the handshake
+
+
+class _FrameReader:
+    """Reads 2-byte-length-prefixed frames; keeps what it over-read for the session."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self.stream = stream
+        self.buffer = bytearray()
+
+    async def read_frame(self, what: str) -> bytes:
+        while True:
+            if len(self.buffer) >= 2:
+                (length,) = _LEN.unpack_from(self.buffer)
+                if len(self.buffer) >= 2 + length:
+                    frame = bytes(self.buffer[2 : 2 + length])
+                    del self.buffer[: 2 + length]
+                    return frame
+            data = await self.stream.receive_some(RECEIVE_CHUNK)
+            if not data:
+                state = "a truncated frame" if self.buffer else "nothing"
+                raise HandshakeError(
+                    f"connection closed during the Noise handshake while waiting for {what} "
+                    f"(got {state})"
+                )
+            self.buffer += data
+
+
+def _frame(message: bytes) -> bytes:
+    if len(message) > MAX_FRAME:
+        raise HandshakeError(f"Noise message of {len(message)} bytes exceeds {MAX_FRAME}")
+    return _LEN.pack(len(message)) + message
+
+
+async def noise_handshake(
+    raw: trio.abc.Stream,
+    identity: Identity,
+    *,
+    initiator: bool,
+    expected_peer: PeerID | None = None,
+    timeout: float | None = 10.0,  # noqa: ASYNC109 - part of the documented API
+) -> SecureSession:
+    """Run the libp2p Noise XX handshake on ``raw`` and return the encrypted session.
+
+    Raises HandshakeError (bad frames, signatures, decryption), PeerIDMismatchError (the remote
+    proved an identity other than ``expected_peer``) and P2PTimeoutError (the remote stalled).
+    The caller owns ``raw`` and should close it on any error.
+    """
+    static = X25519PrivateKey.generate()  # fresh per connection; identity binds it
+    state = XXHandshakeState(initiator=initiator, static_key=static)
+    payload = _make_payload(identity, x25519_public_bytes(static))
+    reader = _FrameReader(raw)
+
+    with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+        try:
+            if initiator:
+                await raw.send_all(_frame(state.write_message(b"")))
+                remote_payload = state.read_message(await reader.read_frame("message 2"))
+                remote_peer = _verify_payload(remote_payload, state.remote_static)  # type: ignore[arg-type]
+                if expected_peer is not None and remote_peer != expected_peer:
+                    # Stop before message 3: do not reveal who we are to an impostor.
+                    raise PeerIDMismatchError(
+                        f"dialed {expected_peer} but the remote proved it is {remote_peer}"
+                    )
+                await raw.send_all(_frame(state.write_message(payload)))
+            else:
+                state.read_message(await reader.read_frame("message 1"))
+                await raw.send_all(_frame(state.write_message(payload)))
+                remote_payload = state.read_message(await reader.read_frame("message 3"))
+                remote_peer = _verify_payload(remote_payload, state.remote_static)  # type: ignore[arg-type]
+                if expected_peer is not None and remote_peer != expected_peer:
+                    raise PeerIDMismatchError(
+                        f"expected {expected_peer} but the remote proved it is {remote_peer}"
+                    )
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            raise HandshakeError(f"connection broke during the Noise handshake: {e}") from e
+        send_cipher, receive_cipher = state.split()
+        session = SecureSession(
+            raw,
+            local_peer=identity.peer_id,
+            remote_peer=remote_peer,
+            send_cipher=send_cipher,
+            receive_cipher=receive_cipher,
+            initial=bytes(reader.buffer),
+        )
+        logger.debug(
+            "noise handshake done (%s) with %s",
+            "outbound" if initiator else "inbound",
+            remote_peer.short(),
+        )
+        return session
+    assert scope.cancelled_caught
+    raise P2PTimeoutError(f"Noise handshake did not finish within {timeout} s")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class SecureSession(trio.abc.HalfCloseableStream):
+    """An authenticated, encrypted byte stream over ``raw`` (after ``noise_handshake``).
+
+    ``send_all`` splits data into maximum-size Noise frames and writes up to ``SEND_BATCH``
+    bytes of them with a single raw write; ``receive_some`` reads large chunks and decrypts
+    every complete frame in them. A frame that fails authentication raises
+    ProtocolViolationError; the raw stream ending mid-frame raises StreamResetError. Both are
+    permanent for the session.
+    """
+
+    def __init__(
+        self,
+        raw: trio.abc.Stream,
+        *,
+        local_peer: PeerID,
+        remote_peer: PeerID,
+        send_cipher: CipherState,
+        receive_cipher: CipherState,
+        initial: bytes = b"",
+    ) -> None:
+        self.raw = raw
+        self.local_peer = local_peer
+        self.remote_peer = remote_peer
+        self._send = send_cipher
+        self._receive = receive_cipher
+        self._rbuf = bytearray(initial)  # ciphertext not yet decrypted (< 1 frame + 1 chunk)
+        self._plain: memoryview = memoryview(b"")  # decrypted, not yet returned
+        self._eof = False
+        self._error: Exception | None = None
+        self._sending = False
+        self._receiving = False
+
+    # -- sending -------------------------------------------------------------------------------
+    def _encrypt_batch(self, view: memoryview) -> bytearray:
+        """Frame and encrypt ``view`` (<= SEND_BATCH bytes) into one contiguous buffer."""
+        n = len(view)
+        frames = max(1, -(-n // MAX_PLAINTEXT))
+        out = bytearray(n + frames * (2 + TAGLEN))
+        out_view = memoryview(out)
+        aead = self._send.aead
+        pos = 0
+        for start in range(0, max(n, 1), MAX_PLAINTEXT):
+            chunk = view[start : start + MAX_PLAINTEXT]
+            size = len(chunk) + TAGLEN
+            _LEN.pack_into(out, pos, size)
+            nonce = self._send.next_nonce()
+            if _HAS_INTO:
+                aead.encrypt_into(nonce, chunk, None, out_view[pos + 2 : pos + 2 + size])  # type: ignore[union-attr]
+            else:  # pragma: no cover - cryptography < 45
+                out_view[pos + 2 : pos + 2 + size] = aead.encrypt(nonce, bytes(chunk), None)  # type: ignore[union-attr]
+            pos += 2 + size
+        return out
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this SecureSession")
+        self._sending = True
+        try:
+            # Views are released on exit so the caller may resize a bytearray it passed us.
+            with memoryview(data) as whole, whole.cast("B") as view:
+                if not view:
+                    await trio.lowlevel.checkpoint()
+                    return
+                for start in range(0, len(view), SEND_BATCH):
+                    with view[start : start + SEND_BATCH] as batch:
+                        frames = self._encrypt_batch(batch)
+                    await self.raw.send_all(frames)
+        finally:
+            self._sending = False
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.raw.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        """Half-close: passes through to the raw stream (TCP FIN); reading stays possible."""
+        send_eof = getattr(self.raw, "send_eof", None)
+        if send_eof is None:
+            raise TypeError(f"{type(self.raw).__name__} does not support half-close")
+        await send_eof()
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _decrypt_available(self) -> None:
+        """Decrypt every complete frame in the raw buffer into ``self._plain``."""
+        buf = self._rbuf
+        total = len(buf)
+        pos = 0
+        sizes: list[tuple[int, int]] = []
+        plain_len = 0
+        while total - pos >= 2:
+            (length,) = _LEN.unpack_from(buf, pos)
+            if total - pos - 2 < length:
+                break
+            if length < TAGLEN:
+                self._fail(ProtocolViolationError(f"Noise frame of {length} bytes has no tag"))
+            sizes.append((pos + 2, length))
+            plain_len += length - TAGLEN
+            pos += 2 + length
+        if not sizes:
+            return
+        out = bytearray(plain_len)
+        out_view = memoryview(out)
+        in_view = memoryview(buf)
+        aead = self._receive.aead
+        o = 0
+        try:
+            for start, length in sizes:
+                nonce = self._receive.next_nonce()
+                size = length - TAGLEN
+                # slices must be released before the bytearray can be resized below
+                with in_view[start : start + length] as ciphertext:
+                    if _HAS_INTO:
+                        aead.decrypt_into(nonce, ciphertext, None, out_view[o : o + size])  # type: ignore[union-attr]
+                    else:  # pragma: no cover - cryptography < 45
+                        out_view[o : o + size] = aead.decrypt(nonce, bytes(ciphertext), None)  # type: ignore[union-attr]
+                o += size
+        except InvalidTag:
+            self._fail(
+                ProtocolViolationError(
+                    f"Noise frame from {self.remote_peer.short()} failed authentication "
+                    "(tampered or corrupted); the session is unusable"
+                )
+            )
+        finally:
+            in_view.release()
+        del buf[:pos]
+        self._plain = out_view
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        raise error
+
+    def _take(self, max_bytes: int | None) -> bytes | bytearray:
+        plain = self._plain
+        if max_bytes is None or max_bytes >= len(plain):
+            self._plain = memoryview(b"")
+            obj = plain.obj
+            if isinstance(obj, bytearray) and len(plain) == len(obj):
+                plain.release()  # so the caller may resize the bytearray
+                return obj  # the whole decrypted batch: hand it over without copying
+            return bytes(plain)
+        out = bytes(plain[:max_bytes])
+        self._plain = plain[max_bytes:]
+        return out
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this SecureSession")
+        self._receiving = True
+        try:
+            if self._error is not None:
+                raise self._error
+            if self._plain:
+                await trio.lowlevel.checkpoint()
+                return self._take(max_bytes)
+            while True:
+                self._decrypt_available()
+                if self._plain:
+                    return self._take(max_bytes)
+                if self._eof:
+                    if self._rbuf:
+                        self._fail(
+                            StreamResetError(
+                                f"connection to {self.remote_peer.short()} ended in the middle "
+                                f"of a Noise frame ({len(self._rbuf)} bytes of it received)"
+                            )
+                        )
+                    return b""
+                data = await self.raw.receive_some(RECEIVE_CHUNK)
+                if not data:
+                    self._eof = True
+                else:
+                    self._rbuf += data
+        finally:
+            self._receiving = False
+
+    async def aclose(self) -> None:
+        await self.raw.aclose()
+
+    def __repr__(self) -> str:
+        return f"<SecureSession {self.local_peer.short()} <-> {self.remote_peer.short()}>"
