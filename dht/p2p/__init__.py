@@ -1,1 +1,50 @@
 """libp2p-compatible transport stack: identity, multiaddr, multistream-select, Noise, yamux, Host."""
+
+from .errors import (
+    DialError,
+    HandshakeError,
+    IdentityError,
+    MessageTooLargeError,
+    MultiaddrError,
+    P2PError,
+    P2PTimeoutError,
+    PeerIDMismatchError,
+    ProtocolNegotiationError,
+    ProtocolViolationError,
+    RemoteError,
+    ResourceLimitError,
+    StreamClosedError,
+    StreamResetError,
+)
+from .host import Host, HostLimits, P2PStream
+from .identity import Identity, PeerID
+from .memory import MemoryNetwork
+from .multiaddr import Multiaddr
+from .peerstore import PeerStore
+from .transport import TCPTransport
+
+__all__ = [
+    "DialError",
+    "HandshakeError",
+    "Host",
+    "HostLimits",
+    "Identity",
+    "IdentityError",
+    "MemoryNetwork",
+    "MessageTooLargeError",
+    "Multiaddr",
+    "MultiaddrError",
+    "P2PError",
+    "P2PStream",
+    "P2PTimeoutError",
+    "PeerID",
+    "PeerIDMismatchError",
+    "PeerStore",
+    "ProtocolNegotiationError",
+    "ProtocolViolationError",
+    "RemoteError",
+    "ResourceLimitError",
+    "StreamClosedError",
+    "StreamResetError",
+    "TCPTransport",
+]

@@ -1,0 +1,723 @@
+"""The Host: connections to peers (TCP or in-memory -> Noise -> yamux), streams, unary RPC.
+
+Connection establishment is libp2p's: multistream-select ``/noise`` on the raw connection,
+the Noise XX handshake (which proves the remote's PeerID), multistream-select
+``/yamux/1.0.0`` on the secured channel, then yamux. Every stream negotiates its protocol
+with multistream-select; unary RPCs negotiate *lazily* (proposal, request and FIN leave in
+one write), so a call on a warm connection is one round trip.
+
+Connections: at most one dial per peer is in flight (concurrent callers share it). If two
+peers dial each other at the same moment both connections are kept; new streams then go
+over the connection dialed by the peer with the smaller PeerID, so both sides pick the same
+one (the other idles until it is closed with the host or the peer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from . import multistream
+from .errors import (
+    DialError,
+    HandshakeError,
+    MessageTooLargeError,
+    P2PError,
+    P2PTimeoutError,
+    PeerIDMismatchError,
+    ProtocolNegotiationError,
+    ProtocolViolationError,
+    RemoteError,
+    StreamClosedError,
+)
+from .identity import Identity, PeerID
+from .messages import DEFAULT_MAX_MESSAGE_SIZE, MessageReader, send_msg
+from .multiaddr import Multiaddr
+from .peerstore import PeerStore
+from .transport import TCPTransport
+from .yamux import DEFAULT_MAX_STREAM_WINDOW, INITIAL_WINDOW, YamuxSession, YamuxStream
+from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL
+
+logger = logging.getLogger(__name__)
+
+NOISE_PROTOCOL = "/noise"
+PING_PROTOCOL = "/ipfs/ping/1.0.0"
+PING_SIZE = 32
+
+StreamHandler = Callable[["P2PStream"], Awaitable[None]]
+RpcHandler = Callable[[PeerID, Any], Awaitable[Any]]
+
+
+@dataclass
+class HostLimits:
+    """Resource limits of a Host. Everything a remote can make us allocate is bounded here."""
+
+    max_connections: int = 512
+    max_pending_handshakes: int = 64
+    max_streams_per_connection: int = 1024
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    stream_window: int = INITIAL_WINDOW
+    max_stream_window: int = DEFAULT_MAX_STREAM_WINDOW
+    max_buffered_per_connection: int = 64 * 1024 * 1024
+    handshake_timeout: float = 10.0
+    negotiation_timeout: float = 10.0  # inbound stream: protocol proposal must arrive by then
+    rpc_request_timeout: float = 30.0  # inbound RPC: the request must arrive by then
+    keepalive_interval: float | None = 15.0
+    keepalive_timeout: float = 20.0
+
+
+class P2PStream(trio.abc.HalfCloseableStream):
+    """A negotiated stream to ``remote_peer`` speaking ``protocol``, with framed messages."""
+
+    def __init__(
+        self,
+        inner: trio.abc.HalfCloseableStream,
+        yamux_stream: YamuxStream,
+        remote_peer: PeerID,
+        protocol: str,
+        max_message_size: int,
+    ) -> None:
+        self._inner = inner
+        self._yamux = yamux_stream
+        self._reader = MessageReader(inner)
+        self.remote_peer = remote_peer
+        self.protocol = protocol
+        self.max_message_size = max_message_size
+
+    def __repr__(self) -> str:
+        return f"<P2PStream {self.protocol} with {self.remote_peer.short()}>"
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self._reader.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self._inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self._yamux.aclose()
+
+    def reset(self) -> None:
+        self._yamux.reset()
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received on this stream that the application has not read yet."""
+        return self._yamux.buffered_bytes + len(self._reader.buffered)
+
+    async def send_msg(self, obj: Any) -> None:
+        """Send one framed msgpack message (MessageTooLargeError above ``max_message_size``)."""
+        await send_msg(self, obj, self.max_message_size)
+
+    async def receive_msg(self, max_size: int | None = None) -> Any:
+        """Receive one framed message; a malformed or oversized message resets the stream."""
+        try:
+            return await self._reader.receive_msg(max_size or self.max_message_size)
+        except (MessageTooLargeError, ProtocolViolationError):
+            self.reset()
+            raise
+
+
+class _Connection:
+    def __init__(
+        self, peer_id: PeerID, session: YamuxSession, outbound: bool, remote_addr: str
+    ) -> None:
+        self.peer_id = peer_id
+        self.session = session
+        self.outbound = outbound
+        self.remote_addr = remote_addr
+
+    @property
+    def alive(self) -> bool:
+        return not self.session.closed and not self.session.remote_go_away
+
+
+class _PendingDial:
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.connection: _Connection | None = None
+        self.error: BaseException | None = None
+
+
+class Host:
+    """A libp2p-compatible host. Create it with ``async with Host.open(...) as host``."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        transport: Any,
+        limits: HostLimits,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.identity = identity
+        self.peer_id: PeerID = identity.peer_id
+        self.transport = transport
+        self.limits = limits
+        self.peerstore = PeerStore()
+        self._nursery = nursery
+        self._listeners: list[Any] = []
+        self._listen_addrs: list[Multiaddr] = []
+        self._conns: dict[PeerID, list[_Connection]] = {}
+        self._dials: dict[PeerID, _PendingDial] = {}
+        self._pending_handshakes = 0
+        self._stream_handlers: dict[str, StreamHandler] = {}
+        self._rpc_handlers: dict[str, RpcHandler] = {}
+        self._observers: list[tuple[Callable[[PeerID], None], Callable[[PeerID], None]]] = []
+        self._closing = False
+        self._stream_handlers[PING_PROTOCOL] = self._serve_ping
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        identity: Identity | None = None,
+        transport: Any = None,
+        limits: HostLimits | None = None,
+    ) -> AsyncIterator[Host]:
+        """Run a host for the duration of the block; leaving it closes everything it owns."""
+        async with trio.open_nursery() as nursery:
+            host = cls(
+                identity or Identity.generate(),
+                transport if transport is not None else TCPTransport(),
+                limits or HostLimits(),
+                nursery,
+            )
+            try:
+                yield host
+            finally:
+                with trio.CancelScope(shield=True):
+                    await host._close()
+                nursery.cancel_scope.cancel()
+
+    async def _close(self) -> None:
+        self._closing = True
+        for listener in self._listeners:
+            try:
+                await listener.aclose()
+            except (OSError, trio.ClosedResourceError):
+                pass
+        self._listeners.clear()
+        conns = [c for group in self._conns.values() for c in group]
+        with trio.move_on_after(1.0):
+            async with trio.open_nursery() as nursery:
+                for conn in conns:
+                    nursery.start_soon(conn.session.aclose)
+        for conn in conns:
+            conn.session._shutdown("host closed")
+
+    # -- listening -----------------------------------------------------------------------
+    @property
+    def listen_addrs(self) -> list[Multiaddr]:
+        return list(self._listen_addrs)
+
+    async def listen(self, maddrs: Iterable[Multiaddr | str]) -> list[Multiaddr]:
+        """Start accepting connections; returns the actual addresses, with ``/p2p/<id>``."""
+        added: list[Multiaddr] = []
+        for maddr in maddrs:
+            for listener in await self.transport.listen(Multiaddr(maddr)):
+                self._listeners.append(listener)
+                addr = listener.multiaddr.with_peer_id(self.peer_id)
+                self._listen_addrs.append(addr)
+                added.append(addr)
+                self._nursery.start_soon(self._accept_loop, listener)
+        return added
+
+    async def _accept_loop(self, listener: Any) -> None:
+        while True:
+            try:
+                raw, remote = await listener.accept()
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return
+            except OSError as e:
+                logger.warning("accept on %s failed: %s", listener.multiaddr, e)
+                await trio.sleep(0.1)
+                continue
+            if self._closing:
+                await _close_quietly(raw)
+                return
+            if (
+                self._connection_count() >= self.limits.max_connections
+                or self._pending_handshakes >= self.limits.max_pending_handshakes
+            ):
+                logger.warning(
+                    "refusing inbound connection from %s: connection limit reached", remote
+                )
+                await _close_quietly(raw)
+                continue
+            self._pending_handshakes += 1
+            self._nursery.start_soon(self._handle_inbound, raw, remote)
+
+    async def _handle_inbound(self, raw: trio.abc.Stream, remote: str) -> None:
+        try:
+            with trio.move_on_after(self.limits.handshake_timeout) as scope:
+                try:
+                    peer_id, session = await self._upgrade(raw, None, outbound=False, name=remote)
+                except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                    logger.warning("dropping inbound connection from %s: %s", remote, _reason(e))
+                    await _close_quietly(raw)
+                    return
+            if scope.cancelled_caught:
+                logger.warning(
+                    "dropping inbound connection from %s: handshake did not finish within %.1fs",
+                    remote,
+                    self.limits.handshake_timeout,
+                )
+                await _close_quietly(raw)
+                return
+        finally:
+            self._pending_handshakes -= 1
+        conn = _Connection(peer_id, session, outbound=False, remote_addr=remote)
+        if self._closing:
+            await session.aclose()
+            return
+        self._register(conn)
+        await self._serve_connection(conn)
+
+    # -- upgrading a raw connection ------------------------------------------------------
+    async def _upgrade(
+        self, raw: trio.abc.Stream, expected: PeerID | None, *, outbound: bool, name: str
+    ) -> tuple[PeerID, YamuxSession]:
+        """multistream /noise -> Noise -> multistream /yamux -> yamux session (not yet run)."""
+        from .noise import noise_handshake  # the security layer is built alongside this module
+
+        timeout = self.limits.handshake_timeout
+        try:
+            if outbound:
+                _, stream = await multistream.negotiate_outbound(raw, [NOISE_PROTOCOL], timeout)
+            else:
+                _, stream = await multistream.negotiate_inbound(raw, [NOISE_PROTOCOL], timeout)
+        except ProtocolNegotiationError as e:
+            raise HandshakeError(f"security negotiation failed: {e}") from e
+        secure = await noise_handshake(
+            stream, self.identity, initiator=outbound, expected_peer=expected, timeout=timeout
+        )
+        peer_id: PeerID = secure.remote_peer
+        try:
+            if outbound:
+                _, muxed = await multistream.negotiate_outbound(secure, [YAMUX_PROTOCOL], timeout)
+            else:
+                _, muxed = await multistream.negotiate_inbound(secure, [YAMUX_PROTOCOL], timeout)
+        except ProtocolNegotiationError as e:
+            await _close_quietly(secure)
+            raise HandshakeError(f"muxer negotiation with {peer_id.short()} failed: {e}") from e
+        limits = self.limits
+        session = YamuxSession(
+            muxed,
+            is_client=outbound,
+            stream_window=limits.stream_window,
+            max_stream_window=limits.max_stream_window,
+            max_streams=limits.max_streams_per_connection,
+            max_buffered=limits.max_buffered_per_connection,
+            keepalive_interval=limits.keepalive_interval,
+            keepalive_timeout=limits.keepalive_timeout,
+            name=f"{peer_id.short()}@{name}",
+        )
+        return peer_id, session
+
+    # -- connection bookkeeping ----------------------------------------------------------
+    def _connection_count(self) -> int:
+        return sum(len(group) for group in self._conns.values())
+
+    def _register(self, conn: _Connection) -> None:
+        """Make a new connection usable at once (before its serving task starts)."""
+        group = self._conns.setdefault(conn.peer_id, [])
+        first = not any(c.alive for c in group)
+        group.append(conn)
+        conn.session._on_close = lambda _s: self._on_connection_closed(conn)
+        logger.debug(
+            "connected to %s (%s, %s)",
+            conn.peer_id.short(),
+            "outbound" if conn.outbound else "inbound",
+            conn.remote_addr,
+        )
+        if first:
+            self._notify(0, conn.peer_id)
+
+    async def _serve_connection(self, conn: _Connection) -> None:
+        """Run a registered connection until it closes (a task in the host nursery)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.session.run)
+            while True:
+                try:
+                    ystream = await conn.session.accept_stream()
+                except StreamClosedError:
+                    break
+                nursery.start_soon(self._handle_stream, conn, ystream)
+
+    def _on_connection_closed(self, conn: _Connection) -> None:
+        group = self._conns.get(conn.peer_id)
+        if group is None or conn not in group:
+            return
+        group.remove(conn)
+        if conn.session.close_reason.startswith("protocol violation"):
+            logger.warning(
+                "dropped connection to %s (%s): %s",
+                conn.peer_id.short(),
+                conn.remote_addr,
+                conn.session.close_reason,
+            )
+        else:
+            logger.debug(
+                "connection to %s closed: %s", conn.peer_id.short(), conn.session.close_reason
+            )
+        if not group:
+            del self._conns[conn.peer_id]
+            self._notify(1, conn.peer_id)
+
+    def _notify(self, which: int, peer_id: PeerID) -> None:
+        for callbacks in list(self._observers):
+            try:
+                callbacks[which](peer_id)
+            except Exception:
+                logger.exception("connection observer failed")
+
+    def add_connection_observer(
+        self, on_connect: Callable[[PeerID], None], on_disconnect: Callable[[PeerID], None]
+    ) -> None:
+        """Call ``on_connect(peer)`` when the first connection to a peer opens and
+        ``on_disconnect(peer)`` when its last one closes."""
+        self._observers.append((on_connect, on_disconnect))
+
+    def _best_connection(self, peer_id: PeerID) -> _Connection | None:
+        live = [c for c in self._conns.get(peer_id, ()) if c.alive]
+        if not live:
+            return None
+        # Deterministic choice for simultaneous dials: prefer the connection dialed by the
+        # peer with the smaller PeerID (both sides compute the same answer).
+        we_dial = self.peer_id < peer_id
+        for conn in live:
+            if conn.outbound == we_dial:
+                return conn
+        return live[0]
+
+    def is_connected(self, peer_id: PeerID) -> bool:
+        return self._best_connection(peer_id) is not None
+
+    def connected_peers(self) -> list[PeerID]:
+        return [pid for pid, group in self._conns.items() if any(c.alive for c in group)]
+
+    async def disconnect(self, peer_id: PeerID) -> None:
+        """Close every connection to ``peer_id`` (GoAway, then close)."""
+        for conn in list(self._conns.get(peer_id, ())):
+            await conn.session.aclose()
+        await trio.lowlevel.checkpoint()
+
+    # -- dialing -------------------------------------------------------------------------
+    async def connect(
+        self,
+        addrs: Sequence[Multiaddr | str] | Multiaddr | str,
+        peer_id: PeerID | None = None,
+        timeout: float = 10.0,  # noqa: ASYNC109 - the documented API takes a timeout
+    ) -> PeerID:
+        """Connect (or reuse a connection) and return the remote's proven PeerID.
+
+        Raises DialError (each address' failure listed), PeerIDMismatchError if the remote is
+        not ``peer_id`` (or the ``/p2p/`` id in the address), P2PTimeoutError.
+        """
+        if isinstance(addrs, (str, Multiaddr)):
+            addrs = [addrs]
+        maddrs = [Multiaddr(a) for a in addrs]
+        if peer_id is None:
+            ids = {m.peer_id for m in maddrs if m.peer_id is not None}
+            if len(ids) > 1:
+                raise ValueError("the addresses name different peers; pass peer_id explicitly")
+            peer_id = ids.pop() if ids else None
+        if peer_id is None:
+            return await self._dial_unknown(maddrs, timeout)
+        if peer_id == self.peer_id:
+            raise DialError("refusing to dial ourselves")
+        self.peerstore.add_addrs(peer_id, maddrs)
+        await self._get_connection(peer_id, timeout)
+        return peer_id
+
+    async def _dial_unknown(self, maddrs: list[Multiaddr], timeout: float) -> PeerID:  # noqa: ASYNC109
+        with trio.move_on_after(timeout) as scope:
+            conn = await self._dial_addrs(None, maddrs)
+            existing = self._best_connection(conn.peer_id)
+            self.peerstore.add_addrs(conn.peer_id, maddrs)
+            if existing is not None:
+                await conn.session.aclose()
+                return conn.peer_id
+            self._register(conn)
+            self._nursery.start_soon(self._serve_connection, conn)
+            return conn.peer_id
+        assert scope.cancelled_caught
+        raise P2PTimeoutError(f"could not connect to {[str(m) for m in maddrs]} within {timeout}s")
+
+    async def _get_connection(self, peer_id: PeerID, timeout: float) -> _Connection:  # noqa: ASYNC109
+        conn = self._best_connection(peer_id)
+        if conn is not None:
+            return conn
+        if self._closing:
+            raise DialError("host is closing")
+        pending = self._dials.get(peer_id)
+        if pending is None:
+            pending = _PendingDial()
+            self._dials[peer_id] = pending
+            self._nursery.start_soon(self._dial_task, peer_id, pending, timeout)
+        with trio.move_on_after(timeout) as scope:
+            await pending.done.wait()
+        if scope.cancelled_caught:
+            raise P2PTimeoutError(f"could not connect to {peer_id.short()} within {timeout:.1f}s")
+        if pending.error is not None:
+            raise pending.error
+        assert pending.connection is not None
+        return pending.connection
+
+    async def _dial_task(self, peer_id: PeerID, pending: _PendingDial, timeout: float) -> None:  # noqa: ASYNC109
+        try:
+            with trio.move_on_after(timeout) as scope:
+                addrs = self.peerstore.get_addrs(peer_id)
+                if not addrs:
+                    raise DialError(f"no known addresses for {peer_id.short()}")
+                conn = await self._dial_addrs(peer_id, addrs)
+                pending.connection = conn
+            if scope.cancelled_caught:
+                pending.error = P2PTimeoutError(
+                    f"could not connect to {peer_id.short()} within {timeout:.1f}s"
+                )
+        except P2PError as e:
+            pending.error = e
+        finally:
+            self._dials.pop(peer_id, None)
+        conn = pending.connection
+        if conn is not None:
+            if self._closing:
+                await conn.session.aclose()
+                pending.connection, pending.error = None, DialError("host is closing")
+            else:
+                self._register(conn)
+                self._nursery.start_soon(self._serve_connection, conn)
+        pending.done.set()
+
+    async def _dial_addrs(self, expected: PeerID | None, addrs: list[Multiaddr]) -> _Connection:
+        failures: list[str] = []
+        mismatch: PeerIDMismatchError | None = None
+        for addr in addrs:
+            target = addr.without_peer_id()
+            if not self.transport.can_dial(target):
+                failures.append(f"{target}: transport cannot dial this address")
+                continue
+            try:
+                raw = await self.transport.dial(target, timeout=self.limits.handshake_timeout)
+            except (OSError, P2PError) as e:
+                failures.append(f"{target}: {_reason(e)}")
+                continue
+            try:
+                with trio.fail_after(self.limits.handshake_timeout):
+                    peer_id, session = await self._upgrade(
+                        raw, expected, outbound=True, name=str(target)
+                    )
+            except PeerIDMismatchError as e:
+                await _close_quietly(raw)
+                logger.warning("dial %s: %s", target, e)
+                mismatch = e
+                failures.append(f"{target}: {e}")
+                continue
+            except (P2PError, trio.TooSlowError, trio.BrokenResourceError, OSError) as e:
+                await _close_quietly(raw)
+                failures.append(f"{target}: {_reason(e)}")
+                continue
+            except BaseException:
+                await _close_quietly(raw)
+                raise
+            return _Connection(peer_id, session, outbound=True, remote_addr=str(target))
+        if mismatch is not None:
+            raise PeerIDMismatchError(f"{mismatch} (all addresses: {'; '.join(failures)})")
+        who = expected.short() if expected is not None else "peer"
+        raise DialError(f"could not connect to {who}: " + "; ".join(failures))
+
+    # -- streams -------------------------------------------------------------------------
+    def set_stream_handler(self, protocol: str, handler: StreamHandler | None) -> None:
+        """Serve ``protocol`` with ``async def handler(stream: P2PStream)`` (None removes it)."""
+        self._rpc_handlers.pop(protocol, None)
+        if handler is None:
+            self._stream_handlers.pop(protocol, None)
+        else:
+            self._stream_handlers[protocol] = handler
+
+    def set_rpc_handler(self, protocol: str, fn: RpcHandler | None) -> None:
+        """Serve ``protocol`` as unary RPC with ``async def fn(peer, request) -> response``."""
+        self._stream_handlers.pop(protocol, None)
+        if fn is None:
+            self._rpc_handlers.pop(protocol, None)
+        else:
+            self._rpc_handlers[protocol] = fn
+
+    def _supports(self, protocol: str) -> bool:
+        return protocol in self._stream_handlers or protocol in self._rpc_handlers
+
+    async def new_stream(
+        self,
+        peer_id: PeerID,
+        protocol: str,
+        timeout: float = 10.0,  # noqa: ASYNC109 - the documented API takes a timeout
+        *,
+        lazy: bool = False,
+    ) -> P2PStream:
+        """Open a stream speaking ``protocol`` (dialing via the peerstore if needed).
+
+        With ``lazy=True`` the protocol proposal is sent along with the first data and a
+        refusal surfaces as ProtocolNegotiationError on the first read (saves a round trip).
+        """
+        with trio.move_on_after(timeout) as scope:
+            conn = await self._get_connection(peer_id, timeout)
+            ystream = await conn.session.open_stream()
+            try:
+                _, stream = await multistream.negotiate_outbound(
+                    ystream, [protocol], timeout, lazy=lazy
+                )
+            except BaseException:
+                ystream.reset()
+                raise
+            return P2PStream(stream, ystream, peer_id, protocol, self.limits.max_message_size)
+        assert scope.cancelled_caught
+        raise P2PTimeoutError(f"opening {protocol} to {peer_id.short()} timed out after {timeout}s")
+
+    async def _handle_stream(self, conn: _Connection, ystream: YamuxStream) -> None:
+        try:
+            protocol, stream = await multistream.negotiate_inbound(
+                ystream, self._supports, self.limits.negotiation_timeout
+            )
+        except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            logger.debug("stream from %s: negotiation failed: %s", conn.peer_id.short(), e)
+            ystream.reset()
+            return
+        p2p = P2PStream(stream, ystream, conn.peer_id, protocol, self.limits.max_message_size)
+        rpc = self._rpc_handlers.get(protocol)
+        try:
+            if rpc is not None:
+                await self._serve_rpc(p2p, rpc)
+                return
+            handler = self._stream_handlers.get(protocol)
+            if handler is None:  # removed after negotiation
+                p2p.reset()
+                return
+            await handler(p2p)
+        except (StreamClosedError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            logger.debug("%s handler: stream from %s ended: %s", protocol, conn.peer_id.short(), e)
+            p2p.reset()
+        except P2PError as e:
+            logger.info("%s handler: peer %s: %s", protocol, conn.peer_id.short(), _reason(e))
+            p2p.reset()
+        except Exception:
+            logger.exception(
+                "%s handler failed on a stream from %s", protocol, conn.peer_id.short()
+            )
+            p2p.reset()
+        else:
+            await p2p.aclose()
+
+    async def _serve_ping(self, stream: P2PStream) -> None:
+        """/ipfs/ping/1.0.0: echo 32-byte payloads until the dialer closes."""
+        reader = stream._reader
+        while True:
+            try:
+                payload = await reader.receive_exactly(PING_SIZE)
+            except StreamClosedError:
+                return
+            await stream.send_all(payload)
+
+    async def ping(self, peer_id: PeerID, timeout: float = 5.0) -> float:  # noqa: ASYNC109
+        """Round-trip time (seconds) of one /ipfs/ping/1.0.0 exchange."""
+        with trio.move_on_after(timeout) as scope:
+            stream = await self.new_stream(peer_id, PING_PROTOCOL, timeout, lazy=True)
+            try:
+                payload = os.urandom(PING_SIZE)
+                start = trio.current_time()
+                await stream.send_all(payload)
+                echo = await stream._reader.receive_exactly(PING_SIZE)
+                rtt = trio.current_time() - start
+                if echo != payload:
+                    raise ProtocolViolationError(
+                        f"{peer_id.short()} answered ping with other bytes"
+                    )
+            except BaseException:
+                stream.reset()
+                raise
+            await stream.aclose()
+            return rtt
+        assert scope.cancelled_caught
+        raise P2PTimeoutError(f"ping to {peer_id.short()} timed out after {timeout}s")
+
+    # -- unary RPC -----------------------------------------------------------------------
+    async def call(
+        self,
+        peer_id: PeerID,
+        protocol: str,
+        request: Any,
+        timeout: float = 5.0,  # noqa: ASYNC109 - the documented API takes a timeout
+    ) -> Any:
+        """Unary RPC: one request message, one response message (see docs/network.md).
+
+        Raises RemoteError if the remote handler failed, P2PTimeoutError on timeout,
+        ProtocolNegotiationError if the remote does not serve ``protocol``.
+        """
+        with trio.move_on_after(timeout) as scope:
+            stream = await self.new_stream(peer_id, protocol, timeout, lazy=True)
+            try:
+                await stream.send_msg(request)
+                await stream.send_eof()
+                response = await stream.receive_msg()
+            except BaseException:
+                stream.reset()
+                raise
+            await stream.aclose()
+            if isinstance(response, dict) and len(response) == 1:
+                if "ok" in response:
+                    return response["ok"]
+                if "err" in response and isinstance(response["err"], str):
+                    raise RemoteError(response["err"][:4096])
+            raise ProtocolViolationError(
+                f"{peer_id.short()} sent a malformed RPC response on {protocol}"
+            )
+        assert scope.cancelled_caught
+        raise P2PTimeoutError(f"{protocol} call to {peer_id.short()} timed out after {timeout}s")
+
+    async def _serve_rpc(self, stream: P2PStream, fn: RpcHandler) -> None:
+        with trio.move_on_after(self.limits.rpc_request_timeout) as scope:
+            request = await stream.receive_msg()
+        if scope.cancelled_caught:
+            raise P2PTimeoutError(f"no request within {self.limits.rpc_request_timeout:.1f}s")
+        try:
+            result = await fn(stream.remote_peer, request)
+            await stream.send_msg({"ok": result})
+        except (StreamClosedError, trio.BrokenResourceError, trio.ClosedResourceError):
+            raise
+        except Exception as e:
+            logger.warning(
+                "%s handler raised for a request from %s: %r",
+                stream.protocol,
+                stream.remote_peer.short(),
+                e,
+            )
+            logger.debug("handler traceback", exc_info=True)
+            await stream.send_msg({"err": f"{type(e).__name__}: {e}"[:4096]})
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}" if not isinstance(e, P2PError) else text
+
+
+async def _close_quietly(stream: Any) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await stream.aclose()
+        except Exception:  # noqa: BLE001 - closing a broken stream may fail in many ways
+            pass
+
+
+__all__ = ["Host", "HostLimits", "P2PStream"]

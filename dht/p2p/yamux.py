@@ -1,0 +1,768 @@
+"""yamux stream multiplexer (hashicorp spec, as used by libp2p as ``/yamux/1.0.0``).
+
+One :class:`YamuxSession` runs over any reliable byte stream (a Noise session in production,
+an in-memory pipe in tests) and carries many :class:`YamuxStream` s. Design points:
+
+* A single writer task owns the underlying stream. Callers only *enqueue* whole frames, so
+  cancelling a caller can never leave half a frame on the wire, and queued small frames are
+  coalesced into one write.
+* Every stream has a receive window (256 KiB initially, as the spec requires). The buffer of
+  a stream never exceeds the window we granted, so a reader that never reads costs at most
+  one window of memory; the sender simply blocks. A session-wide cap bounds the sum.
+* Window auto-tuning (as go-yamux does): when a reader consumed a whole window in less than
+  four round trips, the window is doubled (up to ``max_stream_window``) so a single bulk
+  stream is not capped at 256 KiB per RTT.
+* Anything the remote gets wrong (bad version/type, unknown flags, data beyond the window,
+  absurd lengths, duplicate stream ids) is a protocol violation: the session is closed with
+  a GoAway and a log line naming the reason. Lengths are checked before anything is
+  allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from .errors import (
+    P2PTimeoutError,
+    ProtocolViolationError,
+    ResourceLimitError,
+    StreamClosedError,
+    StreamResetError,
+)
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_ID = "/yamux/1.0.0"
+
+VERSION = 0
+TYPE_DATA = 0
+TYPE_WINDOW_UPDATE = 1
+TYPE_PING = 2
+TYPE_GO_AWAY = 3
+
+FLAG_SYN = 0x1
+FLAG_ACK = 0x2
+FLAG_FIN = 0x4
+FLAG_RST = 0x8
+_KNOWN_FLAGS = FLAG_SYN | FLAG_ACK | FLAG_FIN | FLAG_RST
+
+GO_AWAY_NORMAL = 0
+GO_AWAY_PROTOCOL_ERROR = 1
+GO_AWAY_INTERNAL_ERROR = 2
+
+HEADER = struct.Struct(">BBHII")
+HEADER_SIZE = HEADER.size  # 12
+INITIAL_WINDOW = 256 * 1024
+DEFAULT_MAX_STREAM_WINDOW = 16 * 1024 * 1024
+MAX_FRAME_PAYLOAD = 256 * 1024  # we never send a Data frame larger than this
+_RECV_CHUNK = 256 * 1024
+_OUT_LIMIT = 1024 * 1024  # queued outgoing bytes before data senders wait
+_OUT_HARD_LIMIT = (
+    4 * _OUT_LIMIT
+)  # control frames (pongs, RSTs, ...) beyond this: remote not reading
+_COALESCE_LIMIT = 64 * 1024  # frames smaller than this are joined into one write
+
+
+def pack_header(ftype: int, flags: int, stream_id: int, length: int) -> bytes:
+    return HEADER.pack(VERSION, ftype, flags, stream_id, length)
+
+
+class _Violation(ProtocolViolationError):
+    """Internal: the remote broke the protocol; the message is the reason."""
+
+
+class YamuxStream(trio.abc.HalfCloseableStream):
+    """One logical stream. Implements trio's HalfCloseableStream; ``reset()`` aborts it."""
+
+    def __init__(self, session: YamuxSession, stream_id: int, max_window: int) -> None:
+        self.session = session
+        self.stream_id = stream_id
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        # How many bytes the remote may still send before we grant more.
+        self._recv_remaining = INITIAL_WINDOW
+        self._recv_window = INITIAL_WINDOW  # the window size we aim to keep granted
+        self._target_window = max_window  # auto-tuning grows the window up to this
+        self._consumed_since_update = 0
+        self._epoch_start = trio.current_time()
+        self._send_window = INITIAL_WINDOW
+        self._remote_eof = False
+        self._local_eof = False
+        self._read_closed = False
+        self._reset = False
+        self._reset_reason = ""
+        self._recv_lot = trio.lowlevel.ParkingLot()
+        self._send_lot = trio.lowlevel.ParkingLot()
+        self._reading = False
+        self._sending = False
+
+    # -- introspection -------------------------------------------------------------------
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received but not yet read by the application."""
+        return self._buffered
+
+    @property
+    def receive_window(self) -> int:
+        return self._recv_window
+
+    @property
+    def is_reset(self) -> bool:
+        return self._reset
+
+    def __repr__(self) -> str:
+        return f"<YamuxStream {self.stream_id} on {self.session.name}>"
+
+    # -- receiving -----------------------------------------------------------------------
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._reading:
+            raise trio.BusyResourceError("another task is already reading from this stream")
+        self._reading = True
+        try:
+            while not self._chunks:
+                self._raise_if_unreadable()
+                if self._remote_eof:
+                    await trio.lowlevel.checkpoint()
+                    return b""
+                await self._recv_lot.park()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            chunk = self._chunks.popleft()
+            if max_bytes is not None and max_bytes < len(chunk):
+                if max_bytes < 1:
+                    self._chunks.appendleft(chunk)
+                    raise ValueError("max_bytes must be >= 1")
+                self._chunks.appendleft(chunk[max_bytes:])
+                chunk = chunk[:max_bytes]
+            self._buffered -= len(chunk)
+            self.session._buffered -= len(chunk)
+            self._consumed(len(chunk))
+            return chunk
+        finally:
+            self._reading = False
+
+    def _raise_if_unreadable(self) -> None:
+        if self._reset:
+            raise StreamResetError(f"yamux stream {self.stream_id} was reset: {self._reset_reason}")
+        if self._read_closed:
+            raise trio.ClosedResourceError("stream was closed locally")
+
+    def _consumed(self, n: int) -> None:
+        """Return window credit after the application read ``n`` bytes, tuning the window."""
+        self._consumed_since_update += n
+        if self._remote_eof or self._reset:
+            return
+        if self._consumed_since_update < self._recv_window // 2:
+            return
+        delta = self._consumed_since_update
+        now = trio.current_time()
+        rtt = self.session.rtt
+        if (
+            self._recv_window < self._target_window
+            and rtt is not None
+            and now - self._epoch_start < 4 * rtt
+        ):
+            grown = min(self._recv_window * 2, self._target_window)
+            if self.session._may_grow(grown - self._recv_window):
+                delta += grown - self._recv_window
+                self._recv_window = grown
+        self._epoch_start = now
+        self._consumed_since_update = 0
+        self._recv_remaining += delta
+        self.session._enqueue_control(TYPE_WINDOW_UPDATE, 0, self.stream_id, delta)
+
+    # -- sending -------------------------------------------------------------------------
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this stream")
+        self._sending = True
+        try:
+            # bytes are immutable: frames can reference them without copying. A mutable buffer
+            # may change after we return, so its frames get their own copy.
+            immutable = isinstance(data, bytes)
+            view = memoryview(data).cast("B")
+            total = len(view)
+            offset = 0
+            if total == 0:
+                self._raise_if_unwritable()
+                await trio.lowlevel.checkpoint()
+                return
+            while offset < total:
+                self._raise_if_unwritable()
+                if self._send_window <= 0:
+                    await self._send_lot.park()
+                    continue
+                await self.session._wait_send_space()
+                self._raise_if_unwritable()
+                if self._send_window <= 0:
+                    continue
+                n = min(total - offset, self._send_window, MAX_FRAME_PAYLOAD)
+                if immutable:
+                    piece = data if n == total else view[offset : offset + n]
+                else:
+                    piece = bytes(view[offset : offset + n])
+                self._send_window -= n
+                self.session._enqueue_data(self.stream_id, piece)
+                offset += n
+            await trio.lowlevel.checkpoint()
+        finally:
+            self._sending = False
+
+    def _raise_if_unwritable(self) -> None:
+        if self._reset:
+            raise StreamResetError(f"yamux stream {self.stream_id} was reset: {self._reset_reason}")
+        if self._local_eof:
+            raise trio.ClosedResourceError("send_eof() or aclose() was already called")
+        if self.session.closed:
+            raise StreamResetError(f"connection closed: {self.session.close_reason}")
+
+    async def wait_send_all_might_not_block(self) -> None:
+        while self._send_window <= 0 and not self._reset and not self._local_eof:
+            await self._send_lot.park()
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        if self._local_eof or self._reset:
+            await trio.lowlevel.checkpoint()
+            return
+        self._local_eof = True
+        if not self.session.closed:
+            self.session._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_FIN, self.stream_id, 0)
+        self.session._maybe_forget(self)
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        """Half-close our side (FIN) and stop reading. Unread incoming data is discarded."""
+        self._close_read_side()
+        if not self._local_eof and not self._reset:
+            self._local_eof = True
+            if not self.session.closed:
+                self.session._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_FIN, self.stream_id, 0)
+        self._send_lot.unpark_all()
+        self.session._maybe_forget(self)
+        await trio.lowlevel.checkpoint()
+
+    def _close_read_side(self) -> None:
+        if self._read_closed:
+            return
+        self._read_closed = True
+        dropped = self._buffered
+        self._chunks.clear()
+        self._buffered = 0
+        self.session._buffered -= dropped
+        if dropped and not self._remote_eof and not self._reset and not self.session.closed:
+            # Give the credit back so a remote still writing is not stuck; its bytes are dropped.
+            self._recv_remaining += dropped
+            self.session._enqueue_control(TYPE_WINDOW_UPDATE, 0, self.stream_id, dropped)
+        self._recv_lot.unpark_all()
+
+    def reset(self) -> None:
+        """Abort the stream in both directions (sends RST)."""
+        if self._reset:
+            return
+        if not self.session.closed and not (self._local_eof and self._remote_eof):
+            self.session._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_RST, self.stream_id, 0)
+        self._mark_reset("reset locally")
+
+    def _mark_reset(self, reason: str) -> None:
+        if self._reset:
+            return
+        self._reset = True
+        self._reset_reason = reason
+        self.session._buffered -= self._buffered
+        self._buffered = 0
+        self._chunks.clear()
+        self._recv_lot.unpark_all()
+        self._send_lot.unpark_all()
+        self.session._forget(self)
+
+    # -- called by the session's reader --------------------------------------------------
+    def _deliver(self, data: bytes) -> None:
+        if self._read_closed or self._reset:
+            # Nobody will read it: return the credit immediately.
+            if not self._reset and not self._remote_eof:
+                self._recv_remaining += len(data)
+                self.session._enqueue_control(TYPE_WINDOW_UPDATE, 0, self.stream_id, len(data))
+            return
+        self._chunks.append(data)
+        self._buffered += len(data)
+        self.session._buffered += len(data)
+        self._recv_lot.unpark_all()
+
+    def _on_remote_fin(self) -> None:
+        self._remote_eof = True
+        self._recv_lot.unpark_all()
+        self.session._maybe_forget(self)
+
+    def _on_window_update(self, delta: int) -> None:
+        self._send_window += delta
+        if self._send_window > 0:
+            self._send_lot.unpark_all()
+
+
+class YamuxSession:
+    """A yamux connection. Run it with ``async with session:`` (or ``await session.run()``).
+
+    ``is_client`` decides stream id parity (odd for the dialer). Inbound streams are
+    delivered through :meth:`accept_stream`; at most ``accept_backlog`` (default: all
+    ``max_streams``) may wait there, extra ones are refused with RST, as are streams beyond
+    ``max_streams``.
+    """
+
+    def __init__(
+        self,
+        conn: trio.abc.Stream,
+        *,
+        is_client: bool,
+        stream_window: int = INITIAL_WINDOW,
+        max_stream_window: int = DEFAULT_MAX_STREAM_WINDOW,
+        max_streams: int = 1024,
+        max_buffered: int = 64 * 1024 * 1024,
+        accept_backlog: int | None = None,
+        keepalive_interval: float | None = None,
+        keepalive_timeout: float = 10.0,
+        name: str = "",
+        on_close: Callable[[YamuxSession], Any] | None = None,
+    ) -> None:
+        if stream_window < INITIAL_WINDOW:
+            raise ValueError("yamux stream_window must be >= 256 KiB (the spec's initial window)")
+        if max_stream_window < stream_window or max_stream_window >= 2**31:
+            raise ValueError("max_stream_window must be >= stream_window and < 2 GiB")
+        self.conn = conn
+        self.is_client = is_client
+        self.name = name or ("client" if is_client else "server")
+        self.stream_window = stream_window
+        self.max_stream_window = max_stream_window
+        self.max_streams = max_streams
+        self.max_buffered = max_buffered
+        self.keepalive_interval = keepalive_interval
+        self.keepalive_timeout = keepalive_timeout
+        self.rtt: float | None = None
+        self.closed = False
+        self.close_reason = ""
+        self.remote_go_away = False
+        self._on_close = on_close
+        self._next_id = 1 if is_client else 2
+        self._streams: dict[int, YamuxStream] = {}
+        self._buffered = 0
+        self._granted_extra = 0  # window growth beyond the initial window, summed over streams
+        self._accept_send, self._accept_recv = trio.open_memory_channel[YamuxStream](
+            max_streams if accept_backlog is None else accept_backlog
+        )
+        # outgoing frame queue, consumed by the writer task
+        self._out: deque[bytes | memoryview] = deque()
+        self._out_bytes = 0
+        self._writer_lot = trio.lowlevel.ParkingLot()
+        self._space_lot = trio.lowlevel.ParkingLot()
+        self._pings: dict[int, trio.Event] = {}
+        self._ping_counter = int.from_bytes(os.urandom(2), "big")
+        self._done = trio.Event()
+        self._cancel_scope: trio.CancelScope | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def run(self) -> None:
+        """Serve the session until it closes (remote EOF, violation, or :meth:`aclose`)."""
+        try:
+            with trio.CancelScope() as scope:
+                self._cancel_scope = scope
+                if self.closed:
+                    scope.cancel()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer)
+                    nursery.start_soon(self._reader)
+                    nursery.start_soon(self._measure_rtt)
+                    if self.keepalive_interval:
+                        nursery.start_soon(self._keepalive)
+        finally:
+            self._shutdown("session ended")
+            with trio.CancelScope(shield=True):
+                try:
+                    with trio.move_on_after(1.0):
+                        await self.conn.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+                except Exception as e:  # noqa: BLE001 - closing must never raise here
+                    logger.debug("yamux %s: error closing transport: %r", self.name, e)
+            self._done.set()
+
+    async def wait_closed(self) -> None:
+        await self._done.wait()
+
+    async def aclose(self, code: int = GO_AWAY_NORMAL) -> None:
+        """Send GoAway (best effort, briefly) and close the session and all its streams."""
+        if self._cancel_scope is None:
+            # run() never started: nobody else will close the transport.
+            self._shutdown("closed locally")
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.conn.aclose()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+            return
+        if not self.closed:
+            self._enqueue_control(TYPE_GO_AWAY, 0, 0, code, force=True)
+            with trio.move_on_after(0.5) as flush_scope:
+                flush_scope.shield = True
+                while self._out and not self.closed:
+                    await self._space_lot.park()
+            self._shutdown("closed locally")
+        with trio.CancelScope(shield=True):
+            await self._done.wait()
+
+    def _shutdown(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        for stream in list(self._streams.values()):
+            stream._mark_reset(f"connection closed ({reason})")
+        self._streams.clear()
+        self._accept_send.close()
+        self._writer_lot.unpark_all()
+        self._space_lot.unpark_all()
+        for ev in self._pings.values():
+            ev.set()
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
+        if self._on_close is not None:
+            try:
+                self._on_close(self)
+            except Exception:  # noqa: BLE001 - observers must not break teardown
+                logger.exception("yamux %s: on_close callback failed", self.name)
+
+    def _fail(self, reason: str, code: int = GO_AWAY_PROTOCOL_ERROR) -> None:
+        logger.warning("yamux %s: protocol violation, closing connection: %s", self.name, reason)
+        try:
+            self._enqueue_control(TYPE_GO_AWAY, 0, 0, code, force=True)
+        except ResourceLimitError:
+            pass
+        self._shutdown(f"protocol violation: {reason}")
+
+    # -- public API ----------------------------------------------------------------------
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._buffered
+
+    async def open_stream(self) -> YamuxStream:
+        """Open an outbound stream. Data may be sent immediately (before the remote's ACK)."""
+        if self.closed:
+            raise StreamResetError(f"connection closed: {self.close_reason}")
+        if self.remote_go_away:
+            raise StreamClosedError("remote sent GoAway: no new streams on this connection")
+        if len(self._streams) >= self.max_streams:
+            raise ResourceLimitError(f"too many streams on this connection ({self.max_streams})")
+        if self._next_id >= 2**32 - 2:
+            raise ResourceLimitError("yamux stream ids exhausted on this connection")
+        await self._wait_send_space()
+        if self.closed:
+            raise StreamResetError(f"connection closed: {self.close_reason}")
+        sid = self._next_id
+        self._next_id += 2
+        stream = YamuxStream(self, sid, self.max_stream_window)
+        self._streams[sid] = stream
+        self._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_SYN, sid, self._initial_grant(stream))
+        return stream
+
+    async def accept_stream(self) -> YamuxStream:
+        """Wait for the next inbound stream; raises StreamClosedError once the session closed."""
+        try:
+            return await self._accept_recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StreamClosedError(f"connection closed: {self.close_reason}") from None
+
+    async def ping(self, timeout: float = 10.0) -> float:  # noqa: ASYNC109 - API takes timeouts
+        """Round-trip time of a yamux Ping, in seconds."""
+        if self.closed:
+            raise StreamResetError(f"connection closed: {self.close_reason}")
+        self._ping_counter = (self._ping_counter + 1) & 0xFFFFFFFF
+        opaque = self._ping_counter
+        event = trio.Event()
+        self._pings[opaque] = event
+        start = trio.current_time()
+        try:
+            self._enqueue_control(TYPE_PING, FLAG_SYN, 0, opaque)
+            with trio.move_on_after(timeout):
+                await event.wait()
+        finally:
+            self._pings.pop(opaque, None)
+        if self.closed:
+            raise StreamResetError(f"connection closed: {self.close_reason}")
+        if not event.is_set():
+            raise P2PTimeoutError(f"yamux ping got no answer within {timeout:.1f}s")
+        rtt = trio.current_time() - start
+        self.rtt = rtt if self.rtt is None else 0.75 * self.rtt + 0.25 * rtt
+        return rtt
+
+    # -- window accounting shared by streams ---------------------------------------------
+    def _may_grow(self, extra: int) -> bool:
+        """Window growth is allowed while the sum of all granted windows stays under the cap."""
+        committed = len(self._streams) * INITIAL_WINDOW + self._granted_extra
+        if committed + extra > self.max_buffered:
+            return False
+        self._granted_extra += extra
+        return True
+
+    def _forget(self, stream: YamuxStream) -> None:
+        if self._streams.get(stream.stream_id) is stream:
+            del self._streams[stream.stream_id]
+            self._granted_extra -= stream._recv_window - INITIAL_WINDOW
+
+    def _maybe_forget(self, stream: YamuxStream) -> None:
+        """A stream closed in both directions needs no more bookkeeping."""
+        if stream._local_eof and stream._remote_eof:
+            self._forget(stream)
+
+    # -- writing -------------------------------------------------------------------------
+    async def _wait_send_space(self) -> None:
+        while self._out_bytes >= _OUT_LIMIT and not self.closed:
+            await self._space_lot.park()
+
+    def _enqueue_data(self, stream_id: int, payload: bytes | memoryview) -> None:
+        self._out.append(pack_header(TYPE_DATA, 0, stream_id, len(payload)))
+        self._out.append(payload)
+        self._out_bytes += HEADER_SIZE + len(payload)
+        self._writer_lot.unpark()
+
+    def _enqueue_control(
+        self, ftype: int, flags: int, stream_id: int, length: int, force: bool = False
+    ) -> None:
+        if self.closed:
+            return
+        if self._out_bytes >= _OUT_HARD_LIMIT and not force:
+            # The remote makes us produce control frames (pongs, RST, ...) but does not read.
+            self._fail("remote does not read what we send (outgoing queue full)")
+            return
+        self._out.append(pack_header(ftype, flags, stream_id, length))
+        self._out_bytes += HEADER_SIZE
+        self._writer_lot.unpark()
+
+    async def _writer(self) -> None:
+        out = self._out
+        try:
+            while True:
+                while not out:
+                    if self.closed:
+                        return
+                    await self._writer_lot.park()
+                # Take everything queued; join small pieces to save syscalls/Noise frames.
+                batch: list[bytes | memoryview] = []
+                size = 0
+                while out and size < _RECV_CHUNK:
+                    piece = out.popleft()
+                    batch.append(piece)
+                    size += len(piece)
+                if len(batch) == 1:
+                    data = batch[0]
+                else:
+                    data = b"".join(batch)
+                await self.conn.send_all(data)
+                self._out_bytes -= size
+                self._space_lot.unpark_all()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            self._shutdown(f"write failed: {e!r}")
+        except Exception as e:
+            # The security layer raises its own errors (e.g. the remote vanished mid-write).
+            logger.debug("yamux %s: writer stopped: %r", self.name, e)
+            self._shutdown(f"write failed: {e!r}")
+
+    # -- reading -------------------------------------------------------------------------
+    async def _reader(self) -> None:
+        try:
+            await self._read_loop()
+        except _Violation as v:
+            self._fail(str(v))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            self._shutdown(f"connection lost: {e!r}")
+        except Exception as e:
+            # Errors of the layer below (e.g. a Noise decryption failure) end the session.
+            logger.warning("yamux %s: closing connection after transport error: %s", self.name, e)
+            self._shutdown(f"transport error: {e}")
+
+    async def _read_loop(self) -> None:
+        conn = self.conn
+        header = bytearray()
+        pending = 0  # payload bytes of the current Data frame still to come
+        pending_stream: YamuxStream | None = None
+        pending_fin = False
+        while True:
+            data = await conn.receive_some(_RECV_CHUNK)
+            if not data:
+                self._shutdown("remote closed the connection")
+                return
+            n = len(data)
+            off = 0
+            while off < n:
+                if pending:
+                    take = min(pending, n - off)
+                    if pending_stream is not None:
+                        pending_stream._deliver(
+                            data if (off == 0 and take == n) else data[off : off + take]
+                        )
+                    off += take
+                    pending -= take
+                    if pending == 0:
+                        if pending_fin and pending_stream is not None:
+                            pending_stream._on_remote_fin()
+                        pending_stream, pending_fin = None, False
+                    continue
+                if header or n - off < HEADER_SIZE:
+                    need = HEADER_SIZE - len(header)
+                    header += data[off : off + need]
+                    off += min(need, n - off)
+                    if len(header) < HEADER_SIZE:
+                        continue
+                    fields = HEADER.unpack(header)
+                    header.clear()
+                else:
+                    fields = HEADER.unpack_from(data, off)
+                    off += HEADER_SIZE
+                result = self._on_frame(*fields)
+                if result is not None:
+                    pending, pending_stream, pending_fin = result
+                    if pending == 0:
+                        if pending_fin and pending_stream is not None:
+                            pending_stream._on_remote_fin()
+                        pending_stream, pending_fin = None, False
+                if self.closed:
+                    return
+
+    def _on_frame(
+        self, version: int, ftype: int, flags: int, sid: int, length: int
+    ) -> tuple[int, YamuxStream | None, bool] | None:
+        """Handle one header. For Data frames returns (payload length, stream, fin)."""
+        if version != VERSION:
+            raise _Violation(f"unsupported yamux version {version}")
+        if flags & ~_KNOWN_FLAGS:
+            raise _Violation(f"unknown yamux flags {flags:#x}")
+        if ftype == TYPE_DATA or ftype == TYPE_WINDOW_UPDATE:
+            if sid == 0:
+                raise _Violation("data/window update on stream 0")
+            stream = self._stream_for_frame(sid, flags)
+            if ftype == TYPE_WINDOW_UPDATE:
+                if stream is not None:
+                    stream._on_window_update(length)
+                    self._apply_flags(stream, flags)
+                return None
+            # Data frame: check the length against the window before anything else.
+            if stream is None:
+                if length > self.max_stream_window:
+                    raise _Violation(f"data frame of {length} bytes for unknown stream {sid}")
+                return (length, None, False)
+            if length > stream._recv_remaining:
+                raise _Violation(
+                    f"data frame of {length} bytes exceeds the receive window "
+                    f"({stream._recv_remaining} bytes) of stream {sid}"
+                )
+            stream._recv_remaining -= length
+            if length and not stream._read_closed and self._buffered + length > self.max_buffered:
+                logger.warning(
+                    "yamux %s: connection receive buffer full (%d bytes); resetting stream %d",
+                    self.name,
+                    self._buffered,
+                    sid,
+                )
+                stream.reset()
+                return (length, None, False)
+            if flags & FLAG_RST:
+                self._apply_flags(stream, flags)
+                return (length, None, False)
+            return (length, stream, bool(flags & FLAG_FIN))
+        if ftype == TYPE_PING:
+            if flags & FLAG_SYN:
+                self._enqueue_control(TYPE_PING, FLAG_ACK, 0, length)
+            elif flags & FLAG_ACK:
+                event = self._pings.get(length)
+                if event is not None:
+                    event.set()
+            return None
+        if ftype == TYPE_GO_AWAY:
+            self.remote_go_away = True
+            if length == GO_AWAY_NORMAL:
+                logger.debug("yamux %s: remote sent GoAway", self.name)
+            else:
+                logger.warning("yamux %s: remote sent GoAway with error code %d", self.name, length)
+            return None
+        raise _Violation(f"unknown yamux frame type {ftype}")
+
+    def _stream_for_frame(self, sid: int, flags: int) -> YamuxStream | None:
+        stream = self._streams.get(sid)
+        if flags & FLAG_SYN:
+            if stream is not None:
+                raise _Violation(f"duplicate SYN for stream {sid}")
+            if (sid % 2 == 1) == self.is_client:
+                raise _Violation(f"remote opened stream {sid} with our id parity")
+            if self.remote_go_away:
+                return None
+            if len(self._streams) >= self.max_streams:
+                logger.info(
+                    "yamux %s: refusing stream %d: %d streams open (limit)",
+                    self.name,
+                    sid,
+                    self.max_streams,
+                )
+                self._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_RST, sid, 0)
+                return None
+            stream = YamuxStream(self, sid, self.max_stream_window)
+            try:
+                self._accept_send.send_nowait(stream)
+            except trio.WouldBlock:
+                logger.info("yamux %s: refusing stream %d: accept backlog full", self.name, sid)
+                self._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_RST, sid, 0)
+                return None
+            except trio.ClosedResourceError:
+                return None
+            self._streams[sid] = stream
+            self._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_ACK, sid, self._initial_grant(stream))
+        return stream
+
+    def _initial_grant(self, stream: YamuxStream) -> int:
+        """Extra window beyond the spec's 256 KiB, granted with SYN/ACK if configured."""
+        extra = self.stream_window - INITIAL_WINDOW
+        if extra and self._may_grow(extra):
+            stream._recv_window = self.stream_window
+            stream._recv_remaining += extra
+            return extra
+        return 0
+
+    def _apply_flags(self, stream: YamuxStream, flags: int) -> None:
+        if flags & FLAG_RST:
+            stream._mark_reset("reset by remote")
+        elif flags & FLAG_FIN:
+            stream._on_remote_fin()
+
+    # -- background tasks ----------------------------------------------------------------
+    async def _measure_rtt(self) -> None:
+        """One ping at start-up gives the RTT that window auto-tuning needs."""
+        try:
+            await self.ping(timeout=30.0)
+        except (P2PTimeoutError, StreamResetError):
+            pass
+
+    async def _keepalive(self) -> None:
+        assert self.keepalive_interval is not None
+        while not self.closed:
+            await trio.sleep(self.keepalive_interval)
+            try:
+                await self.ping(timeout=self.keepalive_timeout)
+            except P2PTimeoutError:
+                logger.warning(
+                    "yamux %s: keepalive ping unanswered for %.1fs; closing half-open connection",
+                    self.name,
+                    self.keepalive_timeout,
+                )
+                self._shutdown("keepalive timeout")
+                return
+            except StreamResetError:
+                return

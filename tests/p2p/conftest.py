@@ -1,0 +1,41 @@
+"""Shared helpers for the network tests: real socket pairs and running yamux sessions."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from dht.p2p.yamux import YamuxSession
+
+
+def socket_stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    """Two connected trio streams over a real (Unix) socket pair."""
+    a, b = socket.socketpair()
+    return (
+        trio.SocketStream(trio.socket.from_stdlib_socket(a)),
+        trio.SocketStream(trio.socket.from_stdlib_socket(b)),
+    )
+
+
+@asynccontextmanager
+async def yamux_pair(
+    conn_a: trio.abc.Stream | None = None,
+    conn_b: trio.abc.Stream | None = None,
+    **kwargs,
+) -> AsyncIterator[tuple[YamuxSession, YamuxSession]]:
+    """A running client/server yamux session pair; both are closed on exit."""
+    if conn_a is None or conn_b is None:
+        conn_a, conn_b = socket_stream_pair()
+    client = YamuxSession(conn_a, is_client=True, name="client", **kwargs)
+    server = YamuxSession(conn_b, is_client=False, name="server", **kwargs)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.run)
+        nursery.start_soon(server.run)
+        try:
+            yield client, server
+        finally:
+            await client.aclose()
+            await server.aclose()

@@ -1,0 +1,125 @@
+"""In-memory network: exact latency/bandwidth under MockClock, bounded buffers, failures."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from dht.p2p.memory import MemoryNetwork
+
+
+async def connected_pair(net: MemoryNetwork):
+    ta, tb = net.transport(), net.transport()
+    (la,) = await ta.listen("/memory/0")
+    (lb,) = await tb.listen("/memory/0")
+    a = await ta.dial(lb.multiaddr)
+    b, remote = await lb.accept()
+    assert remote == str(la.multiaddr)
+    return la, lb, a, b
+
+
+async def read_n(stream, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        data = await stream.receive_some()
+        assert data, "unexpected EOF"
+        out += data
+    return bytes(out)
+
+
+async def test_latency_is_exact(autojump_clock):
+    net = MemoryNetwork(latency=0.25)
+    _, _, a, b = await connected_pair(net)
+    start = trio.current_time()
+    await a.send_all(b"hello")
+    assert await b.receive_some() == b"hello"
+    assert trio.current_time() - start == pytest.approx(0.25, abs=1e-9)
+    await b.send_all(b"back")
+    assert await a.receive_some() == b"back"
+    assert trio.current_time() - start == pytest.approx(0.5, abs=1e-9)
+
+
+async def test_bandwidth_is_exact(autojump_clock):
+    net = MemoryNetwork(latency=0.1, bandwidth=1_000_000)
+    _, _, a, b = await connected_pair(net)
+    size = 3_000_000
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.send_all, b"\1" * size)
+        data = await read_n(b, size)
+    assert len(data) == size
+    # serialization (size / bandwidth) + propagation (latency)
+    assert trio.current_time() - start == pytest.approx(3.0 + 0.1, abs=1e-6)
+
+
+async def test_set_link_overrides_defaults(autojump_clock):
+    net = MemoryNetwork()
+    la, lb, a, b = await connected_pair(net)
+    net.set_link(la.multiaddr, lb.multiaddr, latency=1.0)
+    start = trio.current_time()
+    await a.send_all(b"x")
+    await b.receive_some()
+    assert trio.current_time() - start == pytest.approx(1.0)
+
+
+async def test_slow_reader_blocks_the_sender(autojump_clock):
+    net = MemoryNetwork(buffer_size=64 * 1024)
+    _, _, a, b = await connected_pair(net)
+    sent = 0
+    with trio.move_on_after(10):
+        while True:
+            await a.send_all(b"\0" * 4096)
+            sent += 4096
+    assert sent <= 64 * 1024
+    assert len(await b.receive_some()) > 0
+
+
+async def test_partition_stalls_and_heal_resumes(autojump_clock):
+    net = MemoryNetwork(latency=0.01)
+    la, lb, a, b = await connected_pair(net)
+    net.partition([la.multiaddr], [lb.multiaddr])
+    await a.send_all(b"during partition")
+    with trio.move_on_after(5) as scope:
+        await b.receive_some()
+    assert scope.cancelled_caught, "nothing crosses a partition"
+    with pytest.raises(ConnectionRefusedError):
+        await la.transport.dial(lb.multiaddr)  # new dials across the partition fail
+    net.heal()
+    with trio.fail_after(1):
+        assert await b.receive_some() == b"during partition"
+
+
+async def test_kill_breaks_connections_and_refuses_new_ones(autojump_clock):
+    net = MemoryNetwork()
+    la, lb, a, b = await connected_pair(net)
+    net.kill(lb.multiaddr)
+    with pytest.raises(trio.BrokenResourceError):
+        await a.receive_some()
+    with pytest.raises(trio.BrokenResourceError):
+        await b.send_all(b"x")
+    with pytest.raises(ConnectionRefusedError):
+        await la.transport.dial(lb.multiaddr)
+
+
+async def test_eof_and_close():
+    net = MemoryNetwork()
+    _, _, a, b = await connected_pair(net)
+    await a.send_all(b"data")
+    await a.send_eof()
+    assert await b.receive_some() == b"data"
+    assert await b.receive_some() == b""
+    await b.send_all(b"reply")
+    assert await a.receive_some() == b"reply"
+    await b.aclose()
+    assert await a.receive_some() == b""
+
+    _, _, c, d = await connected_pair(net)
+    await d.aclose()
+    with pytest.raises(trio.BrokenResourceError):
+        await c.send_all(b"to a closed peer")
+
+
+async def test_dial_nobody_listening():
+    net = MemoryNetwork()
+    with pytest.raises(ConnectionRefusedError):
+        await net.transport().dial("/memory/12345")

@@ -1,0 +1,334 @@
+"""yamux: wire format, streams, half-close, reset, flow control, window tuning, limits."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+
+import pytest
+import trio
+import trio.testing
+
+from dht.p2p.errors import ResourceLimitError, StreamClosedError, StreamResetError
+from dht.p2p.memory import MemoryNetwork
+from dht.p2p.yamux import (
+    FLAG_ACK,
+    FLAG_FIN,
+    FLAG_RST,
+    FLAG_SYN,
+    HEADER,
+    INITIAL_WINDOW,
+    TYPE_DATA,
+    TYPE_PING,
+    TYPE_WINDOW_UPDATE,
+    YamuxSession,
+    pack_header,
+)
+
+from .conftest import socket_stream_pair, yamux_pair
+
+
+async def read_all(stream: trio.abc.ReceiveStream) -> bytes:
+    out = bytearray()
+    while True:
+        data = await stream.receive_some()
+        if not data:
+            return bytes(out)
+        out += data
+
+
+async def read_frame(raw: trio.abc.ReceiveStream, buf: bytearray) -> tuple[tuple, bytes]:
+    """Read one yamux frame from a raw stream (test helper acting as a remote peer)."""
+    while len(buf) < 12:
+        buf += await raw.receive_some()
+    fields = HEADER.unpack(bytes(buf[:12]))
+    del buf[:12]
+    payload = b""
+    if fields[1] == TYPE_DATA:
+        while len(buf) < fields[4]:
+            buf += await raw.receive_some()
+        payload = bytes(buf[: fields[4]])
+        del buf[: fields[4]]
+    return fields, payload
+
+
+async def test_header_layout_matches_spec():
+    assert pack_header(TYPE_WINDOW_UPDATE, FLAG_SYN, 1, 0) == bytes.fromhex(
+        "000100010000000100000000"
+    )
+    assert pack_header(TYPE_DATA, FLAG_FIN | FLAG_ACK, 2, 5) == bytes.fromhex(
+        "000000060000000200000005"
+    )
+
+
+async def test_open_sends_syn_with_odd_id_and_server_acks():
+    client_raw, server_raw = socket_stream_pair()
+    client = YamuxSession(client_raw, is_client=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.run)
+        buf = bytearray()
+        stream = await client.open_stream()
+        await stream.send_all(b"hi")
+        frames = []
+        while len(frames) < 3:
+            frames.append(await read_frame(server_raw, buf))
+        by_type = {(f[1], f[3]): (f, p) for f, p in frames}
+        assert (TYPE_PING, 0) in by_type  # RTT probe sent at start
+        (ver, _, flags, sid, length), _ = by_type[(TYPE_WINDOW_UPDATE, 1)]
+        assert (ver, flags, sid, length) == (0, FLAG_SYN, 1, 0)
+        (_, _, flags, sid, length), payload = by_type[(TYPE_DATA, 1)]
+        assert payload == b"hi" and length == 2
+        # The server side (our raw socket) opens stream 2 and sends data; the client accepts.
+        await server_raw.send_all(pack_header(TYPE_DATA, FLAG_SYN, 2, 3) + b"abc")
+        inbound = await client.accept_stream()
+        assert inbound.stream_id == 2
+        assert await inbound.receive_some() == b"abc"
+        await client.aclose()
+
+
+async def test_echo_both_directions_and_half_close():
+    async with yamux_pair() as (client, server):
+        stream = await client.open_stream()
+        await stream.send_all(b"request")
+        await stream.send_eof()
+        inbound = await server.accept_stream()
+        assert inbound.stream_id % 2 == 1
+        assert await read_all(inbound) == b"request"
+        # half-closed by the client, but the server can still answer
+        await inbound.send_all(b"response")
+        await inbound.aclose()
+        assert await read_all(stream) == b"response"
+        with pytest.raises(trio.ClosedResourceError):
+            await stream.send_all(b"more")
+        await stream.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        assert client.num_streams == 0 and server.num_streams == 0
+
+        server_opened = await server.open_stream()
+        assert server_opened.stream_id % 2 == 0
+        await server_opened.send_all(b"x")
+        assert await (await client.accept_stream()).receive_some() == b"x"
+
+
+async def test_reset_reaches_the_remote():
+    async with yamux_pair() as (client, server):
+        stream = await client.open_stream()
+        await stream.send_all(b"a")
+        inbound = await server.accept_stream()
+        assert await inbound.receive_some() == b"a"
+        stream.reset()
+        with pytest.raises(StreamResetError):
+            await inbound.receive_some()
+        with pytest.raises(StreamResetError):
+            await inbound.send_all(b"b")
+        with pytest.raises(StreamResetError):
+            await stream.send_all(b"c")
+
+
+async def test_thousand_concurrent_streams_on_one_connection():
+    async with yamux_pair(max_streams=2048) as (client, server):
+
+        async def serve():
+            async with trio.open_nursery() as nursery:
+                for _ in range(1000):
+                    inbound = await server.accept_stream()
+                    nursery.start_soon(echo, inbound)
+
+        async def echo(s):
+            data = await read_all(s)
+            await s.send_all(hashlib.sha256(data).digest())
+            await s.aclose()
+
+        results = {}
+
+        async def one(i):
+            s = await client.open_stream()
+            payload = i.to_bytes(4, "big") * (i % 50 + 1)
+            await s.send_all(payload)
+            await s.send_eof()
+            results[i] = (await read_all(s)) == hashlib.sha256(payload).digest()
+            await s.aclose()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            async with trio.open_nursery() as clients:
+                for i in range(1000):
+                    clients.start_soon(one, i)
+        assert len(results) == 1000 and all(results.values())
+        await trio.testing.wait_all_tasks_blocked()
+        assert client.num_streams == 0 and server.num_streams == 0
+
+
+async def test_unread_stream_is_bounded_by_its_window():
+    async with yamux_pair() as (client, server):
+        stream = await client.open_stream()
+        sent = 0
+        with trio.move_on_after(1.0) as scope:
+            while True:
+                await stream.send_all(b"x" * 65536)
+                sent += 65536
+        assert scope.cancelled_caught, "the sender must block when the window is exhausted"
+        inbound = await server.accept_stream()
+        assert sent <= INITIAL_WINDOW
+        assert inbound.buffered_bytes <= INITIAL_WINDOW
+        assert server.buffered_bytes <= INITIAL_WINDOW
+        # reading releases the window and the stream continues, byte-exact
+        total = 0
+        async with trio.open_nursery() as nursery:
+
+            async def more():
+                await stream.send_all(b"y" * 1_000_000)
+                await stream.send_eof()
+
+            nursery.start_soon(more)
+            total = len(await read_all(inbound))
+        assert total >= 1_000_000
+
+
+async def test_cancelled_send_leaves_no_partial_frame():
+    async with yamux_pair() as (client, server):
+        s1 = await client.open_stream()
+        with trio.move_on_after(0.2):
+            await s1.send_all(b"z" * (4 * INITIAL_WINDOW))  # blocks on the window, then cancelled
+        s2 = await client.open_stream()
+        await s2.send_all(b"still works")
+        await s2.send_eof()
+        inbound1 = await server.accept_stream()
+        inbound2 = await server.accept_stream()
+        got = await inbound1.receive_some()
+        assert set(got) == {ord("z")}
+        assert await read_all(inbound2) == b"still works"
+        assert not client.closed and not server.closed
+
+
+async def test_window_auto_tuning_on_a_high_latency_link(autojump_clock):
+    net = MemoryNetwork(latency=0.05, bandwidth=200e6)  # 100 ms RTT, 200 MB/s
+    transport_a, transport_b = net.transport(), net.transport()
+    (listener,) = await transport_b.listen("/memory/0")
+    raw_a = await transport_a.dial(listener.multiaddr)
+    raw_b, _ = await listener.accept()
+    size = 32 * 1024 * 1024
+    async with yamux_pair(raw_a, raw_b) as (client, server):
+        await trio.sleep(1)  # let the RTT probe finish
+        assert client.rtt == pytest.approx(0.1, rel=0.01)
+        assert server.rtt == pytest.approx(0.1, rel=0.01)
+        stream = await client.open_stream()
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+
+            async def send():
+                await stream.send_all(b"\0" * size)
+                await stream.send_eof()
+
+            nursery.start_soon(send)
+            inbound = await server.accept_stream()
+            received = len(await read_all(inbound))
+        elapsed = trio.current_time() - start
+        assert received == size
+        assert inbound.receive_window > INITIAL_WINDOW
+        # With a fixed 256 KiB window this would take size / 256 KiB * RTT = 12.8 s.
+        assert elapsed < 0.5 * (size / INITIAL_WINDOW) * 0.1
+
+
+async def test_stream_limit_refuses_with_rst():
+    async with yamux_pair(max_streams=2) as (client, server):
+        streams = [await client.open_stream() for _ in range(2)]
+        for s in streams:
+            await s.send_all(b".")
+        with pytest.raises(ResourceLimitError):
+            await client.open_stream()
+        # the remote's limit: the client may only know after the RST
+        client.max_streams = 10
+        extra = await client.open_stream()
+        await extra.send_all(b"!")
+        with pytest.raises(StreamResetError):
+            await extra.receive_some()
+        assert not client.closed
+
+
+@pytest.mark.parametrize(
+    "frame, reason",
+    [
+        (pack_header(TYPE_DATA, FLAG_SYN, 1, 2**31), "exceeds the receive window"),
+        (pack_header(TYPE_DATA, 0, 99, 2**32 - 1), "unknown stream"),
+        (bytes([1]) + pack_header(TYPE_DATA, FLAG_SYN, 1, 1)[1:], "unsupported yamux version"),
+        (pack_header(7, 0, 1, 0), "unknown yamux frame type"),
+        (pack_header(TYPE_WINDOW_UPDATE, 0x40, 1, 0), "unknown yamux flags"),
+        (pack_header(TYPE_WINDOW_UPDATE, FLAG_SYN, 2, 0), "our id parity"),
+    ],
+)
+async def test_protocol_violations_close_the_session(frame, reason, caplog):
+    client_raw, server_raw = socket_stream_pair()
+    server = YamuxSession(server_raw, is_client=False, name="victim")
+    with caplog.at_level(logging.WARNING, logger="dht.p2p.yamux"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            await client_raw.send_all(frame)
+            with trio.fail_after(5):
+                await server.wait_closed()
+    assert server.closed and reason in server.close_reason
+    assert any("victim" in r.message and reason in r.message for r in caplog.records)
+
+
+async def test_data_beyond_window_is_a_violation():
+    client_raw, server_raw = socket_stream_pair()
+    server = YamuxSession(server_raw, is_client=False)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.run)
+        await client_raw.send_all(pack_header(TYPE_DATA, FLAG_SYN, 1, INITIAL_WINDOW))
+        await client_raw.send_all(b"\0" * INITIAL_WINDOW)
+        await client_raw.send_all(pack_header(TYPE_DATA, 0, 1, 1) + b"!")
+        with trio.fail_after(5):
+            await server.wait_closed()
+    assert "exceeds the receive window" in server.close_reason
+
+
+async def test_ping_and_go_away():
+    async with yamux_pair() as (client, server):
+        rtt = await client.ping()
+        assert 0 <= rtt < 1
+        await server.aclose()
+        with trio.fail_after(5):
+            await client.wait_closed()
+        with pytest.raises(StreamClosedError):
+            await client.open_stream()
+
+
+async def test_remote_go_away_blocks_new_streams_only():
+    client_raw, server_raw = socket_stream_pair()
+    client = YamuxSession(client_raw, is_client=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.run)
+        await server_raw.send_all(struct.pack(">BBHII", 0, 3, 0, 0, 0))
+        await trio.sleep(0.1)
+        assert client.remote_go_away
+        with pytest.raises(StreamClosedError):
+            await client.open_stream()
+        await client.aclose()
+
+
+async def test_keepalive_detects_a_silent_peer(autojump_clock, caplog):
+    client_raw, server_raw = trio.testing.memory_stream_pair()
+    client = YamuxSession(client_raw, is_client=True, keepalive_interval=5, keepalive_timeout=5)
+    with caplog.at_level(logging.WARNING):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            # the "server" never answers anything
+            with trio.fail_after(60):
+                await client.wait_closed()
+    assert client.close_reason == "keepalive timeout"
+    assert any("keepalive" in r.message for r in caplog.records)
+    del server_raw
+
+
+async def test_rst_flag_on_data_frame():
+    client_raw, server_raw = socket_stream_pair()
+    client = YamuxSession(client_raw, is_client=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.run)
+        stream = await client.open_stream()
+        await server_raw.send_all(pack_header(TYPE_WINDOW_UPDATE, FLAG_RST, stream.stream_id, 0))
+        with pytest.raises(StreamResetError):
+            await stream.receive_some()
+        await client.aclose()
