@@ -1,0 +1,273 @@
+"""``DHT``: a synchronous facade over :class:`DHTNode` for plain (non-async) Python code.
+
+One daemon thread runs ``trio.run``; the node, its host and every service started through
+:meth:`DHT.start_service` live on that loop. Synchronous methods submit coroutines to it with
+the loop's trio token and wait on a ``concurrent.futures.Future``; ``return_future=True`` gives
+the future back instead of waiting. ``shutdown()`` (also on ``with`` exit and at interpreter
+exit) cancels the loop and joins the thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import trio
+
+from dht.kademlia.node import DHTNode, StoreItem
+from dht.kademlia.records import ValueWithExpiration
+
+logger = logging.getLogger(__name__)
+
+_live_instances: weakref.WeakSet[DHT] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for instance in list(_live_instances):
+        instance.shutdown()
+
+
+class DHT:
+    """A DHT peer usable from synchronous code (see module docstring).
+
+    ``identity_path`` keeps the PeerID across restarts (created if missing). Extra keyword
+    arguments go to :meth:`DHTNode.open` (``num_replicas``, ``limits``, ``validators``, ...).
+    """
+
+    def __init__(
+        self,
+        initial_peers: Iterable[Any] = (),
+        host_maddrs: Sequence[Any] | None = None,
+        announce_maddrs: Sequence[Any] | None = None,
+        identity_path: str | None = None,
+        client_mode: bool = False,
+        start: bool = True,
+        startup_timeout: float = 60.0,
+        **node_kwargs: Any,
+    ):
+        self.initial_peers = list(initial_peers)
+        self.host_maddrs = host_maddrs
+        self.announce_maddrs = announce_maddrs
+        self.identity_path = identity_path
+        self.client_mode = client_mode
+        self.startup_timeout = startup_timeout
+        self.node_kwargs = node_kwargs
+        self._node: DHTNode | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._services: trio.Nursery | None = None
+        self._stop: trio.Event | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+        if start:
+            self.run_in_background()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run_in_background(self, await_ready: bool = True) -> None:
+        """Start the DHT thread; with ``await_ready`` block until the node joined (or failed)."""
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("this DHT was already started")
+            self._thread = threading.Thread(
+                target=self._thread_main, name="moshpit-dht", daemon=True
+            )
+            self._thread.start()
+            _live_instances.add(self)
+        if await_ready:
+            self.wait_until_ready()
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        if not self._ready.wait(self.startup_timeout if timeout is None else timeout):
+            self.shutdown()
+            raise TimeoutError(f"the DHT did not start within {self.startup_timeout}s")
+        if self._startup_error is not None:
+            self.shutdown()
+            raise self._startup_error
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as e:  # noqa: BLE001 - reported to the starting thread
+            if not self._ready.is_set():
+                self._startup_error = e
+            else:
+                logger.exception("the DHT loop crashed")
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        identity = None
+        if self.identity_path is not None:
+            from dht.p2p import Identity
+
+            identity = Identity.load_or_create(self.identity_path)
+        self._stop = trio.Event()
+        async with DHTNode.open(
+            initial_peers=self.initial_peers,
+            host_maddrs=self.host_maddrs,
+            announce_maddrs=self.announce_maddrs,
+            identity=identity,
+            client_mode=self.client_mode,
+            **self.node_kwargs,
+        ) as node:
+            async with trio.open_nursery() as services:
+                self._node, self._services = node, services
+                self._token = trio.lowlevel.current_trio_token()
+                self._ready.set()
+                await self._stop.wait()
+                services.cancel_scope.cancel()
+
+    def shutdown(self) -> None:
+        """Stop every service and the node, then join the thread. Idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        _live_instances.discard(self)
+        token, stop = self._token, self._stop
+        if token is not None and stop is not None:
+            try:
+                token.run_sync_soon(stop.set)
+            except trio.RunFinishedError:
+                pass
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self) -> DHT:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # best effort for a DHT dropped without shutdown(); atexit covers interpreter exit
+        if getattr(self, "_thread", None) is not None and not getattr(self, "_stopped", True):
+            try:
+                self.shutdown()
+            except Exception:  # noqa: BLE001 - never raise from a finalizer
+                pass
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    # ------------------------------------------------------------------ running work on the loop
+
+    def _require_running(self) -> tuple[trio.lowlevel.TrioToken, trio.Nursery]:
+        if self._token is None or self._services is None or not self.is_alive:
+            raise RuntimeError("the DHT is not running (not started, or shut down)")
+        return self._token, self._services
+
+    def _submit(
+        self, async_fn: Callable[..., Awaitable[Any]], *args: Any
+    ) -> concurrent.futures.Future:
+        """Run ``await async_fn(*args)`` as a task in the services nursery; a future for its result."""
+        token, services = self._require_running()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        async def runner() -> None:
+            if future.cancelled():
+                return
+            with trio.CancelScope() as scope:
+                future.add_done_callback(
+                    lambda f: _cancel_from_anywhere(token, scope) if f.cancelled() else None
+                )
+                try:
+                    result = await async_fn(*args)
+                except BaseException as e:
+                    if not future.done():
+                        if isinstance(e, trio.Cancelled):
+                            future.cancel()
+                        else:
+                            future.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
+                    return
+                if not future.done():
+                    future.set_result(result)
+            if scope.cancelled_caught and not future.done():
+                future.cancel()
+
+        try:
+            token.run_sync_soon(services.start_soon, runner)
+        except trio.RunFinishedError as e:
+            raise RuntimeError("the DHT is shutting down") from e
+        return future
+
+    def run_coroutine(
+        self, async_fn: Callable[[DHT, DHTNode], Awaitable[Any]], return_future: bool = False
+    ) -> Any:
+        """Run ``await async_fn(self, node)`` on the DHT's loop (for custom async work)."""
+        _, _ = self._require_running()
+        future = self._submit(async_fn, self, self._node)
+        return future if return_future else future.result()
+
+    def start_service(
+        self, async_fn: Callable[..., Awaitable[Any]], *args: Any
+    ) -> concurrent.futures.Future:
+        """Run ``await async_fn(*args)`` as a long-lived task on the DHT's loop.
+
+        The returned future resolves with its result or exception; it is cancelled if the
+        task is cancelled (at :meth:`shutdown`), and cancelling the future cancels the task.
+        """
+        return self._submit(async_fn, *args)
+
+    # ------------------------------------------------------------------ DHT operations
+
+    @property
+    def node(self) -> DHTNode:
+        if self._node is None:
+            raise RuntimeError("the DHT is not running")
+        return self._node
+
+    @property
+    def peer_id(self) -> Any:
+        return self.node.peer_id
+
+    def get_visible_maddrs(self) -> list[Any]:
+        """Full multiaddrs (``.../p2p/<PeerID>``) other peers can use as initial peers."""
+        return self.node.get_visible_maddrs()
+
+    def store(
+        self,
+        key: Any,
+        value: Any,
+        expiration_time: float,
+        subkey: Any = None,
+        return_future: bool = False,
+    ) -> bool | concurrent.futures.Future:
+        future = self._submit(self.node.store, key, value, expiration_time, subkey)
+        return future if return_future else future.result()
+
+    def store_many(self, items: Iterable[StoreItem], return_future: bool = False) -> Any:
+        future = self._submit(self.node.store_many, list(items))
+        return future if return_future else future.result()
+
+    def get(
+        self, key: Any, latest: bool = False, return_future: bool = False
+    ) -> ValueWithExpiration | None | concurrent.futures.Future:
+        future = self._submit(self.node.get, key, latest)
+        return future if return_future else future.result()
+
+    def get_many(
+        self, keys: Iterable[Any], latest: bool = False, return_future: bool = False
+    ) -> Any:
+        future = self._submit(self.node.get_many, list(keys), latest)
+        return future if return_future else future.result()
+
+
+def _cancel_from_anywhere(token: trio.lowlevel.TrioToken, scope: trio.CancelScope) -> None:
+    try:
+        token.run_sync_soon(scope.cancel)
+    except trio.RunFinishedError:
+        pass
