@@ -39,6 +39,7 @@ from .errors import (
 from .identity import Identity, PeerID
 from .messages import DEFAULT_MAX_MESSAGE_SIZE, MessageReader, send_msg
 from .multiaddr import Multiaddr
+from .noise import noise_handshake
 from .peerstore import PeerStore
 from .transport import TCPTransport
 from .yamux import DEFAULT_MAX_STREAM_WINDOW, INITIAL_WINDOW, YamuxSession, YamuxStream
@@ -290,8 +291,6 @@ class Host:
         self, raw: trio.abc.Stream, expected: PeerID | None, *, outbound: bool, name: str
     ) -> tuple[PeerID, YamuxSession]:
         """multistream /noise -> Noise -> multistream /yamux -> yamux session (not yet run)."""
-        from .noise import noise_handshake  # the security layer is built alongside this module
-
         timeout = self.limits.handshake_timeout
         try:
             if outbound:
@@ -600,12 +599,11 @@ class Host:
         try:
             if rpc is not None:
                 await self._serve_rpc(p2p, rpc)
-                return
-            handler = self._stream_handlers.get(protocol)
-            if handler is None:  # removed after negotiation
-                p2p.reset()
-                return
-            await handler(p2p)
+            else:
+                handler = self._stream_handlers.get(protocol)
+                if handler is None:  # removed after negotiation
+                    raise StreamClosedError(f"no handler for {protocol} any more")
+                await handler(p2p)
         except (StreamClosedError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             logger.debug("%s handler: stream from %s ended: %s", protocol, conn.peer_id.short(), e)
             p2p.reset()
