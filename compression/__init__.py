@@ -3,6 +3,7 @@
 See docs/compression.md for wire formats, the NaN/Inf policy of each codec and benchmarks.
 """
 
+from .adaptive import GraVAC, RoleAdaptive, SizeAdaptive, compression_gain, exponential_factors
 from .base import (
     DEFAULT_MAX_NUMEL,
     Codec,
@@ -10,6 +11,7 @@ from .base import (
     codec_from_id,
     decompress,
 )
+from .dgc import DGCMomentum, dgc_density_schedule
 from .errors import (
     CompressionError,
     MalformedMessageError,
@@ -21,6 +23,8 @@ from .errors import (
 )
 from .feedback import ErrorFeedback, TwoWayCompression
 from .floating import BFloat16, Float16, NoCompression, ScaledFloat16
+from .quantization import Blockwise8Bit, Quantile8Bit, Uniform8Bit
+from .sparse import RandomK, ScaledSign, TopK, dgc_select, random_k_indices
 
 __all__ = [
     "DEFAULT_MAX_NUMEL",
@@ -41,4 +45,19 @@ __all__ = [
     "Float16",
     "BFloat16",
     "ScaledFloat16",
+    "Uniform8Bit",
+    "Quantile8Bit",
+    "Blockwise8Bit",
+    "TopK",
+    "RandomK",
+    "ScaledSign",
+    "dgc_select",
+    "random_k_indices",
+    "SizeAdaptive",
+    "RoleAdaptive",
+    "GraVAC",
+    "compression_gain",
+    "exponential_factors",
+    "DGCMomentum",
+    "dgc_density_schedule",
 ]

@@ -1,0 +1,342 @@
+"""Sparsifiers: TopK (DGC sampled threshold), RandomK (shared seed), ScaledSign (1 bit).
+
+Sent values are float16 of ``value / s`` with a power-of-two scale ``s`` (no overflow, no
+flush to zero) or, with ``value_dtype=torch.float32``, raw float32. All three reject NaN/Inf
+input with NonFiniteInputError (a NaN would never be selected and stay in an error-feedback
+residual forever; an Inf would become the scale of every sign).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+
+import torch
+
+from . import _bytes
+from .base import (
+    Codec,
+    CompressedTensor,
+    MetaValue,
+    check_finite_scalar,
+    expect_len,
+    float32_flat,
+    meta_float,
+    meta_int,
+)
+from .errors import MalformedMessageError, PayloadValueError
+from .floating import encode_scaled_fp16
+
+_MAX_SEED = 2**63 - 1
+
+
+def _check_finite(flat: torch.Tensor) -> None:
+    if flat.numel():
+        lo, hi = torch.aminmax(flat)
+        check_finite_scalar(lo, "min")
+        check_finite_scalar(hi, "max")
+
+
+def _value_bits(value_dtype: torch.dtype) -> int:
+    if value_dtype == torch.float16:
+        return 16
+    if value_dtype == torch.float32:
+        return 32
+    raise ValueError("value_dtype must be torch.float16 or torch.float32")
+
+
+def _encode_values(values: torch.Tensor, vbits: int, buf: bytearray) -> float:
+    """Write the selected values at the start of ``buf``; returns their scale (1.0 for fp32)."""
+    if vbits == 32:
+        _bytes.write(buf, 0, values.to(torch.float32))
+        return 1.0
+    return encode_scaled_fp16(values, buf, 0)
+
+
+def _decode_values(ct: CompressedTensor, count: int, vbits: int, device: torch.device):
+    scale = meta_float(ct, "scale", positive=True)
+    dtype = torch.float16 if vbits == 16 else torch.float32
+    values = _bytes.view(ct.payload, dtype, count).to(device=device, dtype=torch.float32)
+    return values.mul_(scale) if scale != 1.0 else values
+
+
+def _validate_scale(ct: CompressedTensor) -> None:
+    scale = meta_float(ct, "scale", positive=True)
+    mant, exp = math.frexp(scale)
+    if mant != 0.5 or not -100 <= exp - 1 <= 100:
+        raise MalformedMessageError(f"value scale {scale} is not a power of two in 2**[-100, 100]")
+
+
+def density_to_k(n: int, density: float) -> int:
+    """Number of entries a density keeps (at least one of a non-empty tensor)."""
+    return 0 if n == 0 else min(n, max(1, round(density * n)))
+
+
+def dgc_select(
+    magnitudes: torch.Tensor,
+    k: int,
+    sample_ratio: float = 0.01,
+    generator: torch.Generator | None = None,
+    exact_below: int = 4096,
+) -> torch.Tensor:
+    """Sorted indices of about ``k`` largest entries of a flat non-negative tensor (DGC).
+
+    Estimates the threshold from a random ``sample_ratio`` sample, then takes everything
+    above it. If that yields more than 1.3k entries, keeps the exact top-k among those
+    candidates; if fewer than 0.8k, lowers the threshold (a larger sample rank) and retries,
+    falling back to an exact ``torch.topk`` after a few tries. The result always has between
+    ``ceil(0.8k)`` and ``floor(1.3k)`` entries (exactly k on fallbacks).
+    """
+    n = magnitudes.numel()
+    if k >= n:
+        return torch.arange(n, device=magnitudes.device)
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=magnitudes.device)
+    k_lo, k_hi = math.ceil(0.8 * k), max(k, math.floor(1.3 * k))
+    if n <= exact_below:
+        return _exact_topk(magnitudes, k)
+    m = min(n, max(int(n * sample_ratio), 1024))
+    idx = torch.randint(n, (m,), generator=generator).to(magnitudes.device)
+    sample = magnitudes[idx]
+    rank = max(1, round(m * k / n))
+    sorted_sample = torch.topk(sample, min(m, 4 * rank + 8), sorted=True).values
+    for _ in range(4):
+        threshold = sorted_sample[min(rank, sorted_sample.numel()) - 1]
+        selected = torch.nonzero(magnitudes >= threshold).squeeze(1)
+        count = selected.numel()
+        if count > k_hi:  # too many: exact top-k among the candidates only
+            best = torch.topk(magnitudes[selected], k, sorted=False).indices
+            return selected[best].sort().values
+        if count >= k_lo:
+            return selected
+        if rank >= sorted_sample.numel():
+            break
+        rank = min(sorted_sample.numel(), math.ceil(rank * 1.3 * k / max(count, 1)))
+    return _exact_topk(magnitudes, k)
+
+
+def _exact_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(magnitudes, k, sorted=False).indices.sort().values
+
+
+def _pack_indices(indices: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sorted unique indices -> (bit-packed gaps, bits per gap)."""
+    if indices.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=indices.device), 0
+    gaps = torch.diff(indices, prepend=indices.new_full((1,), -1)) - 1
+    width = int(gaps.max()).bit_length()
+    return _bytes.pack_uint(gaps, width), width
+
+
+class TopK(Codec):
+    """The ``density`` fraction of entries with the largest magnitude, DGC style.
+
+    Selection uses :func:`dgc_select` (sampled threshold, 0.8k..1.3k entries, no full sort)
+    unless ``exact=True`` (``torch.topk``, exactly k). Indices travel as bit-packed gaps
+    between sorted indices (e.g. ~10-14 bits at density 0.001 instead of 32 or 64).
+    Payload: values (float16 scaled or float32), then the packed gaps.
+    """
+
+    codec_id = 7
+
+    def __init__(
+        self,
+        density: float = 0.01,
+        sample_ratio: float = 0.01,
+        value_dtype: torch.dtype = torch.float16,
+        exact: bool = False,
+        seed: int | None = None,
+    ):
+        if not 0 < density <= 1 or not 0 < sample_ratio <= 1:
+            raise ValueError("density and sample_ratio must be in (0, 1]")
+        self.density = density
+        self.sample_ratio = sample_ratio
+        self.value_dtype = value_dtype
+        self.exact = exact
+        self._vbits = _value_bits(value_dtype)
+        self._gen = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+
+    def select(self, flat: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """Sorted indices this codec would send for a flat float32 tensor."""
+        k = density_to_k(flat.numel(), self.density) if k is None else k
+        mags = flat.abs()
+        if self.exact:
+            return _exact_topk(mags, k) if k < flat.numel() else torch.arange(flat.numel())
+        return dgc_select(mags, k, self.sample_ratio, self._gen)
+
+    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
+        flat = float32_flat(tensor)
+        _check_finite(flat)
+        return self.encode_selected(flat, self.select(flat))
+
+    def encode_selected(self, flat: torch.Tensor, indices: torch.Tensor):
+        """Payload and meta sending ``flat[indices]`` (sorted, unique) and nothing else."""
+        packed, width = _pack_indices(indices)
+        k = indices.numel()
+        buf = _bytes.writable(k * self._vbits // 8 + packed.numel())
+        scale = _encode_values(flat[indices], self._vbits, buf)
+        _bytes.write(buf, k * self._vbits // 8, packed)
+        return buf, {"k": k, "width": width, "vbits": self._vbits, "scale": scale}
+
+    def compress_selected(self, tensor: torch.Tensor, indices: torch.Tensor) -> CompressedTensor:
+        """A TopK message for given indices (used by GraVAC's multi-level selection)."""
+        from .base import dtype_name
+
+        payload, meta = self.encode_selected(float32_flat(tensor), indices)
+        return CompressedTensor(
+            self.codec_id, dtype_name(tensor.dtype), tuple(tensor.shape), payload, meta
+        )
+
+    @classmethod
+    def validate(cls, ct: CompressedTensor) -> None:
+        k = meta_int(ct, "k", 0, ct.numel)
+        width = meta_int(ct, "width", 0, 32)
+        vbits = meta_int(ct, "vbits", 16, 32)
+        if vbits not in (16, 32):
+            raise MalformedMessageError("vbits must be 16 or 32")
+        _validate_scale(ct)
+        expect_len(ct, k * vbits // 8 + _bytes.packed_bits_nbytes(k * width))
+
+    @classmethod
+    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+        k, width, vbits = ct.meta["k"], ct.meta["width"], ct.meta["vbits"]
+        out = torch.zeros(ct.numel, device=device)
+        if k == 0:
+            return out
+        nvalue = k * vbits // 8
+        packed = _bytes.view(ct.payload, torch.uint8, len(ct.payload) - nvalue, nvalue)
+        gaps = _bytes.unpack_uint(packed, k, width)
+        indices = torch.cumsum(gaps + 1, 0) - 1  # strictly increasing: unique by design
+        if int(indices[-1]) >= ct.numel:
+            raise PayloadValueError(f"TopK index {int(indices[-1])} out of range {ct.numel}")
+        out[indices.to(device)] = _decode_values(ct, k, vbits, device)
+        return out
+
+
+def random_k_indices(n: int, k: int, seed: int, device: torch.device | str = "cpu"):
+    """``k`` sorted distinct indices of ``range(n)``, a pure function of ``(n, k, seed)``.
+
+    Stratified: one uniformly random index in each of ``k`` near-equal strata, so every
+    index has probability ~k/n, generation costs O(k) (no permutation of n) and any two
+    peers with the same seed get identical indices on any device.
+    """
+    if not 0 <= k <= n:
+        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
+    gen = torch.Generator().manual_seed(seed)
+    bounds = (torch.arange(k + 1, dtype=torch.int64) * n) // max(k, 1)
+    sizes = bounds[1:] - bounds[:-1]
+    offsets = (torch.rand(k, generator=gen, dtype=torch.float64) * sizes).to(torch.int64)
+    return (bounds[:-1] + torch.minimum(offsets, sizes - 1)).to(device)
+
+
+class RandomK(Codec):
+    """A seeded random ``density`` fraction of entries; only the values travel.
+
+    Peers that use the same ``seed`` select identical indices, so the reducer can average
+    sparse contributions without any index exchange. Pass ``seed=`` per call (e.g. derived
+    from round and part) so different steps select different entries; without one the
+    codec's own seed is used, or a fresh random one if it has none.
+    """
+
+    codec_id = 8
+
+    def __init__(
+        self,
+        density: float = 0.01,
+        seed: int | None = None,
+        value_dtype: torch.dtype = torch.float16,
+    ):
+        if not 0 < density <= 1:
+            raise ValueError("density must be in (0, 1]")
+        if seed is not None and not 0 <= seed <= _MAX_SEED:
+            raise ValueError("seed must be in [0, 2**63)")
+        self.density = density
+        self.seed = seed
+        self.value_dtype = value_dtype
+        self._vbits = _value_bits(value_dtype)
+        self._call_seed: int | None = None
+
+    def compress(self, tensor: torch.Tensor, seed: int | None = None) -> CompressedTensor:
+        self._call_seed = seed
+        try:
+            return super().compress(tensor)
+        finally:
+            self._call_seed = None
+
+    def roundtrip(self, tensor: torch.Tensor, seed: int | None = None):
+        ct = self.compress(tensor, seed=seed)
+        from .base import _decode_float
+
+        return ct, _decode_float(ct, tensor.device)
+
+    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
+        seed = self._call_seed if self._call_seed is not None else self.seed
+        if seed is None:
+            seed = secrets.randbits(63)
+        if not 0 <= seed <= _MAX_SEED:
+            raise ValueError("seed must be in [0, 2**63)")
+        flat = float32_flat(tensor)
+        _check_finite(flat)
+        k = density_to_k(flat.numel(), self.density)
+        indices = random_k_indices(flat.numel(), k, seed, flat.device)
+        buf = _bytes.writable(k * self._vbits // 8)
+        scale = _encode_values(flat[indices], self._vbits, buf)
+        return buf, {"k": k, "seed": seed, "vbits": self._vbits, "scale": scale}
+
+    @classmethod
+    def validate(cls, ct: CompressedTensor) -> None:
+        k = meta_int(ct, "k", 0, ct.numel)
+        meta_int(ct, "seed", 0, _MAX_SEED)
+        vbits = meta_int(ct, "vbits", 16, 32)
+        if vbits not in (16, 32):
+            raise MalformedMessageError("vbits must be 16 or 32")
+        _validate_scale(ct)
+        expect_len(ct, k * vbits // 8)
+
+    @classmethod
+    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+        k, seed, vbits = ct.meta["k"], ct.meta["seed"], ct.meta["vbits"]
+        out = torch.zeros(ct.numel, device=device)
+        if k:
+            out[random_k_indices(ct.numel, k, seed, device)] = _decode_values(ct, k, vbits, device)
+        return out
+
+
+class ScaledSign(Codec):
+    """One bit per value (its sign) and one scale, mean |x|: ``x ~ sign(x) * mean|x|``.
+
+    Zeros are sent as positive. The decoded tensor has exactly the L1 norm of the input
+    (1-bit SGD / EF-signSGD / BytePS-Compress's scaled sign).
+    """
+
+    codec_id = 9
+
+    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
+        flat = float32_flat(tensor)
+        n = flat.numel()
+        l1 = float(torch.linalg.vector_norm(flat, 1, dtype=torch.float64)) if n else 0.0
+        scale = check_finite_scalar(l1 / n if n else 0.0, "mean |x|")
+        if scale == 0.0 and n and not bool(torch.isfinite(flat).all()):
+            scale = check_finite_scalar(float("nan"), "mean |x|")
+        buf = _bytes.writable(_bytes.packed_bits_nbytes(n))
+        _bytes.write(buf, 0, _bytes.pack_bits(flat < 0))
+        return buf, {"scale": scale}
+
+    @classmethod
+    def validate(cls, ct: CompressedTensor) -> None:
+        scale = meta_float(ct, "scale")
+        if scale < 0 or scale > 1e38:
+            raise MalformedMessageError("sign scale must be in [0, 1e38]")
+        expect_len(ct, _bytes.packed_bits_nbytes(ct.numel))
+
+    @classmethod
+    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+        scale = meta_float(ct, "scale")
+        packed = _bytes.view(ct.payload, torch.uint8, len(ct.payload))
+        packed = packed.to(device) if device.type != "cpu" else packed
+        bits = _bytes.unpack_bits(packed, ct.numel)
+        # bit 1 -> -scale, bit 0 -> +scale
+        return bits.to(torch.float32).mul_(-2.0 * scale).add_(scale)
+
+
+__all__ = ["TopK", "RandomK", "ScaledSign", "dgc_select", "random_k_indices", "density_to_k"]

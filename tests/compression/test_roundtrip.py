@@ -1,0 +1,151 @@
+"""Round trips of every codec: shape/dtype exact, error bounds, NaN/Inf policy."""
+
+import math
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compression import (
+    BFloat16,
+    Blockwise8Bit,
+    CompressedTensor,
+    Float16,
+    NoCompression,
+    NonFiniteInputError,
+    Quantile8Bit,
+    ScaledFloat16,
+    Uniform8Bit,
+    decompress,
+)
+
+from .conftest import DEVICES, all_codecs
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+shapes = st.one_of(
+    st.just(()),
+    st.lists(st.integers(0, 9), min_size=1, max_size=4).map(tuple),
+    st.tuples(st.integers(1, 2), st.integers(1000, 5000)),  # long last dim
+)
+fill = st.sampled_from(["gauss", "zeros", "const", "tiny", "huge"])
+
+
+def make(shape, kind, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "gauss":
+        x = torch.randn(shape, generator=gen)
+    elif kind == "zeros":
+        x = torch.zeros(shape)
+    elif kind == "const":
+        x = torch.full(shape, -3.25)
+    elif kind == "tiny":
+        x = torch.randn(shape, generator=gen) * 1e-7
+    else:
+        x = torch.randn(shape, generator=gen) * 1e4
+    return x.to(dtype).to(device)
+
+
+def wire(ct, max_numel):
+    """Through msgpack and the validating parser, as a peer would receive it."""
+    return CompressedTensor.from_msg(msgpack.unpackb(msgpack.packb(ct.to_msg())), max_numel)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=shapes,
+    kind=fill,
+    dtype=st.sampled_from(FLOATS),
+    device=st.sampled_from(DEVICES),
+    which=st.integers(0, len(all_codecs()) - 1),
+)
+def test_round_trip_shape_dtype_exact(shape, kind, dtype, device, which):
+    codec = all_codecs()[which]
+    x = make(shape, kind, dtype, device)
+    ct = codec.compress(x)
+    y = decompress(wire(ct, max(1, x.numel())), device=device)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.device.type == device
+    assert bool(torch.isfinite(y).all())
+    if x.numel() and kind in ("zeros", "const") and codec.codec_id not in (7, 8):
+        # zeros and constants are represented exactly by every dense codec
+        assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.int64, torch.int8, torch.uint8, torch.bool])
+def test_no_compression_is_bit_exact(dtype, device):
+    x = (torch.randn(33, 5) * 50).to(dtype).to(device)
+    y = decompress(wire(NoCompression().compress(x), x.numel()), device=device)
+    assert y.dtype == dtype and torch.equal(y, x)
+
+
+def rel_err(x, y):
+    return float((x.double() - y.double()).norm() / x.double().norm())
+
+
+# Relative L2 error bounds on Gaussian data (n = 2**16).
+BOUNDS = [
+    (Float16(), 1e-3),
+    (ScaledFloat16(), 1e-3),
+    (BFloat16(), 5e-3),
+    (Uniform8Bit(), 2e-2),
+    (Uniform8Bit(clip_sigmas=4.0), 1e-2),
+    (Quantile8Bit(), 1e-2),
+    (Blockwise8Bit(), 1e-2),
+]
+
+
+@pytest.mark.parametrize("codec,bound", BOUNDS, ids=[repr(c) for c, _ in BOUNDS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_error_bounds_on_gaussian(codec, bound, dtype, device):
+    x = torch.randn(2**16, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
+    y = decompress(codec.compress(x), device=device)
+    assert rel_err(x, y) <= bound
+
+
+def test_blockwise_beats_uniform_on_gaussian_and_heavy_tails():
+    gen = torch.Generator().manual_seed(0)
+    for x in [torch.randn(2**16, generator=gen), torch.randn(2**16, generator=gen) ** 3]:
+        ub = rel_err(x, decompress(Uniform8Bit().compress(x)))
+        bw = rel_err(x, decompress(Blockwise8Bit().compress(x)))
+        assert bw < ub
+
+
+def test_scaled_fp16_keeps_tiny_and_huge_values():
+    x = torch.randn(1000) * 1e-7
+    assert rel_err(x, decompress(ScaledFloat16().compress(x))) < 1e-3
+    assert rel_err(x, decompress(Float16().compress(x))) > 1e-2  # plain fp16 flushes them
+    x = torch.randn(1000) * 1e6
+    assert rel_err(x, decompress(ScaledFloat16().compress(x))) < 1e-3
+
+
+def test_bits_per_value_of_8bit_codecs():
+    x = torch.randn(2**20)
+    for codec in [Uniform8Bit(), Quantile8Bit(), Blockwise8Bit()]:
+        assert 8 * codec.compress(x).nbytes / x.numel() <= 8.25
+
+
+# NaN/Inf policy (docs/compression.md): casts keep NaN; Float16 saturates Inf; BFloat16
+# and NoCompression keep Inf; every quantizer/sparsifier raises NonFiniteInputError.
+SPECIAL = torch.tensor([1.0, math.inf, -math.inf, math.nan, 1e30, -2.0])
+
+
+def test_nan_inf_policy_of_casts():
+    y = decompress(Float16().compress(SPECIAL))
+    assert y[1] == 65504 and y[2] == -65504 and math.isnan(y[3]) and y[4] == 65504
+    for codec in (NoCompression(), BFloat16()):
+        y = decompress(codec.compress(SPECIAL))
+        assert y[1] == math.inf and y[2] == -math.inf and math.isnan(y[3])
+
+
+REJECTING = [c for c in all_codecs() if c.codec_id not in (0, 1, 2)]  # all but the casts
+
+
+@pytest.mark.parametrize("codec", REJECTING, ids=[repr(c) for c in REJECTING])
+@pytest.mark.parametrize("special", [math.nan, math.inf, -math.inf])
+def test_lossy_codecs_reject_non_finite(codec, special, device):
+    for n in (1, 300, 5000):
+        x = torch.randn(n)
+        x[n // 2] = special
+        with pytest.raises(NonFiniteInputError):
+            codec.compress(x.to(device))
