@@ -9,6 +9,7 @@ large simulations. Every transport failure surfaces as :class:`PeerUnreachableEr
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -61,8 +62,7 @@ class HostNetwork:
         self._announce = [Multiaddr(str(a)) for a in announce_maddrs] if announce_maddrs else None
 
     def set_handler(self, handler: RPCHandler | None) -> None:
-        if handler is not None:
-            self.host.set_rpc_handler(PROTOCOL_ID, handler)
+        self.host.set_rpc_handler(PROTOCOL_ID, handler)
 
     async def call(self, peer_id: Any, request: Any, time_limit: float) -> Any:
         from dht.p2p import P2PError, RemoteError
@@ -109,8 +109,25 @@ class HostNetwork:
             self.host.peerstore.add_addrs(peer_id, parsed)
 
     def visible_maddrs(self) -> list[Any]:
-        """Full multiaddrs (with ``/p2p/<PeerID>``) others can use to reach this peer."""
-        addrs = self._announce if self._announce is not None else list(self.host.listen_addrs)
+        """Full multiaddrs (with ``/p2p/<PeerID>``) others can use to reach this peer.
+
+        Announced addresses if given; else the listen addresses, where a wildcard
+        (``0.0.0.0`` / ``::``) is replaced by this machine's concrete addresses.
+        """
+        if self._announce is not None:
+            addrs = self._announce
+        else:
+            addrs = []
+            for addr in self.host.listen_addrs:
+                text = str(addr.without_peer_id())
+                if text.startswith("/ip4/0.0.0.0/"):
+                    addrs += [
+                        self._Multiaddr(text.replace("0.0.0.0", ip, 1)) for ip in _local_ipv4s()
+                    ]
+                elif text.startswith("/ip6/::/"):
+                    addrs.append(self._Multiaddr(text.replace("/ip6/::/", "/ip6/::1/", 1)))
+                else:
+                    addrs.append(addr)
         return [a if a.peer_id is not None else a.with_peer_id(self.peer_id) for a in addrs]
 
     def own_addrs(self) -> list[bytes]:
@@ -118,3 +135,21 @@ class HostNetwork:
 
     def peer_from_bytes(self, data: bytes) -> Any:
         return self._PeerID.from_bytes(data)
+
+
+_local_ips_cache: list[str] | None = None
+
+
+def _local_ipv4s() -> list[str]:
+    """This machine's outbound IPv4 address (if any) and loopback; computed once."""
+    global _local_ips_cache
+    if _local_ips_cache is None:
+        ips = []
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect(("192.0.2.1", 9))  # TEST-NET-1: selects a route, sends nothing
+                ips.append(probe.getsockname()[0])
+        except OSError:
+            pass
+        _local_ips_cache = [ip for ip in ips if ip != "127.0.0.1"] + ["127.0.0.1"]
+    return _local_ips_cache

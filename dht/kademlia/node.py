@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -42,6 +43,9 @@ from dht.kademlia.storage import LocalStorage, StorageLimits
 from dht.kademlia.traverse import Lookup, LookupResult
 from dht.kademlia.validation import RecordValidator, default_validators
 
+if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
@@ -53,6 +57,14 @@ class LookupStats:
     hops: int
     rounds: int
     messages: int
+
+
+def _single_exception(group: BaseExceptionGroup) -> BaseException:
+    """Unwrap the nursery groups around one exception, so callers can catch it by type."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 class _SharedSearch:
@@ -139,33 +151,37 @@ class DHTNode:
         ``host_maddrs``; client-mode nodes listen only if ``host_maddrs`` is given.
         Raises :class:`BootstrapError` if initial peers were given and none answered.
         """
-        async with AsyncExitStack() as stack:
-            if network is None:
-                if host is None:
-                    from dht.p2p import Host, Identity, TCPTransport
+        try:
+            async with AsyncExitStack() as stack:
+                if network is None:
+                    if host is None:
+                        from dht.p2p import Host, Identity, TCPTransport
 
-                    identity = identity if identity is not None else Identity.generate()
-                    host = await stack.enter_async_context(
-                        Host.open(
-                            identity=identity,
-                            transport=transport if transport is not None else TCPTransport(),
+                        identity = identity if identity is not None else Identity.generate()
+                        transport = transport if transport is not None else TCPTransport()
+                        host = await stack.enter_async_context(
+                            Host.open(identity=identity, transport=transport)
                         )
-                    )
-                    if host_maddrs or not client_mode:
-                        await host.listen([str(a) for a in (host_maddrs or DEFAULT_HOST_MADDRS)])
-                elif identity is None:
-                    identity = getattr(host, "identity", None)
-                network = HostNetwork(host, announce_maddrs)
-            node = cls(network, identity=identity, client_mode=client_mode, **kwargs)
-            async with trio.open_nursery() as nursery:
-                node._nursery = nursery
-                network.set_handler(node._handle_rpc)
-                try:
-                    await node._bootstrap(list(initial_peers), bootstrap_timeout)
-                    nursery.start_soon(node._maintenance_loop)
-                    yield node
-                finally:
-                    nursery.cancel_scope.cancel()
+                        if host_maddrs or not client_mode:
+                            await host.listen(
+                                [str(a) for a in (host_maddrs or DEFAULT_HOST_MADDRS)]
+                            )
+                    elif identity is None:
+                        identity = getattr(host, "identity", None)
+                    network = HostNetwork(host, announce_maddrs)
+                node = cls(network, identity=identity, client_mode=client_mode, **kwargs)
+                async with trio.open_nursery() as nursery:
+                    node._nursery = nursery
+                    network.set_handler(node._handle_rpc)
+                    try:
+                        await node._bootstrap(list(initial_peers), bootstrap_timeout)
+                        nursery.start_soon(node._maintenance_loop)
+                        yield node
+                    finally:
+                        network.set_handler(None)
+                        nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise _single_exception(group) from None
 
     def get_visible_maddrs(self) -> list[Any]:
         """Multiaddrs (with ``/p2p/<PeerID>``) other peers can pass as ``initial_peers``."""
