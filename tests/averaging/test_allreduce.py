@@ -1,0 +1,367 @@
+"""Butterfly all-reduce over real Hosts (in-memory network and TCP loopback): exact results,
+member modes, bandwidth-proportional parts, every codec, two-way error feedback.
+
+The helpers at the top are shared with test_allreduce_failures.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import torch
+import trio
+
+from compression import (
+    BFloat16,
+    Blockwise8Bit,
+    Float16,
+    NoCompression,
+    Quantile8Bit,
+    RandomK,
+    ScaledFloat16,
+    ScaledSign,
+    TopK,
+    TwoWayCompression,
+    Uniform8Bit,
+)
+from dht.p2p import Host, MemoryNetwork, TCPTransport
+from moshpit.averaging.allreduce import AllReduceResult, AllReduceService
+from moshpit.averaging.group_info import GroupInfo
+from moshpit.averaging.partition import part_bounds
+
+# ---------------------------------------------------------------- shared helpers
+
+
+@asynccontextmanager
+async def swarm(
+    n: int, net: MemoryNetwork | None = None, tcp: bool = False, **service_kw
+) -> AsyncIterator[list[AllReduceService]]:
+    """``n`` real Hosts that know each other's addresses, each with an AllReduceService."""
+    net = net if net is not None or tcp else MemoryNetwork()
+    async with AsyncExitStack() as stack:
+        hosts = []
+        for _ in range(n):
+            transport = TCPTransport() if tcp else net.transport()
+            host = await stack.enter_async_context(Host.open(transport=transport))
+            await host.listen(["/ip4/127.0.0.1/tcp/0" if tcp else "/memory/0"])
+            hosts.append(host)
+        for h in hosts:
+            for other in hosts:
+                if other is not h:
+                    h.peerstore.add_addrs(other.peer_id, other.listen_addrs)
+        yield [AllReduceService(h, **service_kw) for h in hosts]
+
+
+def make_group(
+    services: Sequence[AllReduceService],
+    modes: Sequence[str] | None = None,
+    bandwidths: Sequence[float | None] | None = None,
+) -> GroupInfo:
+    n = len(services)
+    return GroupInfo(
+        group_id=os.urandom(16),
+        members=tuple(s.host.peer_id for s in services),
+        modes=tuple(modes or ["node"] * n),
+        bandwidths=tuple(bandwidths or [None] * n),
+    )
+
+
+async def run_all(
+    services: Sequence[AllReduceService],
+    group: GroupInfo,
+    tensors: Sequence[Sequence[torch.Tensor] | None],
+    weights: Sequence[float] | None = None,
+    skip: Sequence[int] = (),
+    per_member: dict[int, dict] | None = None,
+    **kw,
+) -> list[AllReduceResult | None]:
+    """Run one round on every member (except ``skip``) concurrently."""
+    results: list[AllReduceResult | None] = [None] * len(services)
+
+    async def one(i: int) -> None:
+        extra = {**kw, **(per_member or {}).get(i, {})}
+        w = 1.0 if weights is None else weights[i]
+        results[i] = await services[i].run(group, tensors[i], weight=w, **extra)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(services)):
+            if i not in skip:
+                nursery.start_soon(one, i)
+    return results
+
+
+def weighted_mean(tensors, weights, members) -> list[torch.Tensor]:
+    """Float64 reference of the weighted mean over ``members``."""
+    total = sum(weights[i] for i in members)
+    return [
+        sum(weights[i] * tensors[i][t].double() for i in members) / total
+        for t in range(len(tensors[members[0]]))
+    ]
+
+
+def flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().double().reshape(-1) for t in ts]) if ts else torch.zeros(0)
+
+
+def assert_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], atol=1e-5) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert torch.allclose(g.double(), w.double(), atol=atol), (
+            (g.double() - w.double()).abs().max()
+        )
+
+
+def random_tensors(seed: int, spec) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype) for shape, dtype in spec]
+
+
+MIXED = [
+    ((4, 5), torch.float32),
+    ((0,), torch.float32),
+    ((1,), torch.float16),
+    ((3, 2, 7), torch.bfloat16),
+    ((33,), torch.float32),
+]
+
+# ---------------------------------------------------------------- exact averages
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+async def test_every_member_gets_the_weighted_mean(n):
+    async with swarm(n, chunk_numel=16) as services:
+        group = make_group(services)
+        tensors = [random_tensors(i, MIXED) for i in range(n)]
+        weights = [1.0 + i for i in range(n)]
+        results = await run_all(services, group, tensors, weights, timeout=20)
+        want = weighted_mean(tensors, weights, list(range(n)))
+        for i, r in enumerate(results):
+            assert (
+                not r.failed_senders
+                and not r.failed_reducers
+                and not r.excluded
+                and not r.timed_out
+            )
+            assert [t.dtype for t in r.averaged] == [t.dtype for t in tensors[i]]
+            # fp16/bf16 outputs are rounded once from the float32 mean
+            for got, w, t in zip(r.averaged, want, tensors[i], strict=True):
+                tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[t.dtype]
+                assert got.shape == t.shape
+                assert torch.allclose(got.double(), w, atol=tol, rtol=tol)
+        # all members hold bit-identical results for the float32 tensors
+        for r in results[1:]:
+            assert torch.equal(r.averaged[0], results[0].averaged[0])
+        assert results[0].deviation is not None and results[0].deviation > 0
+        # inputs untouched
+        assert all(
+            torch.equal(a, b) for a, b in zip(tensors[0], random_tensors(0, MIXED), strict=True)
+        )
+
+
+@pytest.mark.parametrize(
+    "spec", [[((1,), torch.float32)], [((0,), torch.float32), ((2,), torch.float32)], []]
+)
+async def test_tiny_and_empty_tensor_lists(spec):
+    async with swarm(3) as services:
+        group = make_group(services)
+        tensors = [random_tensors(i, spec) for i in range(3)]
+        results = await run_all(services, group, tensors, timeout=10)
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2]) if spec else []
+        for r in results:
+            assert not r.failed_peers
+            assert_close(r.averaged, [w.float() for w in want])
+
+
+async def test_deviation_is_the_weighted_spread():
+    async with swarm(3, chunk_numel=5) as services:
+        group = make_group(services)
+        tensors = [[torch.full((12,), float(i))] for i in range(3)]
+        weights = [1.0, 1.0, 2.0]
+        results = await run_all(services, group, tensors, weights, timeout=10)
+        mean = (0 + 1 + 2 * 2) / 4
+        spread = sum(w * 12 * (i - mean) ** 2 for i, w in enumerate(weights)) / 4
+        for r in results:
+            assert r.deviation == pytest.approx(spread, rel=1e-4)
+
+
+async def test_client_and_aux_members():
+    # node, client (sends, reduces nothing), aux (reduces, no tensors), node
+    async with swarm(4, chunk_numel=8) as services:
+        modes = ["node", "client", "aux", "node"]
+        group = make_group(services, modes)
+        spec = [((10, 3), torch.float32), ((7,), torch.float32)]
+        tensors = [random_tensors(i, spec) for i in range(4)]
+        tensors[2] = None
+        weights = [1.0, 3.0, 0.0, 2.0]
+        per_member = {2: {"numel": 37}}
+        results = await run_all(
+            services, group, tensors, weights, per_member=per_member, timeout=10
+        )
+        want = weighted_mean(tensors, weights, [0, 1, 3])
+        for i in (0, 1, 3):
+            assert not results[i].failed_peers
+            assert_close(results[i].averaged, [w.float() for w in want])
+        assert results[2].averaged is None and not results[2].failed_peers
+        # the client reduced nothing: it never received a chunk, only results
+        bounds = part_bounds(group, 37)
+        assert bounds[1] == (bounds[1][0], bounds[1][0])
+        assert results[2].bytes_received > 0  # the aux reduced a part
+
+
+async def test_aux_may_pass_tensors_as_a_shape_template():
+    async with swarm(3) as services:
+        group = make_group(services, ["node", "aux", "node"])
+        tensors = [random_tensors(i, MIXED) for i in range(3)]
+        results = await run_all(services, group, tensors, [1.0, 5.0, 1.0], timeout=10)
+        want = weighted_mean(tensors, [1.0, 0.0, 1.0], [0, 2])
+        assert results[1].averaged is None
+        for i in (0, 2):
+            for got, w in zip(results[i].averaged, want, strict=True):
+                assert torch.allclose(got.double(), w, atol=2e-2)
+
+
+async def test_bandwidth_proportional_parts_still_average_exactly():
+    async with swarm(3, chunk_numel=64) as services:
+        group = make_group(services, bandwidths=[1e6, 3e6, None])
+        tensors = [[torch.randn(1000)] for _ in range(3)]
+        results = await run_all(services, group, tensors, timeout=10)
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])
+        for r in results:
+            assert_close(r.averaged, [w.float() for w in want])
+        sizes = [b - a for a, b in part_bounds(group, 1000)]
+        assert sizes == [
+            167,
+            500,
+            333,
+        ]  # 1 : 3 : 2  # unknown bandwidth counts as the mean of the known
+        # each reducer receives its part from the 2 other members
+        assert [r.bytes_received for r in results] == [
+            4 * (2 * sizes[i] + (1000 - sizes[i])) for i in range(3)
+        ]
+
+
+async def test_weights_of_zero_keep_local_values():
+    async with swarm(2) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(6)] for _ in range(2)]
+        results = await run_all(services, group, tensors, [0.0, 0.0], timeout=10)
+        for i, r in enumerate(results):
+            assert torch.equal(r.averaged[0], tensors[i][0])
+
+
+async def test_single_member_group_returns_its_own_values():
+    async with swarm(1) as services:
+        group = make_group(services)
+        t = [torch.randn(5, 5)]
+        (r,) = await run_all(services, group, [t], timeout=5)
+        assert torch.equal(r.averaged[0], t[0])
+
+
+async def test_large_chunks_use_worker_threads_and_pipeline():
+    # 3 parts of ~200k elements, 64k-element chunks: several chunks per part, processed in threads
+    async with swarm(3, chunk_numel=1 << 16, window=2) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(600_000)] for _ in range(3)]
+        results = await run_all(services, group, tensors, timeout=60)
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])
+        for r in results:
+            assert_close(r.averaged, [w.float() for w in want])
+
+
+async def test_tcp_loopback_basic_round():
+    async with swarm(3, tcp=True, chunk_numel=100) as services:
+        group = make_group(services)
+        tensors = [random_tensors(10 + i, MIXED) for i in range(3)]
+        results = await run_all(services, group, tensors, [1.0, 2.0, 3.0], timeout=20)
+        want = weighted_mean(tensors, [1.0, 2.0, 3.0], [0, 1, 2])
+        for r in results:
+            assert not r.failed_peers
+            assert torch.allclose(r.averaged[0].double(), want[0], atol=1e-5)
+
+
+async def test_consecutive_rounds_on_one_service():
+    async with swarm(2) as services:
+        for _ in range(3):
+            group = make_group(services)
+            tensors = [[torch.randn(9)] for _ in range(2)]
+            results = await run_all(services, group, tensors, timeout=10)
+            assert_close(results[0].averaged, [(tensors[0][0] + tensors[1][0]) / 2])
+        assert not services[0]._rounds and not services[1]._rounds
+
+
+# ---------------------------------------------------------------- compression
+
+CODECS = [
+    NoCompression(),
+    Float16(),
+    BFloat16(),
+    ScaledFloat16(),
+    Uniform8Bit(),
+    Quantile8Bit(),
+    Blockwise8Bit(block_size=32),
+    TopK(density=0.25, exact=True),
+    RandomK(density=0.25, seed=1),
+    ScaledSign(),
+]
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: type(c).__name__)
+async def test_every_codec_through_the_whole_path(codec):
+    async with swarm(3, chunk_numel=100) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(300)] for _ in range(3)]
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])[0]
+        results = await run_all(services, group, tensors, timeout=10, compression=codec)
+        for r in results:
+            assert not r.failed_peers
+            err = (r.averaged[0].double() - want).norm() / want.norm()
+            # lossless: exact; 16-bit: ~1e-3; 8-bit: ~1e-2; sparse/sign: lossy but bounded
+            bound = {
+                "NoCompression": 1e-6,
+                "Float16": 1e-3,
+                "BFloat16": 1e-2,
+                "ScaledFloat16": 1e-3,
+            }
+            assert err < bound.get(type(codec).__name__, 1.5), err
+        # everyone decodes the same reducer output
+        assert torch.equal(results[0].averaged[0], results[1].averaged[0])
+        if type(codec).__name__ in ("TopK", "RandomK", "ScaledSign", "Uniform8Bit"):
+            assert results[0].bytes_sent < 0.6 * 4 * 300  # actually compressed
+
+
+ROUNDS = 40
+
+
+@pytest.mark.parametrize(
+    "make_codec",
+    [lambda: ScaledSign(), lambda: TopK(density=0.1, exact=True)],
+    ids=["sign", "topk"],
+)
+async def test_two_way_error_feedback_converges_over_rounds(make_codec):
+    """Same inputs every round: with error feedback on both sides, the running average of the
+    outputs approaches the exact mean (what one round drops is sent in later rounds)."""
+    async with swarm(3, chunk_numel=64) as services:
+        tensors = [[torch.randn(256, generator=torch.Generator().manual_seed(i))] for i in range(3)]
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])[0]
+        comps = [TwoWayCompression(make_codec(), make_codec()) for _ in range(3)]
+        running = torch.zeros(256, dtype=torch.float64)
+        errors = []
+        for rnd in range(1, ROUNDS + 1):
+            group = make_group(services)
+            results = await run_all(
+                services,
+                group,
+                tensors,
+                timeout=10,
+                per_member={i: {"compression": comps[i]} for i in range(3)},
+            )
+            assert not any(r.failed_peers for r in results)
+            running += results[0].averaged[0].double()
+            errors.append(float((running / rnd - want).norm() / want.norm()))
+        # without error feedback the one-round error would persist; with it the average converges
+        assert errors[-1] < errors[0] / 4, errors
+        assert errors[-1] < 0.15, errors
