@@ -219,7 +219,8 @@ class SecureSession(trio.abc.HalfCloseableStream):
         self.remote_peer = remote_peer
         self._send = send_cipher
         self._receive = receive_cipher
-        self._rbuf = bytearray(initial)  # ciphertext not yet decrypted (< 1 frame + 1 chunk)
+        self._rbuf = bytearray()  # the start of a frame split across raw reads (< 64 KiB)
+        self._initial = bytes(initial)  # read past the handshake; decrypted on first receive
         self._plain: memoryview = memoryview(b"")  # decrypted, not yet returned
         self._eof = False
         self._error: Exception | None = None
@@ -275,40 +276,52 @@ class SecureSession(trio.abc.HalfCloseableStream):
         await send_eof()
 
     # -- receiving -----------------------------------------------------------------------------
-    def _decrypt_available(self) -> None:
-        """Decrypt every complete frame in the raw buffer into ``self._plain``."""
-        buf = self._rbuf
-        total = len(buf)
+    def _ingest(self, data: bytes | bytearray) -> None:
+        """Decrypt every frame completed by ``data`` into ``self._plain``.
+
+        Frames lying wholly inside ``data`` are decrypted in place (no copy into a staging
+        buffer); only a frame split across reads is assembled in ``self._rbuf`` (< 64 KiB).
+        """
+        view = memoryview(data)
+        n = len(view)
         pos = 0
-        sizes: list[tuple[int, int]] = []
-        plain_len = 0
-        while total - pos >= 2:
-            (length,) = _LEN.unpack_from(buf, pos)
-            if total - pos - 2 < length:
+        head: bytearray | None = None  # a split frame completed by this read
+        rbuf = self._rbuf
+        if rbuf:
+            if len(rbuf) < 2:
+                take = min(2 - len(rbuf), n)
+                rbuf += view[:take]
+                pos = take
+            if len(rbuf) >= 2:
+                (length,) = _LEN.unpack_from(rbuf)
+                self._check_frame_length(length)
+                take = min(2 + length - len(rbuf), n - pos)
+                rbuf += view[pos : pos + take]
+                pos += take
+                if len(rbuf) == 2 + length:
+                    head, self._rbuf = rbuf, bytearray()
+        frames: list[int] = []  # start offsets (of the length prefix) in ``data``
+        plain_len = len(head) - 2 - TAGLEN if head is not None else 0
+        while n - pos >= 2:
+            (length,) = _LEN.unpack_from(view, pos)
+            self._check_frame_length(length)
+            if n - pos - 2 < length:
                 break
-            if length < TAGLEN:
-                self._fail(ProtocolViolationError(f"Noise frame of {length} bytes has no tag"))
-            sizes.append((pos + 2, length))
+            frames.append(pos)
             plain_len += length - TAGLEN
             pos += 2 + length
-        if not sizes:
+        if pos < n:
+            self._rbuf += view[pos:]
+        if head is None and not frames:
             return
         out = bytearray(plain_len)
         out_view = memoryview(out)
-        in_view = memoryview(buf)
-        aead = self._receive.aead
         o = 0
         try:
-            for start, length in sizes:
-                nonce = self._receive.next_nonce()
-                size = length - TAGLEN
-                # slices must be released before the bytearray can be resized below
-                with in_view[start : start + length] as ciphertext:
-                    if _HAS_INTO:
-                        aead.decrypt_into(nonce, ciphertext, None, out_view[o : o + size])  # type: ignore[union-attr]
-                    else:  # pragma: no cover - cryptography < 45
-                        out_view[o : o + size] = aead.decrypt(nonce, bytes(ciphertext), None)  # type: ignore[union-attr]
-                o += size
+            if head is not None:
+                o = self._decrypt_frame(memoryview(head), 0, out_view, o)
+            for start in frames:
+                o = self._decrypt_frame(view, start, out_view, o)
         except InvalidTag:
             self._fail(
                 ProtocolViolationError(
@@ -316,10 +329,25 @@ class SecureSession(trio.abc.HalfCloseableStream):
                     "(tampered or corrupted); the session is unusable"
                 )
             )
-        finally:
-            in_view.release()
-        del buf[:pos]
         self._plain = out_view
+
+    def _check_frame_length(self, length: int) -> None:
+        if length < TAGLEN:
+            self._fail(
+                ProtocolViolationError(f"Noise frame of {length} bytes has no room for a tag")
+            )
+
+    def _decrypt_frame(self, source: memoryview, start: int, out: memoryview, o: int) -> int:
+        """Decrypt the frame whose length prefix is at ``source[start]`` into ``out[o:]``."""
+        (length,) = _LEN.unpack_from(source, start)
+        size = length - TAGLEN
+        nonce = self._receive.next_nonce()
+        ciphertext = source[start + 2 : start + 2 + length]
+        if _HAS_INTO:
+            self._receive.aead.decrypt_into(nonce, ciphertext, None, out[o : o + size])  # type: ignore[union-attr]
+        else:  # pragma: no cover - cryptography < 45
+            out[o : o + size] = self._receive.aead.decrypt(nonce, bytes(ciphertext), None)  # type: ignore[union-attr]
+        return o + size
 
     def _fail(self, error: Exception) -> None:
         self._error = error
@@ -350,10 +378,13 @@ class SecureSession(trio.abc.HalfCloseableStream):
             if self._plain:
                 await trio.lowlevel.checkpoint()
                 return self._take(max_bytes)
-            while True:
-                self._decrypt_available()
+            if self._initial:
+                initial, self._initial = self._initial, b""
+                self._ingest(initial)
                 if self._plain:
+                    await trio.lowlevel.checkpoint()
                     return self._take(max_bytes)
+            while not self._plain:
                 if self._eof:
                     if self._rbuf:
                         self._fail(
@@ -364,10 +395,11 @@ class SecureSession(trio.abc.HalfCloseableStream):
                         )
                     return b""
                 data = await self.raw.receive_some(RECEIVE_CHUNK)
-                if not data:
-                    self._eof = True
+                if data:
+                    self._ingest(data)
                 else:
-                    self._rbuf += data
+                    self._eof = True
+            return self._take(max_bytes)
         finally:
             self._receiving = False
 

@@ -374,3 +374,85 @@ async def test_concurrent_send_is_refused():
             await sa.send_all(b"y")
         assert await sb.receive_some() == b"x" * 10
     assert isinstance(sa, SecureSession)
+
+
+class _Trickle(trio.abc.HalfCloseableStream):
+    """Delivers what ``inner`` received in small random pieces (frames split across reads)."""
+
+    def __init__(self, inner, seed=0):
+        import random
+
+        self.inner = inner
+        self.rng = random.Random(seed)
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(self.rng.randint(1, 7000))
+
+    async def send_all(self, data):
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self):
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self):
+        await self.inner.send_eof()
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+
+async def test_frames_split_across_many_small_reads():
+    a, b = trio.testing.memory_stream_pair()
+    sa, sb = await _handshake_pair(a, _Trickle(b), Identity.generate(), Identity.generate())
+    payload = os.urandom(3 * MAX_PLAINTEXT + 999)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sa.send_all, payload)
+        assert await _receive_exactly(sb, len(payload)) == payload
+
+
+class _HoldMessage3(trio.abc.HalfCloseableStream):
+    """Holds back the 2nd write (Noise message 3) and sends it together with the 3rd."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.writes = 0
+        self.held = b""
+
+    async def send_all(self, data):
+        self.writes += 1
+        if self.writes == 2:
+            self.held = bytes(data)
+            await trio.lowlevel.checkpoint()
+            return
+        await self.inner.send_all(self.held + bytes(data))
+        self.held = b""
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def wait_send_all_might_not_block(self):
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self):
+        await self.inner.send_eof()
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+
+async def test_transport_data_arriving_with_message_3():
+    """Bytes read past the handshake are decrypted, not lost."""
+    a, b = trio.testing.memory_stream_pair()
+    id_a, id_b = Identity.generate(), Identity.generate()
+    result = {}
+
+    async def responder():
+        result["sb"] = await noise_handshake(b, id_b, initiator=False, timeout=5)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(responder)
+        sa = await noise_handshake(_HoldMessage3(a), id_a, initiator=True, timeout=5)
+        await sa.send_all(b"early data")  # leaves in the same write as message 3
+    sb = result["sb"]
+    assert sb._initial  # the responder over-read into the transport phase
+    assert await sb.receive_some() == b"early data"
