@@ -42,7 +42,13 @@ from .multiaddr import Multiaddr
 from .noise import noise_handshake
 from .peerstore import PeerStore
 from .transport import TCPTransport
-from .yamux import DEFAULT_MAX_STREAM_WINDOW, INITIAL_WINDOW, YamuxSession, YamuxStream
+from .yamux import (
+    DEFAULT_MAX_STREAM_WINDOW,
+    GO_AWAY_PROTOCOL_ERROR,
+    INITIAL_WINDOW,
+    YamuxSession,
+    YamuxStream,
+)
 from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL
 
 logger = logging.getLogger(__name__)
@@ -375,6 +381,11 @@ class Host:
             del self._conns[conn.peer_id]
             self._notify(1, conn.peer_id)
 
+    def _drop(self, conn: _Connection, reason: str) -> None:
+        """Close a connection whose peer broke the protocol (GoAway with an error code)."""
+        logger.warning("dropping peer %s (%s): %s", conn.peer_id.short(), conn.remote_addr, reason)
+        self._nursery.start_soon(conn.session.aclose, GO_AWAY_PROTOCOL_ERROR)
+
     def _notify(self, which: int, peer_id: PeerID) -> None:
         for callbacks in list(self._observers):
             try:
@@ -592,7 +603,8 @@ class Host:
             )
         except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             logger.debug("stream from %s: negotiation failed: %s", conn.peer_id.short(), e)
-            ystream.reset()
+            # FIN rather than RST: a lazy dialer must still get to read our "na" answer.
+            await ystream.aclose()
             return
         p2p = P2PStream(stream, ystream, conn.peer_id, protocol, self.limits.max_message_size)
         rpc = self._rpc_handlers.get(protocol)
@@ -607,6 +619,9 @@ class Host:
         except (StreamClosedError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             logger.debug("%s handler: stream from %s ended: %s", protocol, conn.peer_id.short(), e)
             p2p.reset()
+        except (MessageTooLargeError, ProtocolViolationError) as e:
+            p2p.reset()
+            self._drop(conn, f"{protocol}: {_reason(e)}")
         except P2PError as e:
             logger.info("%s handler: peer %s: %s", protocol, conn.peer_id.short(), _reason(e))
             p2p.reset()

@@ -453,7 +453,13 @@ class YamuxSession:
 
     @property
     def buffered_bytes(self) -> int:
+        """Received bytes not yet read by the application, summed over streams."""
         return self._buffered
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes waiting for the writer task (bounded: data senders wait above 1 MiB)."""
+        return self._out_bytes
 
     async def open_stream(self) -> YamuxStream:
         """Open an outbound stream. Data may be sent immediately (before the remote's ACK)."""

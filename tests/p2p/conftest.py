@@ -39,3 +39,10 @@ async def yamux_pair(
         finally:
             await client.aclose()
             await server.aclose()
+
+
+async def wait_until(predicate, limit: float = 10.0, interval: float = 0.02) -> None:
+    """Poll ``predicate`` (log records, connection tables: state without an event to await)."""
+    with trio.fail_after(limit):
+        while not predicate():  # noqa: ASYNC110 - there is no event for this external state
+            await trio.sleep(interval)

@@ -210,7 +210,6 @@ async def test_thousand_concurrent_streams_between_hosts():
         assert results == {i: i * i for i in range(1000)}
 
 
-@pytest.mark.slow
 async def test_256_mib_transfer_is_byte_exact():
     size = 256 * 1024 * 1024
     chunk = bytes(range(256)) * 4096  # 1 MiB, varied content
