@@ -1,0 +1,159 @@
+"""`moshpit dht` as real OS processes over loopback TCP."""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+class Peer:
+    """A `moshpit dht` process whose stdout lines are collected by a reader thread."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moshpit",
+                "dht",
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+            cwd=ROOT,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, prefix: str, timeout: float = 60.0) -> str:
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(
+                    f"no {prefix!r} line; output so far: {''.join(self.output)}"
+                ) from None
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+
+    def start(self) -> tuple[str, list[str]]:
+        peer_id = self.wait_for("PeerID:")
+        maddrs = self.wait_for("--initial-peers").split()
+        return peer_id, maddrs
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            self._reader.join(timeout=5)
+
+
+def run_client(initial_peers: list[str], script: str) -> dict:
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import moshpit
+        from dht import get_dht_time
+        with moshpit.DHT(initial_peers=sys.argv[1:], client_mode=True) as dht:
+            result = {}
+        """
+    ) + textwrap.indent(textwrap.dedent(script), " " * 4)
+    code += "\nassert 'torch' not in sys.modules, 'the DHT must not import torch'\nprint(json.dumps(result))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code, *initial_peers],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_eight_processes_join_through_one_bootstrap_and_survive_its_death(tmp_path):
+    peers: list[Peer] = []
+    try:
+        bootstrap = Peer("--identity", str(tmp_path / "boot.pem"))
+        peers.append(bootstrap)
+        boot_id, boot_maddrs = bootstrap.start()
+        assert all(m.endswith(f"/p2p/{boot_id}") for m in boot_maddrs)
+        others = [Peer("--initial-peers", boot_maddrs[0]) for _ in range(7)]
+        peers += others
+        addrs = [p.start()[1][0] for p in others]
+
+        stored = run_client(
+            [boot_maddrs[0]],
+            """
+            for i in range(20):
+                assert dht.store(f"cli{i}", i, get_dht_time() + 600)
+            assert dht.store("roster", "x", get_dht_time() + 600, subkey="a")
+            result["read"] = [dht.get(f"cli{i}").value for i in range(20)]
+            """,
+        )
+        assert stored["read"] == list(range(20))
+
+        bootstrap.stop(signal.SIGKILL)
+        assert all(p.proc.poll() is None for p in others)
+        after = run_client(
+            [addrs[3]],
+            """
+            result["read"] = [getattr(dht.get(f"cli{i}", latest=True), "value", None) for i in range(20)]
+            result["roster"] = dht.get("roster").value["a"].value
+            assert dht.store("after", 1, get_dht_time() + 60)
+            """,
+        )
+        assert after == {"read": list(range(20)), "roster": "x"}
+        assert [p.stop(signal.SIGTERM) for p in others] == [0] * 7
+        assert all("peer connected" in "".join(p.output) for p in others)
+    finally:
+        for peer in peers:
+            if peer.proc.poll() is None:
+                peer.proc.kill()
+                peer.proc.wait()
+
+
+def test_restart_with_the_same_identity_keeps_the_peer_id(tmp_path):
+    key = tmp_path / "node.pem"
+    first = Peer("--identity", str(key))
+    first_id, first_maddrs = first.start()
+    assert first.stop(signal.SIGINT) == 0
+    assert key.exists() and (key.stat().st_mode & 0o777) == 0o600
+    second = Peer("--identity", str(key))
+    second_id, second_maddrs = second.start()
+    assert second.stop(signal.SIGTERM) == 0
+    assert first_id == second_id and second_maddrs[0].endswith(f"/p2p/{first_id}")
+
+
+def test_unreachable_initial_peer_is_a_clear_error(tmp_path):
+    peer = Peer(
+        "--initial-peers",
+        "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWR1a32TXaz2mo9GaQhvbrB8EBmXTG7mWo9uum7aDgTnbr",
+    )
+    assert peer.proc.wait(timeout=60) == 1
+    peer._reader.join(timeout=5)
+    assert "could not join the DHT" in "".join(peer.output)

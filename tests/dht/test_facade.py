@@ -1,0 +1,93 @@
+"""The synchronous DHT facade over real TCP on loopback: store/get, futures, services, shutdown."""
+
+import concurrent.futures
+import threading
+import time
+
+import pytest
+import trio
+import trio.lowlevel
+
+from dht import DHT, BootstrapError, DHTNode, get_dht_time
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def dht_threads():
+    return [t for t in threading.enumerate() if t.name == "moshpit-dht"]
+
+
+def test_store_get_futures_services_and_clean_shutdown(tmp_path):
+    before = len(dht_threads())
+    with DHT(host_maddrs=LOOPBACK) as first:
+        maddrs = first.get_visible_maddrs()
+        assert maddrs and all(str(m).endswith(f"/p2p/{first.peer_id}") for m in maddrs)
+        with DHT(initial_peers=maddrs, host_maddrs=LOOPBACK) as second:
+            assert second.store("plain", {"x": [1, 2]}, get_dht_time() + 30)
+            assert first.get("plain").value == {"x": [1, 2]}
+            future = second.store("dict", "v1", get_dht_time() + 30, subkey="a", return_future=True)
+            assert isinstance(future, concurrent.futures.Future) and future.result(timeout=10)
+            assert second.store("dict", "v2", get_dht_time() + 30, subkey="b")
+            found = first.get("dict", latest=True, return_future=True).result(timeout=10)
+            assert {k: v.value for k, v in found.value.items()} == {"a": "v1", "b": "v2"}
+            assert first.get("missing") is None
+
+            async def count_contacts(dht, node):
+                assert dht is second and isinstance(node, DHTNode)
+                return len(node.routing_table)
+
+            assert second.run_coroutine(count_contacts) == 1
+
+            async def failing(dht, node):
+                raise ValueError("boom")
+
+            with pytest.raises(ValueError, match="boom"):
+                second.run_coroutine(failing)
+
+            started = threading.Event()
+
+            async def service(tag):
+                started.set()
+                await trio.sleep_forever()
+
+            forever = second.start_service(service, "svc")
+            assert started.wait(10)
+
+            async def short(x):
+                await trio.lowlevel.checkpoint()
+                return x * 2
+
+            assert second.start_service(short, 21).result(timeout=10) == 42
+            cancelled_by_user = second.start_service(service, "other")
+            cancelled_by_user.cancel()
+        assert forever.cancelled()  # shutdown cancelled the long-lived service
+        assert not second.is_alive
+        with pytest.raises(RuntimeError, match="not running"):
+            second.get("plain")
+    assert len(dht_threads()) == before
+
+
+def test_identity_path_keeps_peer_id_and_bad_bootstrap_raises(tmp_path):
+    key = tmp_path / "id.pem"
+    with DHT(host_maddrs=LOOPBACK, identity_path=str(key)) as dht:
+        first_id = dht.peer_id
+    with DHT(host_maddrs=LOOPBACK, identity_path=str(key)) as dht:
+        assert dht.peer_id == first_id
+    dead = f"/ip4/127.0.0.1/tcp/9/p2p/{first_id}"
+    started = time.monotonic()
+    with pytest.raises(BootstrapError, match="initial peers"):
+        DHT(initial_peers=[dead], host_maddrs=LOOPBACK, bootstrap_timeout=5)
+    assert time.monotonic() - started < 30
+    assert not dht_threads()
+
+
+def test_client_mode_facade_and_shutdown_is_idempotent():
+    with DHT(host_maddrs=LOOPBACK) as server:
+        client = DHT(initial_peers=server.get_visible_maddrs(), client_mode=True)
+        assert client.get_visible_maddrs() == []
+        assert client.store("k", 1, get_dht_time() + 10)
+        assert server.get("k").value == 1
+        assert client.peer_id not in server.node.routing_table
+        client.shutdown()
+        client.shutdown()
+    assert not dht_threads()
