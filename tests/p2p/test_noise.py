@@ -327,14 +327,17 @@ async def test_bad_signature_rejected(monkeypatch):
 
     real = noise_mod._make_payload
 
-    def forged(identity, static_public):
-        return real(identity, bytes(32))  # signature over the wrong key
-
-    a, b = trio.testing.memory_stream_pair()
     honest, liar = Identity.generate(), Identity.generate()
 
+    def forged(identity, static_public):
+        if identity is liar:
+            return real(identity, bytes(32))  # signature over the wrong static key
+        return real(identity, static_public)
+
+    monkeypatch.setattr(noise_mod, "_make_payload", forged)
+    a, b = trio.testing.memory_stream_pair()
+
     async def responder():
-        monkeypatch.setattr(noise_mod, "_make_payload", forged)
         try:
             await noise_handshake(b, liar, initiator=False, timeout=5)
         except HandshakeError:
@@ -342,7 +345,6 @@ async def test_bad_signature_rejected(monkeypatch):
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(responder)
-        await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(HandshakeError, match="signature"):
             await noise_handshake(a, honest, initiator=True, timeout=5)
         await a.aclose()
@@ -456,3 +458,21 @@ async def test_transport_data_arriving_with_message_3():
     sb = result["sb"]
     assert sb._initial  # the responder over-read into the transport phase
     assert await sb.receive_some() == b"early data"
+
+
+async def test_responder_rejects_initiator_with_bad_signature(monkeypatch):
+    import dht.p2p.noise as noise_mod
+
+    real = noise_mod._make_payload
+    honest, liar = Identity.generate(), Identity.generate()
+
+    def forged(identity, static_public):
+        return real(identity, bytes(32) if identity is liar else static_public)
+
+    monkeypatch.setattr(noise_mod, "_make_payload", forged)
+    a, b = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(noise_handshake, a, liar, initiator=True, timeout=5))
+        with pytest.raises(HandshakeError, match="signature"):
+            await noise_handshake(b, honest, initiator=False, timeout=5)
+        nursery.cancel_scope.cancel()
