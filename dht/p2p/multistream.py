@@ -189,6 +189,8 @@ async def negotiate_inbound(
     ``supported`` is a collection of protocol ids or a predicate (then ``ls`` lists nothing).
     """
     accepts: Callable[[str], bool]
+    if isinstance(supported, str):
+        supported = {supported}  # a bare string would otherwise accept its substrings
     if callable(supported):
         accepts = supported
         listing: list[str] = []

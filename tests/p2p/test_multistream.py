@@ -241,3 +241,13 @@ async def test_over_real_tcp():
         assert await lazy.receive_some() == b"hello"
         await lazy.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_inbound_accepts_a_single_string_exactly():
+    async def dialer(s):
+        return (await negotiate_outbound(s, ["/a", "/abc"]))[0]
+
+    async def listener(s):
+        return (await negotiate_inbound(s, "/abc"))[0]
+
+    assert await _pair(dialer, listener) == ("/abc", "/abc")
