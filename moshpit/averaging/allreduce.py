@@ -55,6 +55,7 @@ from moshpit.averaging.allreduce_protocol import (
     chunk_msg,
     decode_chunk,
     error_msg,
+    hello_group_id,
     hello_msg,
     max_chunk_message,
     parse_chunk,
@@ -243,6 +244,11 @@ class _Round:
             self.codecs.reduced, values, self.chunks[self.me][k], numel=values.numel()
         )
         return result_msg(k, ct, dev), decoded
+
+    def exclude_peer(self, peer: PeerID, reason: str) -> None:
+        """Leave a member that sent an invalid hello out of this member's part."""
+        if self.reducer is not None and peer in self.group.members:
+            self.reducer.fail(self.group.members.index(peer), reason, excluded=True)
 
     async def serve(self, stream: P2PStream, hello: Any) -> None:
         """Serve a remote sender's stream for this member's part."""
@@ -536,20 +542,24 @@ class AllReduceService:
             await self._refuse(stream, "busy: too many pending streams")
             return
         self._pending_streams += 1
-        round_ = hello = None
+        round_ = msg = None
         try:
             deadline = trio.current_time() + self.accept_timeout
             with trio.move_on_at(deadline):
-                hello = parse_hello(await stream.receive_msg(max_size=HELLO_MAX_BYTES))
-            if hello is not None:
-                round_ = await self._find_round(hello.group_id, deadline)
+                msg = await stream.receive_msg(max_size=HELLO_MAX_BYTES)
+            gid = hello_group_id(msg)
+            if gid is not None:
+                round_ = await self._find_round(gid, deadline)
+            hello = parse_hello(msg)
         except (ProtocolError, P2PError, RemoteAbort) as e:
-            logger.info("bad all-reduce stream from %s: %s", peer, e)
+            logger.info("bad all-reduce hello from %s: %s", peer, e)
+            if round_ is not None:
+                round_.exclude_peer(peer, f"bad hello: {e}")
             await self._refuse(stream, str(e))
             return
         finally:
             self._pending_streams -= 1
-        if round_ is None or hello is None:
+        if round_ is None:
             logger.info(
                 "all-reduce stream from %s: no hello or unknown group within %.3gs",
                 peer,

@@ -96,6 +96,12 @@ def _float(value: Any, what: str, lo: float, hi: float) -> float:
     return float(value)
 
 
+def hello_group_id(msg: Any) -> bytes | None:
+    """The group id of a hello, if it has a plausible one (to route even an invalid hello)."""
+    gid = msg.get("gid") if isinstance(msg, dict) else None
+    return gid if isinstance(gid, bytes) and 0 < len(gid) <= 64 else None
+
+
 def parse_hello(msg: Any) -> Hello:
     m = _field(msg, "hello", {"t", "v", "gid", "part", "total", "w"})
     if m["v"] != PROTOCOL_VERSION:

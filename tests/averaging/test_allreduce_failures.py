@@ -1,0 +1,402 @@
+"""All-reduce under failures and attacks: stalled senders, dead reducers, timeouts,
+cancellation, malicious members (NaN, wrong sizes, huge or garbage messages, bad results),
+and robust aggregation bounding an outlier. Real Hosts on the in-memory network (MockClock
+with autojump, so the timeouts cost no wall time) and TCP loopback.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import trio
+
+from compression import NoCompression
+from dht.p2p import MemoryNetwork, P2PError
+from moshpit.averaging.aggregation import CenteredClip, ClippedMean
+from moshpit.averaging.allreduce import ALLREDUCE_PROTOCOL, AllReduceService
+from moshpit.averaging.allreduce_protocol import chunk_msg, hello_msg, result_msg
+from moshpit.averaging.partition import chunk_bounds, part_bounds
+from tests.averaging.test_allreduce import make_group, run_all, swarm, weighted_mean
+
+# ---------------------------------------------------------------- a hand-driven member
+
+
+async def drive_sender(
+    service: AllReduceService, group, reducer: int, total: int, messages, *, read_replies=True
+) -> list:
+    """Open a stream to ``reducer`` as member ``service`` and send ``messages`` (after hello,
+    unless the first message is a hello itself); returns the replies until the stream ends."""
+    stream = await service.host.new_stream(group.members[reducer], ALLREDUCE_PROTOCOL)
+    replies = []
+    try:
+        if not (messages and isinstance(messages[0], dict) and messages[0].get("t") == "hello"):
+            await stream.send_msg(hello_msg(group.group_id, reducer, total, 1.0))
+        for m in messages:
+            await stream.send_msg(m)
+        while read_replies:
+            replies.append(await stream.receive_msg())
+    except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        with trio.move_on_after(1):
+            try:
+                await stream.aclose()
+            except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+    return replies
+
+
+def chunk_of(values: torch.Tensor, k: int = 0) -> dict:
+    return chunk_msg(k, NoCompression().compress(values))
+
+
+# ---------------------------------------------------------------- stalls, deaths, timeouts
+
+
+async def test_stalled_client_is_left_out_and_weights_renormalize(autojump_clock):
+    async with swarm(4, chunk_numel=8) as services:
+        group = make_group(services, ["node", "node", "node", "client"])
+        tensors = [[torch.randn(30)] for _ in range(4)]
+        weights = [1.0, 2.0, 3.0, 4.0]
+        start = trio.current_time()
+        results = await run_all(
+            services, group, tensors, weights, skip=[3], timeout=30, sender_timeout=2
+        )
+        assert trio.current_time() - start < 5  # sender_timeout, not the round timeout
+        want = weighted_mean(tensors, weights, [0, 1, 2])
+        for r in results[:3]:
+            assert torch.allclose(r.averaged[0].double(), want[0], atol=1e-5)
+            assert r.failed_senders == {group.members[3]}
+            assert not r.failed_reducers and not r.timed_out
+
+
+async def test_sender_stalling_mid_part_is_left_out_of_later_chunks(autojump_clock):
+    """Per-chunk semantics: a sender stays in the chunks it completed before it stalled."""
+    async with swarm(3, chunk_numel=4) as services:
+        group = make_group(services, ["node", "node", "client"])
+        tensors = [[torch.randn(16)] for _ in range(3)]
+        total = 16
+        (a0, b0), (a1, b1), _ = part_bounds(group, total)
+        chunks = chunk_bounds(a0, b0, 4)
+        bad = tensors[2][0]
+
+        async def staller():
+            # member 2 sends chunk 0 of part 0 and then nothing; part 1 it never sends
+            await drive_sender(
+                services[2], group, 0, total, [chunk_of(bad[chunks[0][0] : chunks[0][1]])]
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(staller)
+            results = await run_all(
+                services, group, tensors, skip=[2], timeout=30, sender_timeout=2
+            )
+            nursery.cancel_scope.cancel()
+        all3 = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])[0]
+        two = weighted_mean(tensors, [1.0] * 3, [0, 1])[0]
+        for r in results[:2]:
+            out = r.averaged[0].double()
+            c0 = slice(*chunks[0])
+            assert torch.allclose(out[c0], all3[c0], atol=1e-5)  # chunk 0 included member 2
+            assert torch.allclose(out[chunks[1][0] : b1], two[chunks[1][0] : b1], atol=1e-5)
+        assert group.members[2] in results[0].failed_senders
+        assert group.members[2] in results[1].failed_senders
+
+
+async def test_absent_node_keeps_its_part_local_and_nobody_hangs(autojump_clock):
+    async with swarm(4, chunk_numel=8) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(40)] for _ in range(4)]
+        start = trio.current_time()
+        results = await run_all(
+            services, group, tensors, skip=[3], timeout=20, sender_timeout=2, reducer_timeout=3
+        )
+        assert trio.current_time() - start < 10
+        bounds = part_bounds(group, 40)
+        want = weighted_mean(tensors, [1.0] * 4, [0, 1, 2])[0]
+        for i, r in enumerate(results[:3]):
+            out = r.averaged[0]
+            a3, b3 = bounds[3]
+            assert torch.equal(out[a3:b3], tensors[i][0][a3:b3])  # dead reducer: local values
+            assert torch.allclose(out[:a3].double(), want[:a3], atol=1e-5)
+            assert r.failed_reducers == {group.members[3]}
+            assert group.members[3] in r.failed_senders
+
+
+async def test_reducer_killed_mid_round(autojump_clock):
+    net = MemoryNetwork(bandwidth=2_000)  # bytes/s: the round takes seconds of (mock) time
+    async with swarm(4, net=net, chunk_numel=64) as services:
+        group = make_group(services, ["node", "node", "node", "aux"])
+        tensors = [[torch.randn(3000)] for _ in range(3)] + [None]
+        aux_addr = services[3].host.listen_addrs[0]
+        killed_at = []
+
+        async def killer():
+            await trio.sleep(2.0)  # connection set-up takes ~1 s at this bandwidth
+            (aux_round,) = services[3]._rounds.values()
+            # mid-round: the aux reducer has returned some chunks of its part, not all
+            assert 0 < aux_round.reducer.next_emit < len(aux_round.chunks[3])
+            killed_at.append(trio.current_time())
+            net.kill(aux_addr)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(killer)
+            results = await run_all(
+                services,
+                group,
+                tensors,
+                per_member={3: {"numel": 3000}},
+                timeout=60,
+                sender_timeout=5,
+                reducer_timeout=5,
+            )
+        assert killed_at
+        bounds = part_bounds(group, 3000)
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])[0]
+        a3, b3 = bounds[3]
+        for i, r in enumerate(results[:3]):
+            out = r.averaged[0]
+            assert r.failed_reducers == {group.members[3]}, r
+            assert torch.equal(out[a3:b3], tensors[i][0][a3:b3])  # whole part local, not partial
+            assert torch.allclose(out[:a3].double(), want[:a3], atol=1e-5)
+            assert not r.timed_out
+
+
+async def test_overall_timeout_bounds_the_round(autojump_clock):
+    async with swarm(3) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(12)] for _ in range(3)]
+        start = trio.current_time()
+        results = await run_all(
+            services, group, tensors, skip=[2], timeout=7, sender_timeout=100, reducer_timeout=100
+        )
+        assert trio.current_time() - start == pytest.approx(7, abs=0.5)
+        for i, r in enumerate(results[:2]):
+            assert r.timed_out
+            # nothing could complete (member 2 never sent): every value is local
+            assert torch.equal(r.averaged[0], tensors[i][0])
+        assert not services[0]._rounds and not services[1]._rounds
+
+
+async def test_cancelled_run_cleans_up_and_others_finish(autojump_clock):
+    async with swarm(3, chunk_numel=8) as services:
+        group = make_group(services, ["node", "node", "client"])
+        tensors = [[torch.randn(24)] for _ in range(3)]
+        results = [None] * 3
+
+        async def one(i):
+            results[i] = await services[i].run(group, tensors[i], timeout=30, sender_timeout=2)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(one, i)
+            with trio.CancelScope() as cs:
+                cs.cancel()  # member 2 is cancelled before it sends anything
+                await services[2].run(group, tensors[2], timeout=30)
+        assert not services[2]._rounds
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1])[0]
+        for r in results[:2]:
+            assert torch.allclose(r.averaged[0].double(), want, atol=1e-5)
+            assert r.failed_senders == {group.members[2]}
+
+
+async def test_stalled_sender_on_tcp_loopback():
+    async with swarm(3, tcp=True, chunk_numel=8) as services:
+        group = make_group(services, ["node", "node", "client"])
+        tensors = [[torch.randn(20)] for _ in range(3)]
+        results = await run_all(services, group, tensors, skip=[2], timeout=10, sender_timeout=0.5)
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1])[0]
+        for r in results[:2]:
+            assert torch.allclose(r.averaged[0].double(), want, atol=1e-5)
+            assert r.failed_senders == {group.members[2]}
+
+
+# ---------------------------------------------------------------- malicious senders
+
+N = 12  # flat size in the attack tests; 3 honest nodes + 1 attacker in client mode
+
+
+def _attacks(part_len: int):
+    good = NoCompression().compress(torch.ones(part_len)).to_msg()
+    return {
+        "nan": ([chunk_of(torch.full((part_len,), math.nan))], "NaN"),
+        "inf": ([chunk_of(torch.full((part_len,), math.inf))], "NaN or Inf"),
+        "wrong_size": ([chunk_of(torch.ones(part_len + 1))], "elements"),
+        "wrong_chunk_index": (
+            [chunk_msg(5, NoCompression().compress(torch.ones(part_len)))],
+            "expected chunk 0",
+        ),
+        "unknown_codec": ([{"t": "chunk", "k": 0, "ct": {**good, "codec": 999}}], "unknown codec"),
+        "bad_payload": ([{"t": "chunk", "k": 0, "ct": {**good, "payload": b"xx"}}], "payload"),
+        "not_a_map": ([[1, 2, 3]], "expected a 'chunk' message"),
+        "wrong_type": ([{"t": "result", "k": 0, "ct": good, "dev": 0.0}], "expected a 'chunk'"),
+        "huge": (
+            [{"t": "chunk", "k": 0, "ct": {**good, "payload": b"\0" * 2_000_000}}],
+            "MessageTooLarge",
+        ),
+        "wrong_total": ([hello_msg(b"", 0, 0, 1.0)], "flat size"),  # hello patched below
+        "nan_weight": ([hello_msg(b"", 0, N, 1.0)], "weight"),  # hello patched below
+    }
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "nan",
+        "inf",
+        "wrong_size",
+        "wrong_chunk_index",
+        "unknown_codec",
+        "bad_payload",
+        "not_a_map",
+        "wrong_type",
+        "huge",
+        "wrong_total",
+        "nan_weight",
+    ],
+)
+async def test_malicious_sender_is_excluded_with_a_reason(attack, autojump_clock):
+    async with swarm(4, chunk_numel=1000) as services:
+        group = make_group(services, ["node", "node", "node", "client"])
+        tensors = [[torch.randn(N)] for _ in range(4)]
+        bounds = part_bounds(group, N)
+        replies = {}
+
+        async def attacker():
+            async with trio.open_nursery() as nursery:
+                for j in range(3):
+                    a, b = bounds[j]
+                    msgs, _ = _attacks(b - a)[attack]
+                    if attack == "wrong_total":
+                        msgs = [hello_msg(group.group_id, j, N + 1, 1.0)]
+                    elif attack == "nan_weight":
+                        msgs = [{**hello_msg(group.group_id, j, N, 1.0), "w": math.nan}]
+
+                    async def one(j=j, msgs=msgs):
+                        replies[j] = await drive_sender(services[3], group, j, N, msgs)
+
+                    nursery.start_soon(one)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(attacker)
+            results = await run_all(
+                services, group, tensors, skip=[3], timeout=30, sender_timeout=3
+            )
+        _, reason = _attacks(1)[attack]
+        want = weighted_mean(tensors, [1.0] * 4, [0, 1, 2])[0]
+        for r in results[:3]:
+            assert torch.allclose(r.averaged[0].double(), want, atol=1e-5)
+            assert not r.timed_out
+            bad = group.members[3]
+            assert bad in r.excluded, (attack, r)
+            assert reason in r.excluded[bad], (attack, r.excluded[bad])
+        # the attacker was told why (except when the stream was reset for an oversized frame)
+        if attack != "huge":
+            assert all(rep and rep[-1].get("t") == "error" for rep in replies.values()), replies
+
+
+async def test_garbage_from_a_non_member_is_refused(autojump_clock):
+    async with swarm(3) as services:
+        group = make_group(services[:2])
+        tensors = [[torch.randn(6)] for _ in range(2)]
+        outsider = services[2]
+        async with trio.open_nursery() as nursery:
+
+            async def intruder():
+                await trio.sleep(0.01)
+                replies = await drive_sender(outsider, group, 0, 6, [chunk_of(torch.ones(3))])
+                assert replies and replies[-1]["t"] == "error"
+
+            nursery.start_soon(intruder)
+            results = await run_all(services[:2], group, tensors, timeout=10)
+        for r in results:
+            assert not r.failed_peers
+            assert torch.allclose(r.averaged[0], (tensors[0][0] + tensors[1][0]) / 2)
+
+
+async def test_unknown_group_is_refused_after_accept_timeout(autojump_clock):
+    async with swarm(2, accept_timeout=1.5) as services:
+        group = make_group(services)
+        start = trio.current_time()
+        replies = await drive_sender(services[1], group, 0, 4, [])
+        assert trio.current_time() - start == pytest.approx(1.5, abs=0.2)
+        assert replies[-1] == {"t": "error", "reason": "unknown group (or no hello in time)"}
+
+
+async def test_malicious_reducer_results_are_rejected(autojump_clock):
+    """A reducer that returns NaN: everyone keeps local values for its part and excludes it."""
+    async with swarm(3, chunk_numel=100) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(30)] for _ in range(3)]
+        bounds = part_bounds(group, 30)
+        a2, b2 = bounds[2]
+
+        async def evil_handler(stream):
+            await stream.receive_msg()  # hello
+            await stream.receive_msg()  # chunk 0
+            await stream.send_msg(
+                result_msg(0, NoCompression().compress(torch.full((b2 - a2,), math.nan)), 0.0)
+            )
+            with trio.move_on_after(5):
+                await stream.receive_msg()
+
+        services[2].host.set_stream_handler(ALLREDUCE_PROTOCOL, evil_handler)
+        results = await run_all(services, group, tensors, skip=[2], timeout=30, sender_timeout=2)
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1])[0]
+        for i, r in enumerate(results[:2]):
+            out = r.averaged[0]
+            assert torch.equal(out[a2:b2], tensors[i][0][a2:b2])
+            assert torch.allclose(out[:a2].double(), want[:a2], atol=1e-5)
+            assert "NaN" in r.excluded[group.members[2]]
+            assert group.members[2] in r.failed_reducers
+
+
+# ---------------------------------------------------------------- robust aggregation
+
+
+async def _outlier_round(aggregation, n_honest=4, numel=40, outlier=1e6):
+    """n_honest nodes + one client that sends a huge (finite) outlier as a valid chunk."""
+    async with swarm(n_honest + 1, chunk_numel=numel) as services:
+        modes = ["node"] * n_honest + ["client"]
+        group = make_group(services, modes)
+        tensors = [[torch.randn(numel)] for _ in range(n_honest + 1)]
+        tensors[-1] = [torch.full((numel,), outlier)]
+        results = await run_all(services, group, tensors, timeout=30, aggregation=aggregation)
+        return group, tensors, results
+
+
+@pytest.mark.parametrize("tau", [0.1, 1.0])
+async def test_clipped_mean_bounds_an_outlier(tau):
+    group, tensors, results = await _outlier_round(ClippedMean(tau))
+    honest = torch.stack([t[0] for t in tensors[:-1]])
+    lo, hi = honest.min(dim=0).values - tau, honest.max(dim=0).values + tau
+    for r in results:
+        out = r.averaged[0]
+        assert not r.failed_peers
+        assert bool(((out >= lo - 1e-5) & (out <= hi + 1e-5)).all())
+
+
+async def test_centered_clip_bounds_an_outlier_and_plain_mean_does_not():
+    tau, iters = 1.0, 5
+    group, tensors, results = await _outlier_round(CenteredClip(tau, iters))
+    honest = torch.stack([t[0] for t in tensors[:-1]]).double()
+    center = honest.mean(dim=0)
+    n_senders = honest.shape[0] + 1
+    for r in results:
+        out = r.averaged[0].double()
+        for a, b in part_bounds(group, out.numel()):
+            if a == b:
+                continue
+            sl = slice(a, b)
+            box = (
+                (honest[:, sl] - center[sl]).abs().max(dim=0).values.norm()
+            )  # bounds the median start
+            radius = (honest[:, sl] - center[sl]).norm(dim=1).max()
+            bound = max(box, radius) + iters * tau / n_senders
+            assert (out[sl] - center[sl]).norm() <= bound + 1e-4
+    # the same attack against the plain mean moves the result by ~outlier / n
+    _, tensors, plain = await _outlier_round(None)
+    honest_mean = torch.stack([t[0] for t in tensors[:-1]]).mean(dim=0)
+    assert float((plain[0].averaged[0] - honest_mean).abs().min()) > 1e5 - 10
