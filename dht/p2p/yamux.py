@@ -67,7 +67,7 @@ _OUT_LIMIT = 1024 * 1024  # queued outgoing bytes before data senders wait
 _OUT_HARD_LIMIT = (
     4 * _OUT_LIMIT
 )  # control frames (pongs, RSTs, ...) beyond this: remote not reading
-_COALESCE_LIMIT = 64 * 1024  # frames smaller than this are joined into one write
+_COALESCE_LIMIT = 64 * 1024  # senders yield to the writer once this much is queued
 
 
 def pack_header(ftype: int, flags: int, stream_id: int, length: int) -> bytes:
@@ -210,7 +210,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                 self._send_window -= n
                 self.session._enqueue_data(self.stream_id, piece)
                 offset += n
-            await trio.lowlevel.checkpoint()
+            await self.session._after_enqueue()
         finally:
             self._sending = False
 
@@ -237,7 +237,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         if not self.session.closed:
             self.session._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_FIN, self.stream_id, 0)
         self.session._maybe_forget(self)
-        await trio.lowlevel.checkpoint()
+        await self.session._after_enqueue()
 
     async def aclose(self) -> None:
         """Half-close our side (FIN) and stop reading. Unread incoming data is discarded."""
@@ -248,7 +248,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                 self.session._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_FIN, self.stream_id, 0)
         self._send_lot.unpark_all()
         self.session._maybe_forget(self)
-        await trio.lowlevel.checkpoint()
+        await self.session._after_enqueue()
 
     def _close_read_side(self) -> None:
         if self._read_closed:
@@ -463,6 +463,7 @@ class YamuxSession:
 
     async def open_stream(self) -> YamuxStream:
         """Open an outbound stream. Data may be sent immediately (before the remote's ACK)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         if self.closed:
             raise StreamResetError(f"connection closed: {self.close_reason}")
         if self.remote_go_away:
@@ -531,6 +532,18 @@ class YamuxSession:
             self._forget(stream)
 
     # -- writing -------------------------------------------------------------------------
+    async def _after_enqueue(self) -> None:
+        """End of a send: yield to the scheduler only once enough is queued to be worth a write.
+
+        Not yielding after every small frame lets a task queue e.g. protocol echo, response
+        and FIN back to back, and the writer then sends them as one write (one Noise frame,
+        one syscall, one wake-up on the remote). Cancellation is still honoured here.
+        """
+        if self._out_bytes >= _COALESCE_LIMIT:
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
+
     async def _wait_send_space(self) -> None:
         while self._out_bytes >= _OUT_LIMIT and not self.closed:
             await self._space_lot.park()

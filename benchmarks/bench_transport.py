@@ -1,0 +1,276 @@
+"""Transport benchmark: our Host (TCP + Noise + yamux) vs raw trio TCP, two processes each.
+
+Prints one JSON object per result line:
+  (a) bulk throughput of one stream (default 512 MiB), Host vs raw TCP -> ratio (target >= 0.4)
+  (b) unary RPC round trip on a warm connection, p50/p99 (target p50 <= 0.5 ms), with a raw
+      TCP ping-pong of the same request size as the baseline
+  (c) connection setup (TCP + Noise + yamux) p50, with a raw TCP connect as the baseline
+
+Usage: python benchmarks/bench_transport.py [--bulk-mib 512] [--rpc-calls 3000] [--connects 100]
+The server side of every measurement runs in a child process (this script with --serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import trio
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dht.p2p import Host, Multiaddr, P2PStream  # noqa: E402
+
+CHUNK = 1024 * 1024
+RPC_PAYLOAD = b"x" * 64
+
+
+# -- server processes --------------------------------------------------------------------
+async def serve_host() -> None:
+    async with Host.open() as host:
+        (addr,) = await host.listen(["/ip4/127.0.0.1/tcp/0"])
+
+        async def sink(stream: P2PStream) -> None:
+            total = 0
+            while True:
+                data = await stream.receive_some()
+                if not data:
+                    break
+                total += len(data)
+            await stream.send_all(total.to_bytes(8, "big"))
+
+        async def echo(peer, request):
+            return request
+
+        host.set_stream_handler("/bench/sink/1.0.0", sink)
+        host.set_rpc_handler("/bench/echo/1.0.0", echo)
+        print(str(addr), flush=True)
+        await trio.sleep_forever()
+
+
+async def serve_raw() -> None:
+    async def handle(stream: trio.SocketStream) -> None:
+        mode = await stream.receive_some(1)
+        if mode == b"B":  # bulk: count until EOF, answer the count
+            total = 0
+            while True:
+                data = await stream.receive_some(CHUNK)
+                if not data:
+                    break
+                total += len(data)
+            await stream.send_all(total.to_bytes(8, "big"))
+        elif mode == b"P":  # ping-pong: echo fixed-size requests
+            n = len(RPC_PAYLOAD)
+            buf = b""
+            while True:
+                data = await stream.receive_some(65536)
+                if not data:
+                    break
+                buf += data
+                while len(buf) >= n:
+                    await stream.send_all(buf[:n])
+                    buf = buf[n:]
+        await stream.aclose()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    print(port, flush=True)
+    await trio.serve_listeners(handle, listeners)
+
+
+def start_server(kind: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", kind],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline().strip()
+    if not line:
+        proc.kill()
+        raise RuntimeError(f"{kind} server did not start")
+    return proc, line
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# -- measurements ------------------------------------------------------------------------
+def payload_chunk() -> bytes:
+    return bytes(range(256)) * (CHUNK // 256)
+
+
+async def bulk_raw(port: int, size: int) -> float:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    chunk = payload_chunk()
+    start = time.perf_counter()
+    await stream.send_all(b"B")
+    for _ in range(size // CHUNK):
+        await stream.send_all(chunk)
+    await stream.send_eof()
+    got = b""
+    while len(got) < 8:
+        got += await stream.receive_some(8)
+    elapsed = time.perf_counter() - start
+    assert int.from_bytes(got, "big") == size, "raw TCP lost bytes"
+    await stream.aclose()
+    return elapsed
+
+
+async def bulk_host(addr: str, size: int) -> float:
+    async with Host.open() as host:
+        pid = await host.connect([Multiaddr(addr)])
+        stream = await host.new_stream(pid, "/bench/sink/1.0.0")
+        chunk = payload_chunk()
+        start = time.perf_counter()
+        for _ in range(size // CHUNK):
+            await stream.send_all(chunk)
+        await stream.send_eof()
+        got = b""
+        while len(got) < 8:
+            got += await stream.receive_some(8)
+        elapsed = time.perf_counter() - start
+        assert int.from_bytes(got, "big") == size, "host stream lost bytes"
+        return elapsed
+
+
+async def rpc_raw(port: int, calls: int) -> list[float]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(b"P")
+    n = len(RPC_PAYLOAD)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        await stream.send_all(RPC_PAYLOAD)
+        got = 0
+        while got < n:
+            got += len(await stream.receive_some(n - got))
+        times.append(time.perf_counter() - start)
+    await stream.aclose()
+    return times
+
+
+async def rpc_host(addr: str, calls: int) -> list[float]:
+    async with Host.open() as host:
+        pid = await host.connect([Multiaddr(addr)])
+        for _ in range(100):  # warm-up
+            await host.call(pid, "/bench/echo/1.0.0", RPC_PAYLOAD)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            reply = await host.call(pid, "/bench/echo/1.0.0", RPC_PAYLOAD)
+            times.append(time.perf_counter() - start)
+            assert reply == RPC_PAYLOAD
+        return times
+
+
+async def connect_raw(port: int, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        times.append(time.perf_counter() - start)
+        await stream.send_all(b"P")
+        await stream.aclose()
+    return times
+
+
+async def connect_host(addr: str, n: int) -> list[float]:
+    maddr = Multiaddr(addr)
+    times = []
+    async with Host.open() as host:
+        for _ in range(n):
+            start = time.perf_counter()
+            pid = await host.connect([maddr])
+            times.append(time.perf_counter() - start)
+            await host.disconnect(pid)
+    return times
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", choices=["host", "raw"])
+    parser.add_argument("--bulk-mib", type=int, default=512)
+    parser.add_argument("--rpc-calls", type=int, default=3000)
+    parser.add_argument("--connects", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3, help="bulk runs; the best is reported")
+    args = parser.parse_args()
+    if args.serve == "host":
+        trio.run(serve_host)
+        return
+    if args.serve == "raw":
+        trio.run(serve_raw)
+        return
+
+    size = args.bulk_mib * CHUNK
+    raw_proc, port_text = start_server("raw")
+    host_proc, addr = start_server("host")
+    port = int(port_text)
+    try:
+        raw_times = [trio.run(bulk_raw, port, size) for _ in range(args.repeats)]
+        host_times = [trio.run(bulk_host, addr, size) for _ in range(args.repeats)]
+        raw_mbps = size / min(raw_times) / 1e6
+        host_mbps = size / min(host_times) / 1e6
+        emit(
+            bench="bulk_one_stream",
+            bytes=size,
+            host_MBps=round(host_mbps, 1),
+            raw_tcp_MBps=round(raw_mbps, 1),
+            ratio=round(host_mbps / raw_mbps, 3),
+            target_ratio=0.4,
+            met=host_mbps / raw_mbps >= 0.4,
+            runs_host_s=[round(t, 3) for t in host_times],
+            runs_raw_s=[round(t, 3) for t in raw_times],
+        )
+
+        raw_rtt = trio.run(rpc_raw, port, args.rpc_calls)
+        host_rtt = trio.run(rpc_host, addr, args.rpc_calls)
+        emit(
+            bench="rpc_round_trip_warm",
+            calls=args.rpc_calls,
+            request_bytes=len(RPC_PAYLOAD),
+            host_p50_ms=round(pct(host_rtt, 0.5) * 1e3, 4),
+            host_p99_ms=round(pct(host_rtt, 0.99) * 1e3, 4),
+            raw_tcp_p50_ms=round(pct(raw_rtt, 0.5) * 1e3, 4),
+            raw_tcp_p99_ms=round(pct(raw_rtt, 0.99) * 1e3, 4),
+            ratio_p50=round(pct(host_rtt, 0.5) / pct(raw_rtt, 0.5), 2),
+            target_p50_ms=0.5,
+            met=pct(host_rtt, 0.5) <= 0.5e-3,
+        )
+
+        raw_conn = trio.run(connect_raw, port, args.connects)
+        host_conn = trio.run(connect_host, addr, args.connects)
+        emit(
+            bench="connection_setup",
+            connects=args.connects,
+            host_p50_ms=round(statistics.median(host_conn) * 1e3, 3),
+            host_p99_ms=round(pct(host_conn, 0.99) * 1e3, 3),
+            raw_tcp_p50_ms=round(statistics.median(raw_conn) * 1e3, 3),
+            ratio_p50=round(statistics.median(host_conn) / statistics.median(raw_conn), 1),
+        )
+    finally:
+        stop_server(raw_proc)
+        stop_server(host_proc)
+
+
+if __name__ == "__main__":
+    main()
