@@ -1,0 +1,156 @@
+"""Flat-range gather/scatter over tensor lists, part sizes from GroupInfo, chunking, GroupInfo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dht.p2p import Identity
+from moshpit.averaging.group_info import GroupInfo, GroupInfoError
+from moshpit.averaging.partition import (
+    TensorLayout,
+    chunk_bounds,
+    copy_range,
+    empty_like_all,
+    gather,
+    part_bounds,
+    part_sizes,
+    scatter,
+)
+
+PEERS = [Identity.generate().peer_id for _ in range(6)]
+
+
+def group(modes=None, bandwidths=None, n=None) -> GroupInfo:
+    n = n or len(modes or bandwidths)
+    return GroupInfo(
+        b"g", tuple(PEERS[:n]), tuple(modes or ["node"] * n), tuple(bandwidths or [None] * n)
+    )
+
+
+def flat(ts):
+    return torch.cat([t.float().reshape(-1) for t in ts])
+
+
+@given(
+    sizes=st.lists(st.integers(0, 7), min_size=1, max_size=5),
+    data=st.data(),
+)
+@settings(max_examples=60, deadline=None)
+def test_gather_scatter_any_range(sizes, data):
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+    tensors = [
+        torch.randn(s).to(data.draw(st.sampled_from(dtypes))).reshape(
+            data.draw(st.sampled_from([(s,), (1, s)]))
+        )
+        for s in sizes
+    ]
+    layout = TensorLayout.from_tensors(tensors)
+    total = layout.numel
+    start = data.draw(st.integers(0, total))
+    end = data.draw(st.integers(start, total))
+    got = gather(tensors, layout, start, end)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, flat(tensors)[start:end])
+    outputs = empty_like_all(tensors)
+    copy_range(tensors, outputs, layout, 0, total)
+    scatter(torch.full((end - start,), 0.5), outputs, layout, start)
+    expected = flat(tensors).clone()
+    expected[start:end] = 0.5
+    assert torch.equal(flat(outputs), expected)
+    assert [o.dtype for o in outputs] == [t.dtype for t in tensors]
+    assert [o.shape for o in outputs] == [t.shape for t in tensors]
+
+
+def test_layout_rejects_non_float_and_non_tensors():
+    with pytest.raises(ValueError, match="floating"):
+        TensorLayout.from_tensors([torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(TypeError):
+        TensorLayout.from_tensors([[1.0, 2.0]])
+    with pytest.raises(IndexError):
+        gather([torch.zeros(3)], TensorLayout.from_tensors([torch.zeros(3)]), 2, 4)
+
+
+def test_equal_parts_when_bandwidth_unknown():
+    assert part_sizes(group(n=3), 10) == [4, 3, 3]
+    assert part_sizes(group(n=4), 0) == [0, 0, 0, 0]
+    assert part_sizes(group(n=2), 1) == [1, 0]
+
+
+def test_parts_proportional_to_bandwidth():
+    assert part_sizes(group(bandwidths=[1.0, 2.0, 1.0]), 100) == [25, 50, 25]
+    # unknown = mean of the known ones
+    assert part_sizes(group(bandwidths=[100.0, None, 300.0]), 60) == [10, 20, 30]
+
+
+def test_clients_reduce_nothing_and_aux_reduce():
+    g = group(modes=["node", "client", "aux", "client"])
+    assert part_sizes(g, 9) == [5, 0, 4, 0]
+    assert g.reducer_indices == (0, 2) and g.sender_indices == (0, 1, 3)
+    with pytest.raises(GroupInfoError, match="no member that can reduce"):
+        part_sizes(group(modes=["client", "client"]), 5)
+
+
+@given(
+    bws=st.lists(st.one_of(st.none(), st.floats(1.0, 1e9)), min_size=1, max_size=6),
+    total=st.integers(0, 10**7),
+)
+@settings(max_examples=100, deadline=None)
+def test_part_sizes_sum_and_are_contiguous(bws, total):
+    g = group(bandwidths=bws)
+    sizes = part_sizes(g, total)
+    assert sum(sizes) == total and all(s >= 0 for s in sizes)
+    assert part_sizes(g, total) == sizes  # deterministic
+    bounds = part_bounds(g, total)
+    assert bounds[0][0] == 0 and bounds[-1][1] == total
+    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+    # faster members never get (more than rounding) less
+    filled = [b if b is not None else None for b in bws]
+    known = [b for b in filled if b is not None]
+    mean = sum(known) / len(known) if known else 1.0
+    eff = [b if b is not None else mean for b in filled]
+    for i in range(len(eff)):
+        for j in range(len(eff)):
+            if eff[i] > eff[j]:
+                assert sizes[i] >= sizes[j] - 1
+
+
+def test_chunk_bounds():
+    assert chunk_bounds(3, 10, 3) == [(3, 6), (6, 9), (9, 10)]
+    assert chunk_bounds(5, 5, 4) == []
+    with pytest.raises(ValueError):
+        chunk_bounds(0, 4, 0)
+
+
+def test_group_info_validation():
+    with pytest.raises(GroupInfoError, match="distinct"):
+        GroupInfo(b"g", (PEERS[0], PEERS[0]), ("node", "node"), (None, None))
+    with pytest.raises(GroupInfoError, match="mode"):
+        GroupInfo(b"g", (PEERS[0],), ("boss",), (None,))
+    with pytest.raises(GroupInfoError, match="bandwidth"):
+        GroupInfo(b"g", (PEERS[0],), ("node",), (float("nan"),))
+    with pytest.raises(GroupInfoError, match="same length"):
+        GroupInfo(b"g", (PEERS[0],), ("node", "node"), (None,))
+    with pytest.raises(GroupInfoError, match="group_id"):
+        GroupInfo(b"", (PEERS[0],), ("node",), (None,))
+    with pytest.raises(GroupInfoError, match="not a member"):
+        group(n=2).index_of(PEERS[5])
+
+
+def test_group_info_wire_roundtrip_and_bad_input():
+    g = GroupInfo(b"gid", tuple(PEERS[:3]), ("node", "client", "aux"), (1e6, None, 3), ({"x": 1}, None, 2))
+    assert GroupInfo.from_msg(g.to_msg()) == g
+    for bad in [
+        None,
+        {},
+        {**g.to_msg(), "members": [b"junk"] * 3},
+        {**g.to_msg(), "members": "abc"},
+        {**g.to_msg(), "modes": [1, 2, 3]},
+        {**g.to_msg(), "bw": [1, 2]},
+        {**g.to_msg(), "bw": [True, None, None]},
+        {**g.to_msg(), "members": [PEERS[0].to_bytes()] * 300},
+    ]:
+        with pytest.raises(GroupInfoError):
+            GroupInfo.from_msg(bad)
