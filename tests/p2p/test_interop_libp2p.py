@@ -151,3 +151,50 @@ async def test_libp2p_dialer_against_our_noise_listener(nursery):
     assert "error" not in result, result.get("error")
     assert isinstance(result["peer"], PeerID)
     assert result["muxer"] == "/yamux/1.0.0"
+
+
+# --- whole stack: our Host <-> py-libp2p host ------------------------------------------------
+
+
+async def test_our_host_pings_libp2p_host():
+    from dht.p2p import Host
+
+    async with libp2p_listener() as maddr:
+        async with Host.open() as host:
+            pid = await host.connect([maddr], peer_id=maddr.peer_id, timeout=20)
+            assert pid == maddr.peer_id
+            for _ in range(3):
+                rtt = await host.ping(pid, timeout=10)
+                assert 0 <= rtt < 10
+            # a raw stream to py-libp2p's echo handler, data both ways through Noise + yamux
+            stream = await host.new_stream(pid, "/interop/echo/1.0.0", timeout=10)
+            payload = os.urandom(300_000)
+            received = bytearray()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream.send_all, payload)
+                with trio.fail_after(20):
+                    while len(received) < len(payload):
+                        chunk = await stream.receive_some()
+                        assert chunk
+                        received += chunk
+            assert received == payload
+            await stream.aclose()
+
+
+async def test_libp2p_host_pings_our_host():
+    from dht.p2p import Host
+
+    async with Host.open() as host:
+        addrs = await host.listen(["/ip4/127.0.0.1/tcp/0"])
+        target = str(addrs[0])
+        assert Multiaddr(target).peer_id == host.peer_id
+        proc = await trio.run_process(
+            _peer_command("ping", target, "--count", "3"),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env=_env(),
+        )
+        out = proc.stdout.decode()
+        assert proc.returncode == 0, f"py-libp2p ping failed:\n{out}\n{proc.stderr.decode()}"
+        assert out.count("RTT ") == 3 and "DONE" in out
