@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -128,19 +129,24 @@ class _Codecs:
                 f"compression must be a TwoWayCompression, Codec or None, not {type(compression).__name__}"
             )
         self.spec = compression
+        # Codecs and error-feedback state are not promised to be thread-safe (RNG state, the
+        # residual dict), and chunks are compressed in several worker threads at once.
+        self._lock = threading.Lock()
 
     def send(self, values: torch.Tensor, key: tuple[int, int]) -> CompressedTensor:
-        if isinstance(self.spec, TwoWayCompression):
-            return self.spec.compress_send(values, key)
-        return self.spec.compress(values)
+        with self._lock:
+            if isinstance(self.spec, TwoWayCompression):
+                return self.spec.compress_send(values, key)
+            return self.spec.compress(values)
 
     def reduced(
         self, values: torch.Tensor, key: tuple[int, int]
     ) -> tuple[CompressedTensor, torch.Tensor]:
-        if isinstance(self.spec, TwoWayCompression):
-            ct, decoded = self.spec.reducer.compress_with_decoded(values, key)
-        else:
-            ct, decoded = self.spec.roundtrip(values)
+        with self._lock:
+            if isinstance(self.spec, TwoWayCompression):
+                ct, decoded = self.spec.reducer.compress_with_decoded(values, key)
+            else:
+                ct, decoded = self.spec.roundtrip(values)
         return ct, decoded.reshape(-1).to(torch.float32)
 
 
@@ -161,6 +167,15 @@ async def _first_error(*fns: Callable[[], Awaitable[None]]) -> Exception | None:
         for fn in fns:
             nursery.start_soon(guarded, fn)
     return error
+
+
+async def _until_left_out(fn: Callable[[], Awaitable[None]]) -> None:
+    """Run a local feeder of the own part; if this member was left out (it stalled past
+    sender_timeout, e.g. a starved CPU), stop quietly: its part then stays local."""
+    try:
+        await fn()
+    except SenderFailed as e:
+        logger.warning("this member was left out of its own part: %s", e)
 
 
 class _RoundEnded(Exception):
@@ -338,8 +353,8 @@ class _Round:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.reducer.run)
             if self.is_sender:
-                nursery.start_soon(self._local_sender)
-                nursery.start_soon(self._local_receiver)
+                nursery.start_soon(_until_left_out, self._local_sender)
+                nursery.start_soon(_until_left_out, self._local_receiver)
         await self.reducer.wait_all_sent()
 
     # ---- sender side ----
@@ -446,12 +461,14 @@ class _Round:
         for scope in list(self._scopes):
             scope.cancel()
 
-    def finish(self, seconds: float, timed_out: bool) -> AllReduceResult:
+    async def finish(self, seconds: float, timed_out: bool) -> AllReduceResult:
         group, reducer = self.group, self.reducer
         if self.outputs is not None:
             for j, (a, b) in enumerate(self.bounds):
-                if a < b and not self.part_ok[j]:
-                    copy_range(self.tensors, self.outputs, self.layout, a, b)
+                if a < b and not self.part_ok[j]:  # keep local values for a part we did not get
+                    await self.service._run_cpu(
+                        copy_range, self.tensors, self.outputs, self.layout, a, b, numel=b - a
+                    )
         failed_senders: set[PeerID] = set()
         excluded: dict[PeerID, str] = {}
         if reducer is not None:
@@ -519,8 +536,17 @@ class AllReduceService:
         self._rounds: dict[bytes, _Round] = {}
         self._round_added = trio.Event()
         self._pending_streams = 0
+        self._registered = register
         if register:
             host.set_stream_handler(protocol, self.handle_stream)
+
+    def close(self) -> None:
+        """Stop serving the protocol (if this service registered it) and end running rounds."""
+        if self._registered:
+            self.host.set_stream_handler(self.protocol, None)
+            self._registered = False
+        for round_ in self._rounds.values():
+            round_.close()
 
     async def _run_cpu(self, fn: Callable[..., Any], *args: Any, numel: int) -> Any:
         """Run CPU work inline when small, in a worker thread (bounded) when large."""
@@ -645,7 +671,7 @@ class AllReduceService:
             logger.warning(
                 "all-reduce round %s timed out after %.3gs", group.group_id.hex()[:8], timeout
             )
-        return round_.finish(trio.current_time() - started, timed_out)
+        return await round_.finish(trio.current_time() - started, timed_out)
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
