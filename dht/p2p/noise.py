@@ -243,7 +243,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
             nonce = self._send.next_nonce()
             if _HAS_INTO:
                 aead.encrypt_into(nonce, chunk, None, out_view[pos + 2 : pos + 2 + size])  # type: ignore[union-attr]
-            else:  # pragma: no cover - cryptography < 45
+            else:  # cryptography < 45
                 out_view[pos + 2 : pos + 2 + size] = aead.encrypt(nonce, bytes(chunk), None)  # type: ignore[union-attr]
             pos += 2 + size
         return out
@@ -345,7 +345,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
         ciphertext = source[start + 2 : start + 2 + length]
         if _HAS_INTO:
             self._receive.aead.decrypt_into(nonce, ciphertext, None, out[o : o + size])  # type: ignore[union-attr]
-        else:  # pragma: no cover - cryptography < 45
+        else:  # cryptography < 45
             out[o : o + size] = self._receive.aead.decrypt(nonce, bytes(ciphertext), None)  # type: ignore[union-attr]
         return o + size
 

@@ -476,3 +476,20 @@ async def test_responder_rejects_initiator_with_bad_signature(monkeypatch):
         with pytest.raises(HandshakeError, match="signature"):
             await noise_handshake(b, honest, initiator=False, timeout=5)
         nursery.cancel_scope.cancel()
+
+
+async def test_fallback_without_encrypt_into(monkeypatch):
+    """cryptography < 45 has no encrypt_into/decrypt_into; the copying path must match."""
+    import dht.p2p.noise as noise_mod
+
+    a, b = trio.testing.memory_stream_pair()
+    sa, sb = await _handshake_pair(a, b, Identity.generate(), Identity.generate())
+    payload = os.urandom(2 * MAX_PLAINTEXT + 5)
+    await sa.send_all(payload)  # fast path
+    monkeypatch.setattr(noise_mod, "_HAS_INTO", False)
+    await sa.send_all(payload)  # fallback path, same wire format
+    assert await _receive_exactly(sb, 2 * len(payload)) == payload * 2
+    monkeypatch.setattr(noise_mod, "_HAS_INTO", True)
+    await sb.send_all(payload)
+    monkeypatch.setattr(noise_mod, "_HAS_INTO", False)
+    assert await _receive_exactly(sa, len(payload)) == payload
