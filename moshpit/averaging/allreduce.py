@@ -275,7 +275,10 @@ class _Round:
         if group.modes[s] == MODE_AUX:
             raise ProtocolError("an aux member contributes no tensors")
         if reducer is None or hello.part != self.me:
-            raise ProtocolError(f"part {hello.part} is not reduced by this member")
+            reason = f"sent part {hello.part} to the reducer of part {self.me} (partition mismatch)"
+            if reducer is not None:
+                reducer.fail(s, reason, excluded=True)
+            raise ProtocolError(reason)
         if self.closed:
             raise SenderFailed("the round has ended")
         if s in self._connected:
