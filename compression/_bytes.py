@@ -38,45 +38,71 @@ def view(buf: Buffer, dtype: torch.dtype, count: int, offset: int = 0) -> torch.
         return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
-def writable(nbytes: int) -> bytearray:
-    """A fresh payload buffer that torch can write into directly (saves one copy)."""
-    return bytearray(nbytes)
+#: Elements per slice when streaming big CPU tensors through small, cache-resident
+#: temporaries (1 MiB of float32): avoids allocating (and page-faulting) tensor-sized scratch.
+CHUNK = 1 << 18
 
 
-def write(buf: bytearray, offset: int, tensor: torch.Tensor) -> int:
-    """Copy ``tensor`` (any device) into ``buf`` at ``offset``; returns the offset after it."""
-    n = tensor.numel()
-    if n:
-        dst = torch.frombuffer(buf, dtype=tensor.dtype, count=n, offset=offset)
-        dst.copy_(tensor.reshape(-1))
-    return offset + n * tensor.element_size()
+def spans(n: int, device: torch.device, chunk: int = CHUNK):
+    """``(start, stop)`` slices covering ``range(n)``: one slice on accelerators."""
+    step = n if device.type != "cpu" else chunk
+    for start in range(0, n, max(step, 1)):
+        yield start, min(n, start + step)
 
 
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
+def alloc(nbytes: int) -> torch.Tensor:
+    """An uninitialized CPU byte buffer for a payload (no zero-fill pass, unlike bytearray)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def typed(buf: torch.Tensor, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+    """A ``dtype`` view of ``count`` items of a byte buffer at an aligned byte ``offset``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if offset % itemsize:
+        raise AssertionError(f"misaligned payload field at {offset} for {dtype}")
+    return buf[offset : offset + count * itemsize].view(dtype)
+
+
+def payload(buf: torch.Tensor) -> memoryview:
+    """The buffer as a zero-copy ``memoryview`` (msgpack packs it as ``bin``)."""
+    return memoryview(buf.numpy())
+
+
+# 8 bytes holding 0/1, read as one little-endian int64, times this constant: bits land in
+# the top byte in order (byte i -> bit i). Signed wrap-around is harmless here.
+_GATHER = 0x0102040810204080
+_SPREAD = torch.tensor(
+    [sum(((b >> i) & 1) << (8 * i) for i in range(8)) for b in range(256)], dtype=torch.int64
+)
 
 
 def packed_bits_nbytes(nbits: int) -> int:
     return (nbits + 7) // 8
 
 
-def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Pack a 1-D bool/0-1 tensor into uint8, least significant bit first."""
-    bits = bits.reshape(-1).to(torch.uint8)
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    groups = bits.view(-1, 8)
-    out = groups[:, 0].clone()
-    for i in range(1, 8):  # 8 vectorized passes over n/8 bytes, not a loop over elements
-        out |= groups[:, i] << i
+def pack_bits(bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack a 1-D bool/0-1 tensor into uint8 bytes, least significant bit first."""
+    bits = bits.reshape(-1)
+    bits = bits.view(torch.uint8) if bits.dtype == torch.bool else bits.to(torch.uint8)
+    n = bits.numel()
+    nfull = n // 8
+    if out is None:
+        out = torch.empty(packed_bits_nbytes(n), dtype=torch.uint8, device=bits.device)
+    if nfull:
+        words = bits[: nfull * 8].view(torch.int64)
+        out[:nfull].copy_(((words * _GATHER) >> 56) & 0xFF)
+    if n > nfull * 8:
+        tail = bits[nfull * 8 :].to(torch.int64)
+        shifts = torch.arange(tail.numel(), dtype=torch.int64, device=bits.device)
+        out[nfull] = int((tail << shifts).sum())
     return out
 
 
 def unpack_bits(packed: torch.Tensor, nbits: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``nbits`` bits as a uint8 0/1 tensor."""
-    shifts = _SHIFTS.to(packed.device)
-    bits = (packed.reshape(-1, 1) >> shifts) & 1
-    return bits.reshape(-1)[:nbits]
+    nbytes = packed_bits_nbytes(nbits)
+    spread = _SPREAD.to(packed.device).index_select(0, packed[:nbytes].to(torch.int32))
+    return spread.view(torch.uint8)[:nbits]
 
 
 def pack_uint(values: torch.Tensor, width: int) -> torch.Tensor:

@@ -162,10 +162,9 @@ class GraVAC:
             g += residual
         _check_finite(flat)
         n = flat.numel()
-        mags = flat.abs()
-        idx_min = dgc_select(mags, density_to_k(n, 1.0 / self.theta_min), generator=self._topk._gen)
+        idx_min = dgc_select(flat, density_to_k(n, 1.0 / self.theta_min), generator=self._topk._gen)
         k_c = min(idx_min.numel(), density_to_k(n, 1.0 / self.theta_c))
-        top_in_min = torch.topk(mags[idx_min], k_c, sorted=False).indices
+        top_in_min = torch.topk(flat[idx_min].abs(), k_c, sorted=False).indices
         idx_c = idx_min[top_in_min].sort().values
         energy = float(flat.double().pow(2).sum())
         gain_min = float(flat[idx_min].double().pow(2).sum()) / energy if energy else 1.0

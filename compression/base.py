@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import _bytes
 from .errors import (
     CompressionError,
     MalformedMessageError,
@@ -65,7 +66,9 @@ class CompressedTensor:
     codec_id: int
     dtype: str
     shape: tuple[int, ...]
-    payload: bytes | bytearray
+    #: bytes from the wire; locally produced messages hold a zero-copy ``memoryview`` of
+    #: the encoder's buffer (msgpack packs both as ``bin``; ``bytes(payload)`` if needed)
+    payload: bytes | bytearray | memoryview
     meta: dict[str, MetaValue] = field(default_factory=dict)
 
     @property
@@ -113,7 +116,11 @@ class CompressedTensor:
             )
         shape = _parse_shape(msg["shape"], max_numel)
         payload = msg["payload"]
-        if not isinstance(payload, bytes | bytearray):
+        if isinstance(payload, memoryview) and not (
+            payload.ndim == 1 and payload.itemsize == 1 and payload.c_contiguous
+        ):
+            raise MalformedMessageError("a memoryview payload must be flat bytes")
+        if not isinstance(payload, bytes | bytearray | memoryview):
             raise MalformedMessageError("payload must be bytes")
         meta = _parse_meta(msg["meta"])
         ct = cls(codec_id, dtype, shape, payload, meta)
@@ -208,6 +215,8 @@ class Codec(abc.ABC):
         if name not in self.allowed_dtypes:
             raise CompressionError(f"{type(self).__name__} does not accept {tensor.dtype}")
         payload, meta = self.encode(tensor.detach())
+        if isinstance(payload, torch.Tensor):
+            payload = _bytes.payload(payload)
         return CompressedTensor(self.codec_id, name, tuple(tensor.shape), payload, meta)
 
     def decompress(self, ct: CompressedTensor, device: torch.device | str | None = None):
@@ -222,8 +231,8 @@ class Codec(abc.ABC):
         return ct, _decode_float(ct, tensor.device)
 
     @abc.abstractmethod
-    def encode(self, tensor: torch.Tensor) -> tuple[bytes | bytearray, dict[str, MetaValue]]:
-        """Payload and meta for ``tensor``."""
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+        """Payload (a CPU uint8 tensor, see ``_bytes.alloc``) and meta for ``tensor``."""
 
     @classmethod
     @abc.abstractmethod

@@ -22,6 +22,7 @@ from .base import (
     expect_len,
     meta_float,
 )
+from .errors import MalformedMessageError
 
 FP16_MAX = 65504.0
 # Scales are powers of two so that multiplying by them is exact; this range keeps both the
@@ -29,11 +30,14 @@ FP16_MAX = 65504.0
 _MIN_SCALE_EXP, _MAX_SCALE_EXP = -100, 100
 
 
-def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh tensor (never an alias of the read-only payload) on ``device``."""
+def fresh_on(view: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor (never an alias of the read-only payload) on ``device``.
+
+    Narrow payload data crosses to an accelerator before it is widened.
+    """
     if device.type == "cpu":
-        return t.to(dtype=dtype, copy=True)
-    return t.to(device=device, non_blocking=False).to(dtype)
+        return view.to(dtype=dtype, copy=True)
+    return view.to(device=device).to(dtype)
 
 
 def pow2_scale(absmax: float, target_exp: int = 15) -> float:
@@ -44,16 +48,31 @@ def pow2_scale(absmax: float, target_exp: int = 15) -> float:
     return math.ldexp(1.0, min(max(exp - target_exp, _MIN_SCALE_EXP), _MAX_SCALE_EXP))
 
 
-def encode_scaled_fp16(values: torch.Tensor, buf: bytearray, offset: int) -> float:
-    """Write ``values`` as float16 of ``values / scale`` into ``buf``; returns the scale."""
-    absmax = check_finite_scalar(values.abs().amax(), "absmax") if values.numel() else 0.0
-    scale = pow2_scale(absmax)
-    if values.numel():
-        dst = torch.frombuffer(buf, dtype=torch.float16, count=values.numel(), offset=offset)
-        if values.device.type == "cpu":
-            torch.mul(values.reshape(-1), 1.0 / scale, out=dst)
+def validate_pow2_scale(ct: CompressedTensor) -> float:
+    scale = meta_float(ct, "scale", positive=True)
+    mant, exp = math.frexp(scale)
+    if mant != 0.5 or not _MIN_SCALE_EXP <= exp - 1 <= _MAX_SCALE_EXP:
+        raise MalformedMessageError(f"scale {scale} is not a power of two in 2**[-100, 100]")
+    return scale
+
+
+def absmax_of(flat: torch.Tensor) -> float:
+    """max |x| without a tensor-sized temporary; NonFiniteInputError on NaN/Inf."""
+    if flat.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(flat)
+    return max(-check_finite_scalar(lo, "min"), check_finite_scalar(hi, "max"))
+
+
+def encode_scaled_fp16(values: torch.Tensor, dst: torch.Tensor) -> float:
+    """Write float16 of ``values / scale`` into the float16 tensor ``dst``; returns the scale."""
+    flat = values.reshape(-1)
+    scale = pow2_scale(absmax_of(flat))
+    if flat.numel():
+        if flat.device.type == "cpu":
+            torch.mul(flat, 1.0 / scale, out=dst)  # computed in the input dtype, cast on store
         else:
-            dst.copy_((values.reshape(-1).float() * (1.0 / scale)).half())
+            dst.copy_(flat.float().mul_(1.0 / scale).half())
     return scale
 
 
@@ -64,10 +83,11 @@ class NoCompression(Codec):
     lossy = False
     allowed_dtypes = frozenset(EXACT_DTYPES)
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
-        buf = _bytes.writable(tensor.numel() * tensor.element_size())
-        _bytes.write(buf, 0, tensor.contiguous())
-        return buf, {}
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+        # always a private copy: the caller may modify its tensor while the message waits
+        raw = torch.empty(tensor.shape, dtype=tensor.dtype)
+        raw.copy_(tensor)
+        return raw.reshape(-1).view(torch.uint8), {}
 
     @classmethod
     def validate(cls, ct: CompressedTensor) -> None:
@@ -77,7 +97,7 @@ class NoCompression(Codec):
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
         dtype = EXACT_DTYPES[ct.dtype]
-        return _to_device(_bytes.view(ct.payload, dtype, ct.numel), device, dtype)
+        return fresh_on(_bytes.view(ct.payload, dtype, ct.numel), device, dtype)
 
 
 class Float16(Codec):
@@ -85,15 +105,17 @@ class Float16(Codec):
 
     codec_id = 1
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
         flat = tensor.reshape(-1)
-        buf = _bytes.writable(2 * flat.numel())
-        if flat.numel():
-            dst = torch.frombuffer(buf, dtype=torch.float16)
-            # cast straight into the payload buffer (out-of-range values become +-inf),
-            # then saturate in place: cheaper than clamping the wider input first
-            dst.copy_(flat)
-            dst.clamp_(-FP16_MAX, FP16_MAX)
+        n = flat.numel()
+        buf = _bytes.alloc(2 * n)
+        if n:
+            dst = _bytes.typed(buf, torch.float16, n)
+            dst.copy_(flat)  # cast straight into the payload (out-of-range becomes +-inf)
+            if flat.dtype != torch.float16:
+                lo, hi = (float(v) for v in torch.aminmax(flat))
+                if not -FP16_MAX <= lo <= hi <= FP16_MAX:  # also true when NaN is present
+                    dst.clamp_(-FP16_MAX, FP16_MAX)
         return buf, {}
 
     @classmethod
@@ -102,7 +124,7 @@ class Float16(Codec):
 
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
-        return _to_device(_bytes.view(ct.payload, torch.float16, ct.numel), device, torch.float32)
+        return fresh_on(_bytes.view(ct.payload, torch.float16, ct.numel), device, torch.float32)
 
 
 class BFloat16(Codec):
@@ -110,11 +132,11 @@ class BFloat16(Codec):
 
     codec_id = 2
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
         flat = tensor.reshape(-1)
-        buf = _bytes.writable(2 * flat.numel())
+        buf = _bytes.alloc(2 * flat.numel())
         if flat.numel():
-            torch.frombuffer(buf, dtype=torch.bfloat16).copy_(flat)
+            _bytes.typed(buf, torch.bfloat16, flat.numel()).copy_(flat)
         return buf, {}
 
     @classmethod
@@ -123,7 +145,7 @@ class BFloat16(Codec):
 
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
-        return _to_device(_bytes.view(ct.payload, torch.bfloat16, ct.numel), device, torch.float32)
+        return fresh_on(_bytes.view(ct.payload, torch.bfloat16, ct.numel), device, torch.float32)
 
 
 class ScaledFloat16(Codec):
@@ -135,21 +157,22 @@ class ScaledFloat16(Codec):
 
     codec_id = 3
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
-        buf = _bytes.writable(2 * tensor.numel())
-        scale = encode_scaled_fp16(tensor.reshape(-1), buf, 0)
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+        n = tensor.numel()
+        buf = _bytes.alloc(2 * n)
+        scale = encode_scaled_fp16(tensor, _bytes.typed(buf, torch.float16, n))
         return buf, {"scale": scale}
 
     @classmethod
     def validate(cls, ct: CompressedTensor) -> None:
-        meta_float(ct, "scale", positive=True)
+        validate_pow2_scale(ct)
         expect_len(ct, 2 * ct.numel)
 
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
-        scale = meta_float(ct, "scale", positive=True)
-        out = _to_device(_bytes.view(ct.payload, torch.float16, ct.numel), device, torch.float32)
-        return out.mul_(scale)
+        scale = validate_pow2_scale(ct)
+        out = fresh_on(_bytes.view(ct.payload, torch.float16, ct.numel), device, torch.float32)
+        return out.mul_(scale) if scale != 1.0 else out
 
 
 __all__ = ["NoCompression", "Float16", "BFloat16", "ScaledFloat16", "FLOAT_DTYPES"]

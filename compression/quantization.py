@@ -1,8 +1,12 @@
-"""8-bit quantizers: uniform (one affine range), quantile (learned codebook), blockwise.
+"""8-bit quantizers: uniform (one affine range), quantile (fitted codebook), blockwise.
 
 All three reject NaN/+-Inf input with NonFiniteInputError: a non-finite value would poison
 the range or the codebook of the whole tensor (or block), and under error feedback it would
-sit in the residual forever. Statistics are computed in float32 whatever the input dtype.
+sit in the residual forever. Arithmetic is float32 whatever the input dtype.
+
+Big CPU tensors are processed in slices of ``_bytes.CHUNK`` elements through small reused
+temporaries, so an encode or decode touches the tensor about once instead of allocating
+and page-faulting several tensor-sized intermediates.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from .base import (
     MetaValue,
     check_finite_scalar,
     expect_len,
-    float32_flat,
     meta_float,
     meta_int,
 )
@@ -34,8 +37,33 @@ def _aminmax(flat: torch.Tensor) -> tuple[float, float]:
     return check_finite_scalar(lo, "min"), check_finite_scalar(hi, "max")
 
 
-def _decoded_on(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Move (small, 1-byte) codes to the device first, then widen there."""
+class _F32Slices:
+    """float32 slices of a flat tensor: views when it already is float32, else converted
+    into one reused scratch buffer."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat = flat
+        self.scratch = None
+        if flat.dtype != torch.float32:
+            size = min(flat.numel(), _bytes.CHUNK) if flat.device.type == "cpu" else flat.numel()
+            self.scratch = torch.empty(size, device=flat.device)
+
+    def __call__(self, start: int, stop: int) -> torch.Tensor:
+        part = self.flat[start:stop]
+        if self.scratch is None:
+            return part
+        return self.scratch[: stop - start].copy_(part)
+
+
+def _scratch(n: int, device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(
+        min(n, _bytes.CHUNK) if device.type == "cpu" else n, dtype=dtype, device=device
+    )
+
+
+def _codes_on(ct: CompressedTensor, dtype: torch.dtype, offset: int, device: torch.device):
+    """The 1-byte codes of a payload, moved (still narrow) to ``device``."""
+    codes = _bytes.view(ct.payload, dtype, ct.numel, offset)
     return codes.to(device) if device.type != "cpu" else codes
 
 
@@ -54,20 +82,39 @@ class Uniform8Bit(Codec):
             raise ValueError("clip_sigmas must be positive or None")
         self.clip_sigmas = clip_sigmas
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
-        flat = float32_flat(tensor)
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+        flat = tensor.reshape(-1)
+        n = flat.numel()
         lo, hi = _aminmax(flat)
-        if self.clip_sigmas is not None and flat.numel() > 1:
-            std, mean = (float(v) for v in torch.std_mean(flat))
-            lo, hi = max(lo, mean - self.clip_sigmas * std), min(hi, mean + self.clip_sigmas * std)
+        clip = False
+        if self.clip_sigmas is not None and n > 1:
+            mean = float(torch.sum(flat, dtype=torch.float64)) / n
+            sq = float(torch.linalg.vector_norm(flat, 2, dtype=torch.float64)) ** 2 / n
+            std = math.sqrt(max(sq - mean * mean, 0.0))
+            clip_lo, clip_hi = mean - self.clip_sigmas * std, mean + self.clip_sigmas * std
+            clip = clip_lo > lo or clip_hi < hi
+            lo, hi = max(lo, clip_lo), min(hi, clip_hi)
         step = (hi - lo) / 255.0
         if not step > 0 or not math.isfinite(step):  # constant tensor (or a degenerate range)
             step = 1.0
-        buf = _bytes.writable(flat.numel())
-        if flat.numel():
-            q = torch.sub(flat, lo).mul_(1.0 / step).round_().clamp_(0.0, 255.0)
-            torch.frombuffer(buf, dtype=torch.uint8).copy_(q)
-        return buf, {"lo": lo, "step": step}
+        inv = 1.0 / step
+        codes = _bytes.alloc(n)
+        if n:
+            slices, tmp = _F32Slices(flat), _scratch(n, flat.device)
+            # code = trunc(x * inv + (0.5 - lo * inv)): rounding folded into the offset.
+            # A large offset would cost precision in float32, so then subtract lo first.
+            fused = abs(lo) * inv < 2**15
+            offset = torch.tensor(0.5 - lo * inv, device=flat.device)
+            for start, stop in _bytes.spans(n, flat.device):
+                x, t = slices(start, stop), tmp[: stop - start]
+                if fused:
+                    torch.add(offset, x, alpha=inv, out=t)
+                else:
+                    torch.sub(x, lo, out=t).mul_(inv).add_(0.5)
+                if clip:
+                    t.clamp_(0.0, 255.0)
+                codes[start:stop].copy_(t)  # float -> uint8 truncates, in range by design
+        return codes, {"lo": lo, "step": step}
 
     @classmethod
     def validate(cls, ct: CompressedTensor) -> None:
@@ -80,8 +127,12 @@ class Uniform8Bit(Codec):
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
         lo, step = meta_float(ct, "lo"), meta_float(ct, "step", positive=True)
-        codes = _decoded_on(_bytes.view(ct.payload, torch.uint8, ct.numel), device)
-        return codes.to(torch.float32).mul_(step).add_(lo)
+        codes = _codes_on(ct, torch.uint8, 0, device)
+        out = torch.empty(ct.numel, device=device)
+        lo_t = torch.tensor(lo, device=device)
+        for start, stop in _bytes.spans(ct.numel, device):
+            torch.add(lo_t, codes[start:stop], alpha=step, out=out[start:stop])
+        return out
 
 
 class Quantile8Bit(Codec):
@@ -90,9 +141,12 @@ class Quantile8Bit(Codec):
     Levels start at the MSE-optimal point density for the sample's histogram (density of
     levels ~ p(x)^(1/3), Panter-Dite) and then move to the centroids of their cells for a
     few Lloyd iterations. Equal-probability (plain quantile) levels would be simpler, but
-    their wide outermost bins dominate the error (2-3x worse on Gaussian data). The tensor's min and max are always in the sample. Codes are found
-    through a 65536-cell lookup table plus one comparison per element (exact unless a cell
-    holds more than ``_EDGES_PER_CELL`` bin edges), much faster than ``torch.bucketize``.
+    their wide outermost bins dominate the error (2-3x worse on Gaussian data). The
+    tensor's min and max are always in the sample.
+
+    Codes come from a 65536-cell lookup table plus ``_EDGES_PER_CELL`` comparisons per
+    element (exact up to float rounding at cell borders unless a cell holds more bin edges
+    than that), much faster than ``torch.bucketize``'s binary search.
     Payload: 256 float32 levels, then one byte per value.
     """
 
@@ -110,10 +164,10 @@ class Quantile8Bit(Codec):
     def _codebook(self, flat: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
         n = flat.numel()
         if n <= self.sample_size:
-            sample = flat
+            sample = flat.float()
         else:
             idx = torch.randint(n, (self.sample_size,), generator=self._gen).to(flat.device)
-            sample = flat[idx]
+            sample = flat[idx].float()
         sample = torch.cat([sample, sample.new_tensor([lo, hi])])
         levels = _compander_levels(sample, lo, hi)
         for _ in range(self.iterations):
@@ -124,32 +178,37 @@ class Quantile8Bit(Codec):
             levels = torch.where(counts > 0, sums / counts.clamp_min(1), levels).sort().values
         return levels
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
-        flat = float32_flat(tensor)
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+        flat = tensor.reshape(-1)
         n = flat.numel()
-        buf = _bytes.writable(256 * 4 + n)
+        buf = _bytes.alloc(1024 + n)
         if n == 0:
+            _bytes.typed(buf, torch.float32, 256).zero_()
             return buf, {}
         lo, hi = _aminmax(flat)
         levels = self._codebook(flat, lo, hi)
-        _bytes.write(buf, 0, levels)
-        codes = _assign(flat, levels, lo, hi, self._CELLS, self._EDGES_PER_CELL)
-        torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=1024).copy_(codes)
+        _bytes.typed(buf, torch.float32, 256).copy_(levels)
+        _assign(flat, levels, lo, hi, buf[1024:], self._CELLS, self._EDGES_PER_CELL)
         return buf, {}
 
     @classmethod
     def validate(cls, ct: CompressedTensor) -> None:
-        expect_len(ct, 1024 + ct.numel if ct.numel else 1024)
+        expect_len(ct, 1024 + ct.numel)
 
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
-        if ct.numel == 0:
-            return torch.empty(0, device=device)
         levels = _bytes.view(ct.payload, torch.float32, 256).to(device)
         if not bool(torch.isfinite(levels).all()):
             raise PayloadValueError("quantile codebook has non-finite levels")
-        codes = _decoded_on(_bytes.view(ct.payload, torch.uint8, ct.numel, 1024), device)
-        return levels.index_select(0, codes.to(torch.int32))
+        out = torch.empty(ct.numel, device=device)
+        if ct.numel == 0:
+            return out
+        codes = _codes_on(ct, torch.uint8, 1024, device)
+        idx = _scratch(ct.numel, device, torch.int32)
+        for start, stop in _bytes.spans(ct.numel, device):
+            i = idx[: stop - start].copy_(codes[start:stop])
+            torch.index_select(levels, 0, i, out=out[start:stop])
+        return out
 
 
 def _compander_levels(sample: torch.Tensor, lo: float, hi: float, bins: int = 4096):
@@ -165,33 +224,50 @@ def _compander_levels(sample: torch.Tensor, lo: float, hi: float, bins: int = 40
 
 
 def _assign(
-    flat: torch.Tensor, levels: torch.Tensor, lo: float, hi: float, cells: int, per_cell: int
-) -> torch.Tensor:
-    """Index of the nearest level for every element, vectorized without a binary search.
+    flat: torch.Tensor,
+    levels: torch.Tensor,
+    lo: float,
+    hi: float,
+    out: torch.Tensor,
+    cells: int,
+    per_cell: int,
+) -> None:
+    """Write the index of the nearest level of every element into the uint8 tensor ``out``.
 
-    ``[lo, hi]`` is cut into ``cells`` equal cells; a table gives the code at each cell's
+    ``[lo, hi]`` is cut into ``cells`` equal cells; tables give the code at each cell's
     left end and the first ``per_cell`` bin edges inside the cell, so each element costs one
-    multiply, two gathers and ``per_cell`` comparisons.
+    multiply-add, ``1 + per_cell`` gathers and ``per_cell`` comparisons, no binary search.
     """
     device = flat.device
     edges = (levels[1:] + levels[:-1]) * 0.5  # 255 ascending decision boundaries
+    n = flat.numel()
     width = (hi - lo) / cells
-    if not width > 0:
-        return torch.bucketize(flat, edges).to(torch.uint8)
+    if not width > 0 or n < 4 * cells:  # small input: building the tables would cost more
+        out.copy_(torch.bucketize(flat.float(), edges))
+        return
     starts = lo + width * torch.arange(cells, dtype=torch.float64, device=device)
     base = torch.bucketize(starts.float(), edges, right=True)  # code at each cell's left end
-    # the j-th edge after the cell start, +inf when it lies beyond the cell
-    extra = []
+    ends = (starts + width).float()
+    tables = []  # the j-th edge after each cell start, +inf when it lies beyond the cell
     for j in range(per_cell):
-        pos = (base + j).clamp_max(254)
-        e = edges[pos]
-        inside = ((base + j) <= 254) & (e < (starts + width).float())
-        extra.append(torch.where(inside, e, torch.full_like(e, math.inf)))
-    cell = torch.sub(flat, lo).mul_(1.0 / width).to(torch.int32).clamp_(0, cells - 1)
-    codes = base.to(torch.int16).index_select(0, cell)
-    for e in extra:
-        codes += (flat >= e.index_select(0, cell)).to(torch.int16)
-    return codes.to(torch.uint8)
+        e = edges[(base + j).clamp_max(254)]
+        inside = ((base + j) <= 254) & (e < ends)
+        tables.append(torch.where(inside, e, torch.full_like(e, math.inf)))
+    base = base.to(torch.uint8)
+    slices = _F32Slices(flat)
+    tmp, cell = _scratch(n, device), _scratch(n, device, torch.int32)
+    hit = _scratch(n, device, torch.bool)
+    offset = torch.tensor(-lo / width, device=device)
+    for start, stop in _bytes.spans(n, device):
+        m = stop - start
+        x, t, c, h, o = slices(start, stop), tmp[:m], cell[:m], hit[:m], out[start:stop]
+        torch.add(offset, x, alpha=1.0 / width, out=t)
+        c.copy_(t).clamp_(0, cells - 1)
+        torch.index_select(base, 0, c, out=o)
+        for table in tables:
+            torch.index_select(table, 0, c, out=t)
+            torch.ge(x, t, out=h)
+            o.add_(h)
 
 
 class Blockwise8Bit(Codec):
@@ -210,32 +286,39 @@ class Blockwise8Bit(Codec):
             raise ValueError(f"block_size must be in [1, {self.MAX_BLOCK}]")
         self.block_size = block_size
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
-        flat = float32_flat(tensor)
+    def _blocks(self, n: int, device: torch.device):
+        """(first element, element count, block count) per slice of whole blocks + tail."""
+        bs = self.block_size
+        full = n // bs
+        per = max(1, _bytes.CHUNK // bs) if device.type == "cpu" else max(full, 1)
+        for b in range(0, full, per):
+            nb = min(per, full - b)
+            yield b * bs, nb * bs, nb
+        if n > full * bs:
+            yield full * bs, n - full * bs, 1
+
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+        flat = tensor.reshape(-1)
         n, bs = flat.numel(), self.block_size
         nblocks = -(-n // bs)
-        buf = _bytes.writable(4 * nblocks + n)
-        full = n // bs
-        scales = []
-        codes_out = (
-            torch.frombuffer(buf, dtype=torch.int8, count=n, offset=4 * nblocks) if n else None
-        )
-        for start, part in (
-            (0, flat[: full * bs].view(full, bs)),
-            (full * bs, flat[full * bs :].view(1, -1)),
-        ):
-            if part.numel() == 0:
-                continue
+        buf = _bytes.alloc(4 * nblocks + n)
+        scales = torch.empty(nblocks, device=flat.device)
+        codes = _bytes.typed(buf, torch.int8, n, 4 * nblocks)
+        tmp = _scratch(max(n, 1), flat.device)
+        if flat.dtype != torch.float32:
+            flat = flat.float()  # rare path: half-precision inputs
+        block = 0
+        for start, count, nb in self._blocks(n, flat.device):
+            part = flat[start : start + count].view(nb, -1)
             mn, mx = torch.aminmax(part, dim=1)
-            absmax = torch.maximum(mx, mn.neg())
-            if not bool(torch.isfinite(absmax).all()):
-                raise NonFiniteInputError("Blockwise8Bit input contains NaN or Inf")
+            absmax = torch.maximum(mx, mn.neg(), out=scales[block : block + nb])
             inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
-            q = (part * inv.unsqueeze(1)).round_()
-            codes_out[start : start + part.numel()].copy_(q.view(-1))
-            scales.append(absmax)
-        if scales:
-            _bytes.write(buf, 0, torch.cat(scales))
+            t = torch.mul(part, inv.unsqueeze(1), out=tmp[:count].view(nb, -1)).round_()
+            codes[start : start + count].copy_(t.view(-1))
+            block += nb
+        if n and not bool(torch.isfinite(scales).all()):
+            raise NonFiniteInputError("Blockwise8Bit input contains NaN or Inf")
+        _bytes.typed(buf, torch.float32, nblocks).copy_(scales)
         return buf, {"block": bs}
 
     @classmethod
@@ -251,13 +334,17 @@ class Blockwise8Bit(Codec):
         absmax = _bytes.view(ct.payload, torch.float32, nblocks).to(device)
         if not bool((torch.isfinite(absmax) & (absmax >= 0)).all()):
             raise PayloadValueError("block scales must be finite and non-negative")
-        codes = _decoded_on(_bytes.view(ct.payload, torch.int8, n, 4 * nblocks), device)
-        out = codes.to(torch.float32)
-        full = n // bs
         step = absmax * (1.0 / 127.0)
-        out[: full * bs].view(full, bs).mul_(step[:full].unsqueeze(1))
-        if n > full * bs:
-            out[full * bs :].mul_(step[full])
+        codes = _codes_on(ct, torch.int8, 4 * nblocks, device)
+        out = torch.empty(n, device=device)
+        block = 0
+        for start, count, nb in cls(bs)._blocks(n, device):
+            torch.mul(
+                codes[start : start + count].view(nb, -1),
+                step[block : block + nb].unsqueeze(1),
+                out=out[start : start + count].view(nb, -1),
+            )
+            block += nb
         return out
 
 

@@ -20,12 +20,11 @@ from .base import (
     MetaValue,
     check_finite_scalar,
     expect_len,
-    float32_flat,
     meta_float,
     meta_int,
 )
 from .errors import MalformedMessageError, PayloadValueError
-from .floating import encode_scaled_fp16
+from .floating import encode_scaled_fp16, validate_pow2_scale
 
 _MAX_SEED = 2**63 - 1
 
@@ -45,12 +44,13 @@ def _value_bits(value_dtype: torch.dtype) -> int:
     raise ValueError("value_dtype must be torch.float16 or torch.float32")
 
 
-def _encode_values(values: torch.Tensor, vbits: int, buf: bytearray) -> float:
+def _encode_values(values: torch.Tensor, vbits: int, buf: torch.Tensor) -> float:
     """Write the selected values at the start of ``buf``; returns their scale (1.0 for fp32)."""
+    k = values.numel()
     if vbits == 32:
-        _bytes.write(buf, 0, values.to(torch.float32))
+        _bytes.typed(buf, torch.float32, k).copy_(values)
         return 1.0
-    return encode_scaled_fp16(values, buf, 0)
+    return encode_scaled_fp16(values, _bytes.typed(buf, torch.float16, k))
 
 
 def _decode_values(ct: CompressedTensor, count: int, vbits: int, device: torch.device):
@@ -61,10 +61,7 @@ def _decode_values(ct: CompressedTensor, count: int, vbits: int, device: torch.d
 
 
 def _validate_scale(ct: CompressedTensor) -> None:
-    scale = meta_float(ct, "scale", positive=True)
-    mant, exp = math.frexp(scale)
-    if mant != 0.5 or not -100 <= exp - 1 <= 100:
-        raise MalformedMessageError(f"value scale {scale} is not a power of two in 2**[-100, 100]")
+    validate_pow2_scale(ct)
 
 
 def density_to_k(n: int, density: float) -> int:
@@ -73,50 +70,69 @@ def density_to_k(n: int, density: float) -> int:
 
 
 def dgc_select(
-    magnitudes: torch.Tensor,
+    values: torch.Tensor,
     k: int,
     sample_ratio: float = 0.01,
     generator: torch.Generator | None = None,
     exact_below: int = 4096,
 ) -> torch.Tensor:
-    """Sorted indices of about ``k`` largest entries of a flat non-negative tensor (DGC).
+    """Sorted indices of about the ``k`` entries of largest magnitude of a flat tensor (DGC).
 
-    Estimates the threshold from a random ``sample_ratio`` sample, then takes everything
-    above it. If that yields more than 1.3k entries, keeps the exact top-k among those
-    candidates; if fewer than 0.8k, lowers the threshold (a larger sample rank) and retries,
-    falling back to an exact ``torch.topk`` after a few tries. The result always has between
-    ``ceil(0.8k)`` and ``floor(1.3k)`` entries (exactly k on fallbacks).
+    Estimates the threshold from a random ``sample_ratio`` sample of |values|, then takes
+    everything at or above it in one streaming pass. If that yields more than 1.3k entries,
+    keeps the exact top-k among those candidates; if fewer than 0.8k, lowers the threshold
+    (a larger sample rank) and retries, falling back to an exact ``torch.topk`` after a few
+    tries. The result always has between ``ceil(0.8k)`` and ``floor(1.3k)`` entries.
     """
-    n = magnitudes.numel()
+    n = values.numel()
+    device = values.device
     if k >= n:
-        return torch.arange(n, device=magnitudes.device)
-    if k == 0:
-        return torch.empty(0, dtype=torch.long, device=magnitudes.device)
-    k_lo, k_hi = math.ceil(0.8 * k), max(k, math.floor(1.3 * k))
+        return torch.arange(n, device=device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=device)
     if n <= exact_below:
-        return _exact_topk(magnitudes, k)
+        return _exact_topk(values, k)
+    k_lo, k_hi = math.ceil(0.8 * k), max(k, math.floor(1.3 * k))
     m = min(n, max(int(n * sample_ratio), 1024))
-    idx = torch.randint(n, (m,), generator=generator).to(magnitudes.device)
-    sample = magnitudes[idx]
+    sample = values[torch.randint(n, (m,), generator=generator).to(device)].abs()
     rank = max(1, round(m * k / n))
-    sorted_sample = torch.topk(sample, min(m, 4 * rank + 8), sorted=True).values
+    ranked = torch.topk(sample, min(m, 4 * rank + 8), sorted=True).values
     for _ in range(4):
-        threshold = sorted_sample[min(rank, sorted_sample.numel()) - 1]
-        selected = torch.nonzero(magnitudes >= threshold).squeeze(1)
+        threshold = float(ranked[min(rank, ranked.numel()) - 1])
+        selected = _at_least(values, threshold)
         count = selected.numel()
         if count > k_hi:  # too many: exact top-k among the candidates only
-            best = torch.topk(magnitudes[selected], k, sorted=False).indices
+            best = torch.topk(values[selected].abs(), k, sorted=False).indices
             return selected[best].sort().values
         if count >= k_lo:
             return selected
-        if rank >= sorted_sample.numel():
+        if rank >= ranked.numel():
             break
-        rank = min(sorted_sample.numel(), math.ceil(rank * 1.3 * k / max(count, 1)))
-    return _exact_topk(magnitudes, k)
+        rank = min(ranked.numel(), math.ceil(rank * 1.3 * k / max(count, 1)))
+    return _exact_topk(values, k)
 
 
-def _exact_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.topk(magnitudes, k, sorted=False).indices.sort().values
+def _at_least(values: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Sorted indices with |value| >= threshold, streaming through cache-sized slices."""
+    n, device = values.numel(), values.device
+    size = min(n, _bytes.CHUNK) if device.type == "cpu" else n
+    mags = torch.empty(size, dtype=values.dtype, device=device)
+    mask = torch.empty(size, dtype=torch.bool, device=device)
+    found = []
+    for start, stop in _bytes.spans(n, device):
+        m = stop - start
+        torch.abs(values[start:stop], out=mags[:m])
+        torch.ge(mags[:m], threshold, out=mask[:m])
+        hits = torch.nonzero(mask[:m]).squeeze(1)
+        if hits.numel():
+            found.append(hits.add_(start))
+    if not found:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return found[0] if len(found) == 1 else torch.cat(found)
+
+
+def _exact_topk(values: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(values.abs(), k, sorted=False).indices.sort().values
 
 
 def _pack_indices(indices: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -159,13 +175,12 @@ class TopK(Codec):
     def select(self, flat: torch.Tensor, k: int | None = None) -> torch.Tensor:
         """Sorted indices this codec would send for a flat float32 tensor."""
         k = density_to_k(flat.numel(), self.density) if k is None else k
-        mags = flat.abs()
         if self.exact:
-            return _exact_topk(mags, k) if k < flat.numel() else torch.arange(flat.numel())
-        return dgc_select(mags, k, self.sample_ratio, self._gen)
+            return _exact_topk(flat, k) if k < flat.numel() else torch.arange(flat.numel())
+        return dgc_select(flat, k, self.sample_ratio, self._gen)
 
     def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
-        flat = float32_flat(tensor)
+        flat = tensor.reshape(-1)
         _check_finite(flat)
         return self.encode_selected(flat, self.select(flat))
 
@@ -173,18 +188,23 @@ class TopK(Codec):
         """Payload and meta sending ``flat[indices]`` (sorted, unique) and nothing else."""
         packed, width = _pack_indices(indices)
         k = indices.numel()
-        buf = _bytes.writable(k * self._vbits // 8 + packed.numel())
-        scale = _encode_values(flat[indices], self._vbits, buf)
-        _bytes.write(buf, k * self._vbits // 8, packed)
+        nvalue = k * self._vbits // 8
+        buf = _bytes.alloc(nvalue + packed.numel())
+        scale = _encode_values(flat[indices].float(), self._vbits, buf)
+        buf[nvalue:].copy_(packed)
         return buf, {"k": k, "width": width, "vbits": self._vbits, "scale": scale}
 
     def compress_selected(self, tensor: torch.Tensor, indices: torch.Tensor) -> CompressedTensor:
         """A TopK message for given indices (used by GraVAC's multi-level selection)."""
         from .base import dtype_name
 
-        payload, meta = self.encode_selected(float32_flat(tensor), indices)
+        payload, meta = self.encode_selected(tensor.reshape(-1), indices)
         return CompressedTensor(
-            self.codec_id, dtype_name(tensor.dtype), tuple(tensor.shape), payload, meta
+            self.codec_id,
+            dtype_name(tensor.dtype),
+            tuple(tensor.shape),
+            _bytes.payload(payload),
+            meta,
         )
 
     @classmethod
@@ -275,12 +295,12 @@ class RandomK(Codec):
             seed = secrets.randbits(63)
         if not 0 <= seed <= _MAX_SEED:
             raise ValueError("seed must be in [0, 2**63)")
-        flat = float32_flat(tensor)
+        flat = tensor.reshape(-1)
         _check_finite(flat)
         k = density_to_k(flat.numel(), self.density)
         indices = random_k_indices(flat.numel(), k, seed, flat.device)
-        buf = _bytes.writable(k * self._vbits // 8)
-        scale = _encode_values(flat[indices], self._vbits, buf)
+        buf = _bytes.alloc(k * self._vbits // 8)
+        scale = _encode_values(flat[indices].float(), self._vbits, buf)
         return buf, {"k": k, "seed": seed, "vbits": self._vbits, "scale": scale}
 
     @classmethod
@@ -311,16 +331,18 @@ class ScaledSign(Codec):
 
     codec_id = 9
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
-        flat = float32_flat(tensor)
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+        flat = tensor.reshape(-1)
         n = flat.numel()
         l1 = float(torch.linalg.vector_norm(flat, 1, dtype=torch.float64)) if n else 0.0
-        scale = check_finite_scalar(l1 / n if n else 0.0, "mean |x|")
-        if scale == 0.0 and n and not bool(torch.isfinite(flat).all()):
-            scale = check_finite_scalar(float("nan"), "mean |x|")
-        buf = _bytes.writable(_bytes.packed_bits_nbytes(n))
-        _bytes.write(buf, 0, _bytes.pack_bits(flat < 0))
-        return buf, {"scale": scale}
+        scale = check_finite_scalar(l1 / n if n else 0.0, "mean |x|")  # NaN/Inf propagate
+        packed = _bytes.alloc(_bytes.packed_bits_nbytes(n))
+        negative = torch.empty(min(n, _bytes.CHUNK), dtype=torch.bool, device=flat.device)
+        for start, stop in _bytes.spans(n, flat.device):  # CHUNK is a multiple of 8
+            bits = torch.lt(flat[start:stop], 0, out=negative[: stop - start])
+            dst = packed[start // 8 : _bytes.packed_bits_nbytes(stop)]
+            dst.copy_(_bytes.pack_bits(bits))
+        return packed, {"scale": scale}
 
     @classmethod
     def validate(cls, ct: CompressedTensor) -> None:
@@ -332,11 +354,16 @@ class ScaledSign(Codec):
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
         scale = meta_float(ct, "scale")
+        n = ct.numel
         packed = _bytes.view(ct.payload, torch.uint8, len(ct.payload))
         packed = packed.to(device) if device.type != "cpu" else packed
-        bits = _bytes.unpack_bits(packed, ct.numel)
-        # bit 1 -> -scale, bit 0 -> +scale
-        return bits.to(torch.float32).mul_(-2.0 * scale).add_(scale)
+        out = torch.empty(n, device=device)
+        scale_t = torch.tensor(scale, device=device)
+        for start, stop in _bytes.spans(n, device):
+            bits = _bytes.unpack_bits(packed[start // 8 :], stop - start)
+            # bit 1 -> -scale, bit 0 -> +scale
+            torch.add(scale_t, bits, alpha=-2.0 * scale, out=out[start:stop])
+        return out
 
 
 __all__ = ["TopK", "RandomK", "ScaledSign", "dgc_select", "random_k_indices", "density_to_k"]
