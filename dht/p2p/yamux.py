@@ -61,6 +61,10 @@ HEADER = struct.Struct(">BBHII")
 HEADER_SIZE = HEADER.size  # 12
 INITIAL_WINDOW = 256 * 1024
 DEFAULT_MAX_STREAM_WINDOW = 16 * 1024 * 1024
+# go-yamux doubles a stream's window when the reader consumed it within 4 RTTs. In Python the
+# time to process a window is much longer than a loopback RTT, so bulk streams would never
+# qualify; the epoch therefore has this floor (a stream draining >= 6.5 MB/s grows).
+WINDOW_TUNING_MIN_EPOCH = 0.02
 MAX_FRAME_PAYLOAD = 256 * 1024  # we never send a Data frame larger than this
 _RECV_CHUNK = 256 * 1024
 _OUT_LIMIT = 1024 * 1024  # queued outgoing bytes before data senders wait
@@ -166,7 +170,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         if (
             self._recv_window < self._target_window
             and rtt is not None
-            and now - self._epoch_start < 4 * rtt
+            and now - self._epoch_start < max(4 * rtt, WINDOW_TUNING_MIN_EPOCH)
         ):
             grown = min(self._recv_window * 2, self._target_window)
             if self.session._may_grow(grown - self._recv_window):
@@ -575,18 +579,23 @@ class YamuxSession:
                     if self.closed:
                         return
                     await self._writer_lot.park()
-                # Take everything queued; join small pieces to save syscalls/Noise frames.
-                batch: list[bytes | memoryview] = []
+                # Take what is queued. Small pieces (headers, control frames, small payloads)
+                # are joined into one write; a large payload is written as it is, because
+                # copying it into a joined buffer costs more than one extra write.
+                small: list[bytes | memoryview] = []
                 size = 0
                 while out and size < _RECV_CHUNK:
                     piece = out.popleft()
-                    batch.append(piece)
                     size += len(piece)
-                if len(batch) == 1:
-                    data = batch[0]
-                else:
-                    data = b"".join(batch)
-                await self.conn.send_all(data)
+                    if len(piece) >= _COALESCE_LIMIT:
+                        if small:
+                            await self._write_small(small)
+                            small = []
+                        await self.conn.send_all(piece)
+                    else:
+                        small.append(piece)
+                if small:
+                    await self._write_small(small)
                 self._out_bytes -= size
                 self._space_lot.unpark_all()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
@@ -595,6 +604,9 @@ class YamuxSession:
             # The security layer raises its own errors (e.g. the remote vanished mid-write).
             logger.debug("yamux %s: writer stopped: %r", self.name, e)
             self._shutdown(f"write failed: {e!r}")
+
+    async def _write_small(self, pieces: list[bytes | memoryview]) -> None:
+        await self.conn.send_all(pieces[0] if len(pieces) == 1 else b"".join(pieces))
 
     # -- reading -------------------------------------------------------------------------
     async def _reader(self) -> None:
@@ -616,7 +628,9 @@ class YamuxSession:
         pending_stream: YamuxStream | None = None
         pending_fin = False
         while True:
-            data = await conn.receive_some(_RECV_CHUNK)
+            # No max_bytes: the layer below may then hand over its whole buffer uncopied
+            # (its chunks are bounded by its own read size).
+            data = await conn.receive_some()
             if not data:
                 self._shutdown("remote closed the connection")
                 return
