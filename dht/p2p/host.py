@@ -384,7 +384,10 @@ class Host:
     def _drop(self, conn: _Connection, reason: str) -> None:
         """Close a connection whose peer broke the protocol (GoAway with an error code)."""
         logger.warning("dropping peer %s (%s): %s", conn.peer_id.short(), conn.remote_addr, reason)
-        self._nursery.start_soon(conn.session.aclose, GO_AWAY_PROTOCOL_ERROR)
+        if self._closing:
+            conn.session._shutdown(f"dropped: {reason}")
+        else:
+            self._nursery.start_soon(conn.session.aclose, GO_AWAY_PROTOCOL_ERROR)
 
     def _notify(self, which: int, peer_id: PeerID) -> None:
         for callbacks in list(self._observers):

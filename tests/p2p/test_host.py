@@ -14,6 +14,7 @@ from dht.p2p import (
     HostLimits,
     Identity,
     MemoryNetwork,
+    MessageTooLargeError,
     Multiaddr,
     P2PStream,
     P2PTimeoutError,
@@ -317,3 +318,27 @@ async def test_hundred_hosts_in_one_loop(autojump_clock):
                 callers.start_soon(ring, i)
         done.set()
     assert len(results) == 2 * n and all(results)
+
+
+async def test_connection_limit_refuses_extra_peers(caplog):
+    async with Host.open(limits=HostLimits(max_connections=1)) as server:
+        addrs = await server.listen(LOCAL)
+        server.set_rpc_handler("/echo/1.0.0", echo_rpc)
+        async with Host.open() as first, Host.open() as second:
+            await first.connect(addrs)
+            with caplog.at_level(logging.WARNING, logger="dht.p2p.host"):
+                with pytest.raises((DialError, P2PTimeoutError)):
+                    await second.connect(addrs, timeout=3)
+            assert any("connection limit" in r.message for r in caplog.records)
+            assert (await first.call(server.peer_id, "/echo/1.0.0", 1))["echo"] == 1
+            assert server.connected_peers() == [first.peer_id]
+
+
+async def test_message_size_cap_on_send():
+    async with Host.open(limits=HostLimits(max_message_size=1000)) as a, Host.open() as b:
+        addrs = await b.listen(LOCAL)
+        b.set_rpc_handler("/echo/1.0.0", echo_rpc)
+        pid = await a.connect(addrs)
+        with pytest.raises(MessageTooLargeError):
+            await a.call(pid, "/echo/1.0.0", b"x" * 2000)
+        assert (await a.call(pid, "/echo/1.0.0", b"x" * 10))["echo"] == b"x" * 10
