@@ -363,6 +363,10 @@ class YamuxSession:
         )
         # outgoing frame queue, consumed by the writer task
         self._out: deque[bytes | memoryview] = deque()
+        # Window updates, pings/pongs, ACKs and RSTs may overtake queued data (a window update
+        # stuck behind megabytes of our own data would stall the remote's sender). SYN and FIN
+        # must stay ordered with their stream's data, so they use the normal queue.
+        self._urgent: deque[bytes] = deque()
         self._out_bytes = 0
         self._writer_lot = trio.lowlevel.ParkingLot()
         self._space_lot = trio.lowlevel.ParkingLot()
@@ -415,7 +419,7 @@ class YamuxSession:
             self._enqueue_control(TYPE_GO_AWAY, 0, 0, code, force=True)
             with trio.move_on_after(0.5) as flush_scope:
                 flush_scope.shield = True
-                while self._out and not self.closed:
+                while (self._out or self._urgent) and not self.closed:
                     await self._space_lot.park()
             self._shutdown("closed locally")
         with trio.CancelScope(shield=True):
@@ -567,18 +571,33 @@ class YamuxSession:
             # The remote makes us produce control frames (pongs, RST, ...) but does not read.
             self._fail("remote does not read what we send (outgoing queue full)")
             return
-        self._out.append(pack_header(ftype, flags, stream_id, length))
+        header = pack_header(ftype, flags, stream_id, length)
+        if flags & (FLAG_SYN | FLAG_FIN):
+            self._out.append(header)
+        else:
+            self._urgent.append(header)
         self._out_bytes += HEADER_SIZE
         self._writer_lot.unpark()
 
     async def _writer(self) -> None:
         out = self._out
+        urgent = self._urgent
         try:
             while True:
-                while not out:
+                while not out and not urgent:
                     if self.closed:
                         return
                     await self._writer_lot.park()
+                if urgent:
+                    frames = b"".join(urgent)
+                    urgent.clear()
+                    if not out:
+                        await self.conn.send_all(frames)
+                        self._out_bytes -= len(frames)
+                        self._space_lot.unpark_all()
+                        continue
+                    # let the control frames lead the next write of data
+                    out.appendleft(frames)
                 # Take what is queued. Small pieces (headers, control frames, small payloads)
                 # are joined into one write; a large payload is written as it is, because
                 # copying it into a joined buffer costs more than one extra write.
