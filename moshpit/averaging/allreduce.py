@@ -49,6 +49,7 @@ from compression import Codec, CompressedTensor, NoCompression, TwoWayCompressio
 from dht.p2p.errors import MessageTooLargeError, P2PError, ProtocolViolationError
 from moshpit.averaging.aggregation import Aggregator, WeightedMean
 from moshpit.averaging.allreduce_protocol import (
+    ERROR_MAX_BYTES,
     HELLO_MAX_BYTES,
     MAX_WEIGHT,
     ProtocolError,
@@ -330,7 +331,24 @@ class _Round:
                 await stream.send_msg(msg)
             if msg["ct"] is not None:
                 self.bytes_sent += len(msg["ct"]["payload"])
+            if k == len(self.chunks[self.me]) - 1:
+                await self._await_goodbye(stream, s)
             self.reducer.mark_sent(s, k)
+
+    async def _await_goodbye(self, stream: P2PStream, s: int) -> None:
+        """After the last result, wait (bounded) for the sender to close its side, so this
+        round does not end, and perhaps the process exit, while our results are in flight.
+        Best effort: the results were sent, so nothing here counts as a failure."""
+        with trio.move_on_after(self.sender_timeout):
+            try:
+                msg = await stream.receive_msg(max_size=ERROR_MAX_BYTES)
+            except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # EOF (the expected goodbye) or the connection is gone
+            logger.info(
+                "sender %s: unexpected message after the last result: %.100r",
+                stream.remote_peer,
+                msg,
+            )
 
     async def _local_sender(self) -> None:
         """This member's own contribution to its own part: no network, no compression."""
