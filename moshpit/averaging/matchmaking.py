@@ -1,0 +1,761 @@
+"""Matchmaking: turn "peers that want to average under the same group key" into one GroupInfo.
+
+Protocol (``/moshpit/matchmaking/1.0.0``, one stream per join attempt, msgpack messages):
+
+1. A peer looking for a group declares itself in the DHT under its group key (dictionary
+   value, subkey = its PeerID, value = ``{"x": order, "a": [multiaddrs], "m": mode}``,
+   expiring at its matchmaking deadline). ``(order, PeerID)`` totally orders the peers
+   looking under a key: earlier arrivals come first.
+2. It reads the key and asks the first peer *before it in that order* to lead it:
+   ``{"prefix", "key", "x": order, "dl": seconds left, "m": mode, "bw", "g": gathered, "n": size}``.
+   The leader answers ``{"t": "accepted"}``, ``{"t": "redirect", "to": PeerID bytes, "a": addrs}``
+   (it is itself following someone: ask them) or ``{"t": "reject", "why": reason}``; an accepted
+   follower keeps the stream open and later receives ``{"t": "group", "group": GroupInfo}``,
+   a redirect (the leader merged into a better group) or a reject (the leader gave up).
+3. A leader finalizes as soon as it has ``target_group_size`` members, or once
+   ``min_matchmaking_time`` has passed with at least ``min_group_size`` members, or at the
+   earliest deadline of its members if it has enough by then.
+
+No deadlock: requests only ever go from later to earlier peers in the total order (a leader
+rejects a request from a peer ordered before itself), a peer that follows someone redirects
+requests instead of accepting them, and a leader that finds an earlier leader merges its
+whole group into it (join with ``n`` = its group size, then redirect its followers). The
+earliest peer under a key never waits on anyone, so every wait chain ends. Client-mode peers
+(no inbound connections) never lead, so they may join anyone. Every wait has a deadline.
+
+The network and the DHT sit behind :class:`MatchmakingBackend`, so this module is pure trio
+logic; :class:`DHTMatchmakingBackend` is the real one (a ``DHTNode`` and its ``Host``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from moshpit.averaging.group_info import (
+    MAX_GROUP_SIZE,
+    MODE_AUX,
+    MODE_CLIENT,
+    MODES,
+    GroupInfo,
+    GroupInfoError,
+)
+
+logger = logging.getLogger(__name__)
+
+MATCHMAKING_PROTOCOL = "/moshpit/matchmaking/1.0.0"
+MAX_REQUEST_BYTES = 256 * 1024  # join request incl. gathered metadata
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # a GroupInfo with everyone's gathered metadata
+MAX_GATHER_BYTES = 64 * 1024
+MAX_KEY_CHARS = 512
+MAX_ADDRS = 16
+MAX_ADDR_CHARS = 512
+MAX_DEADLINE_SECONDS = 24 * 3600.0
+MAX_CANDIDATES = 1024  # declarations considered per lookup
+
+
+class MatchmakingError(Exception):
+    """A matchmaking message from another peer was malformed."""
+
+
+class MsgStream(Protocol):
+    """What matchmaking needs from a stream (``dht.p2p.P2PStream`` satisfies it)."""
+
+    remote_peer: Any
+
+    async def send_msg(self, obj: Any) -> None: ...
+
+    async def receive_msg(self, max_size: int | None = None) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """One peer's "I am looking for a group" record read from the DHT."""
+
+    peer: Any
+    order: float
+    addrs: tuple[str, ...]
+    mode: str
+
+
+class MatchmakingBackend(Protocol):
+    """The seam between matchmaking logic and the DHT/network."""
+
+    @property
+    def local_peer(self) -> Any: ...
+
+    def own_addrs(self) -> list[str]: ...
+
+    def dht_time(self) -> float: ...
+
+    async def declare(self, key: str, order: float, expiration: float, mode: str) -> bool: ...
+
+    async def list_candidates(self, key: str) -> list[Declaration]: ...
+
+    async def open_stream(
+        self, peer: Any, addrs: tuple[str, ...], dial_timeout: float
+    ) -> MsgStream: ...
+
+    def peer_to_bytes(self, peer: Any) -> bytes: ...
+
+    def peer_from_bytes(self, data: bytes) -> Any: ...
+
+    def decode_group(self, msg: Any) -> GroupInfo: ...
+
+    def register(
+        self, prefix: str, handler: Callable[[MsgStream, dict], Awaitable[None]]
+    ) -> None: ...
+
+    def unregister(self, prefix: str) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# validation of untrusted messages
+
+
+def _finite(x: Any, name: str, lo: float = -math.inf, hi: float = math.inf) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise MatchmakingError(f"{name} must be a finite number, got {type(x).__name__}")
+    if not lo <= x <= hi:
+        raise MatchmakingError(f"{name}={x} out of range [{lo}, {hi}]")
+    return float(x)
+
+
+def _addrs(x: Any) -> tuple[str, ...]:
+    if not isinstance(x, (list, tuple)) or len(x) > MAX_ADDRS:
+        raise MatchmakingError(f"addrs must be a list of at most {MAX_ADDRS} strings")
+    if not all(isinstance(a, str) and len(a) <= MAX_ADDR_CHARS for a in x):
+        raise MatchmakingError("addrs must be short strings")
+    return tuple(x)
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """A validated request to join a leader's group."""
+
+    key: str
+    order: float
+    seconds_left: float
+    mode: str
+    bandwidth: float | None
+    gathered: Any
+    size: int
+
+    def to_msg(self, prefix: str) -> dict[str, Any]:
+        return {
+            "prefix": prefix,
+            "key": self.key,
+            "x": self.order,
+            "dl": self.seconds_left,
+            "m": self.mode,
+            "bw": self.bandwidth,
+            "g": self.gathered,
+            "n": self.size,
+        }
+
+    @classmethod
+    def from_msg(cls, msg: Mapping) -> JoinRequest:
+        try:
+            key, mode, bw, size = msg["key"], msg["m"], msg.get("bw"), msg.get("n", 1)
+            order = _finite(msg["x"], "order")
+            seconds_left = _finite(msg["dl"], "deadline", 0.0, MAX_DEADLINE_SECONDS)
+        except KeyError as e:
+            raise MatchmakingError(f"join request lacks field {e.args[0]!r}") from None
+        if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+            raise MatchmakingError("join request key must be a short string")
+        if mode not in MODES:
+            raise MatchmakingError(f"unknown mode {mode!r}")
+        if bw is not None:
+            bw = _finite(bw, "bandwidth", 0.0)
+            if bw <= 0:
+                raise MatchmakingError("bandwidth must be positive")
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_GROUP_SIZE:
+            raise MatchmakingError(f"group size must be an int in 1..{MAX_GROUP_SIZE}")
+        return cls(key, order, seconds_left, mode, bw, msg.get("g"), size)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-round state
+
+
+@dataclass
+class _Member:
+    peer: Any
+    mode: str
+    bandwidth: float | None
+    gathered: Any
+    deadline: float  # trio time by which this member stops waiting
+
+
+@dataclass
+class _Lead:
+    """The followers we currently lead and what we will tell them; replaced when we merge away."""
+
+    followers: dict[Any, _Member] = field(default_factory=dict)
+    outcome: dict | None = None  # group / redirect / reject
+    outcome_event: trio.Event = field(default_factory=trio.Event)
+
+    def conclude(self, outcome: dict) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self.outcome_event.set()
+
+
+@dataclass
+class _Round:
+    key: str
+    order: float
+    deadline: float
+    started: float
+    me: _Member
+    lead: _Lead = field(default_factory=_Lead)
+    following: Any = None  # peer we are joining right now (None: we lead)
+    following_addrs: tuple[str, ...] = ()
+    finished: bool = False
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    @property
+    def followers(self) -> dict[Any, _Member]:
+        return self.lead.followers
+
+    @property
+    def size(self) -> int:
+        return 1 + len(self.lead.followers)
+
+
+class Matchmaker:
+    """Finds a group for one averager (one prefix); one search at a time."""
+
+    def __init__(
+        self,
+        backend: MatchmakingBackend,
+        prefix: str,
+        *,
+        target_group_size: int,
+        min_group_size: int = 2,
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        mode: str = "node",
+        bandwidth: float | None = None,
+        is_banned: Callable[[Any], bool] = lambda peer: False,
+        poll_interval: float | None = None,
+    ):
+        if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
+            raise ValueError(
+                f"need 1 <= min_group_size ({min_group_size}) <= target_group_size "
+                f"({target_group_size}) <= {MAX_GROUP_SIZE}"
+            )
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        for name, v in (
+            ("min_matchmaking_time", min_matchmaking_time),
+            ("request_timeout", request_timeout),
+        ):
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        self.backend = backend
+        self.prefix = prefix
+        self.target_group_size = target_group_size
+        self.min_group_size = min_group_size
+        self.min_matchmaking_time = min_matchmaking_time
+        self.request_timeout = max(request_timeout, 1e-3)
+        self.mode = mode
+        self.bandwidth = bandwidth
+        self.is_banned = is_banned
+        self.poll_interval = poll_interval or min(0.25, max(0.02, min_matchmaking_time / 10))
+        self._round: _Round | None = None
+        self._lock = trio.Lock()
+        backend.register(prefix, self.handle_join)
+
+    def close(self) -> None:
+        self.backend.unregister(self.prefix)
+        if self._round is not None:
+            self._round.finished = True
+            self._round.lead.conclude({"t": "reject", "why": "peer is shutting down"})
+
+    # ---- ordering ----
+
+    def _before(self, order_a: float, peer_a: Any, order_b: float, peer_b: Any) -> bool:
+        """Is (order_a, peer_a) strictly before (order_b, peer_b)?"""
+        return (order_a, self.backend.peer_to_bytes(peer_a)) < (
+            order_b,
+            self.backend.peer_to_bytes(peer_b),
+        )
+
+    # ---- the searching side ----
+
+    async def look_for_group(
+        self, key: str, deadline: float, gathered: Any = None
+    ) -> GroupInfo | None:
+        """Find a group under ``key`` before ``deadline`` (trio time); None if none formed."""
+        async with self._lock:
+            now = trio.current_time()
+            me = self.backend.local_peer
+            order = self.backend.dht_time()
+            rnd = _Round(
+                key=key,
+                order=order,
+                deadline=deadline,
+                started=now,
+                me=_Member(me, self.mode, self.bandwidth, gathered, deadline),
+            )
+            self._round = rnd
+            try:
+                return await self._search(rnd)
+            finally:
+                rnd.finished = True
+                rnd.lead.conclude({"t": "reject", "why": "leader stopped looking"})
+                self._round = None
+
+    async def _search(self, rnd: _Round) -> GroupInfo | None:
+        me = rnd.me.peer
+        client = self.mode == MODE_CLIENT
+        if not client:
+            expiration = rnd.order + max(0.0, rnd.deadline - trio.current_time())
+            with trio.move_on_after(self.request_timeout):
+                await self.backend.declare(rnd.key, rnd.order, expiration, self.mode)
+        tried: set[tuple[Any, float]] = set()
+        next_poll = trio.current_time()
+        while True:
+            now = trio.current_time()
+            group = self._maybe_finalize(rnd, now)
+            if group is not None:
+                return group
+            if now >= rnd.deadline or rnd.finished:
+                logger.debug("matchmaking under %s timed out with %d member(s)", rnd.key, rnd.size)
+                return None
+            if now >= next_poll and rnd.size < self.target_group_size:
+                candidates: list[Declaration] = []
+                with trio.move_on_after(self.request_timeout):
+                    candidates = await self.backend.list_candidates(rnd.key)
+                candidates = [
+                    c
+                    for c in candidates
+                    if c.peer != me
+                    and c.mode != MODE_CLIENT
+                    and (c.peer, c.order) not in tried
+                    and not self.is_banned(c.peer)
+                    and (client or self._before(c.order, c.peer, rnd.order, me))
+                ]
+                candidates.sort(key=lambda c: (c.order, self.backend.peer_to_bytes(c.peer)))
+                for cand in candidates[:MAX_CANDIDATES]:
+                    if trio.current_time() >= rnd.deadline:
+                        break
+                    tried.add((cand.peer, cand.order))
+                    group = await self._follow_chain(rnd, cand.peer, cand.addrs)
+                    if group is not None:
+                        return group
+                next_poll = trio.current_time() + self.poll_interval
+            wake = min(next_poll, rnd.deadline, self._finalize_time(rnd))
+            with trio.move_on_at(max(wake, trio.current_time())):
+                await rnd.changed.wait()
+
+    def _finalize_time(self, rnd: _Round) -> float:
+        """Earliest time at which a group of the current size may proceed (deadline if never)."""
+        if not self._can_lead_now(rnd):
+            return rnd.deadline
+        return min(rnd.started + self.min_matchmaking_time, self._member_deadline(rnd))
+
+    def _can_lead_now(self, rnd: _Round) -> bool:
+        if rnd.finished or rnd.following is not None or rnd.lead.outcome is not None:
+            return False
+        members = [rnd.me, *rnd.followers.values()]
+        return (
+            len(members) >= self.min_group_size
+            and any(m.mode != MODE_AUX for m in members)  # someone has tensors
+            and any(m.mode != MODE_CLIENT for m in members)  # someone can reduce
+        )
+
+    @staticmethod
+    def _member_deadline(rnd: _Round) -> float:
+        return min([rnd.deadline] + [m.deadline for m in rnd.followers.values()])
+
+    def _maybe_finalize(self, rnd: _Round, now: float) -> GroupInfo | None:
+        if not self._can_lead_now(rnd):
+            return None
+        members = [rnd.me, *rnd.followers.values()]
+        if len(members) < self.target_group_size and now < self._finalize_time(rnd):
+            return None
+        group = GroupInfo(
+            group_id=os.urandom(16),
+            members=tuple(m.peer for m in members),
+            modes=tuple(m.mode for m in members),
+            bandwidths=tuple(m.bandwidth for m in members),
+            gathered=tuple(m.gathered for m in members),
+        )
+        logger.debug(
+            "leading group %s under %s: %d members", group.group_id.hex()[:8], rnd.key, group.size
+        )
+        rnd.finished = True
+        rnd.lead.conclude({"t": "group", "group": group.to_msg()})
+        return group
+
+    async def _follow_chain(
+        self, rnd: _Round, peer: Any, addrs: tuple[str, ...]
+    ) -> GroupInfo | None:
+        """Join ``peer``, following redirects (each one strictly earlier in the order)."""
+        for _ in range(MAX_GROUP_SIZE):
+            result = await self._try_join(rnd, peer, addrs)
+            if not isinstance(result, tuple):
+                return result
+            peer, addrs = result
+            if peer == rnd.me.peer or self.is_banned(peer):
+                return None
+        return None
+
+    async def _try_join(self, rnd: _Round, peer: Any, addrs: tuple[str, ...]):
+        """One join attempt. Returns a GroupInfo, None (failed) or ``(peer, addrs)`` to try next."""
+        remaining = rnd.deadline - trio.current_time()
+        if remaining <= 0:
+            return None
+        request = JoinRequest(
+            key=rnd.key,
+            order=rnd.order,
+            seconds_left=remaining,
+            mode=self.mode,
+            bandwidth=self.bandwidth,
+            gathered=rnd.me.gathered,
+            size=rnd.size,
+        )
+        rnd.following, rnd.following_addrs = peer, addrs
+        stream = None
+        try:
+            with trio.move_on_after(min(self.request_timeout, remaining)) as cs:
+                stream = await self.backend.open_stream(
+                    peer, addrs, dial_timeout=self.request_timeout
+                )
+                await stream.send_msg(request.to_msg(self.prefix))
+                reply = await stream.receive_msg(max_size=MAX_RESPONSE_BYTES)
+            if cs.cancelled_caught:
+                logger.debug("join request to %s timed out", peer)
+                return None
+            outcome = self._parse_reply(reply)
+            if outcome[0] != "accepted":
+                return outcome[1]
+            # accepted: our own followers go where we go; we start a fresh lead if this fails
+            if rnd.followers:
+                rnd.lead.conclude(
+                    {"t": "redirect", "to": self.backend.peer_to_bytes(peer), "a": list(addrs)}
+                )
+                rnd.lead = _Lead()
+            # wait for the leader's decision until a little after our own deadline
+            with trio.move_on_at(rnd.deadline + self.request_timeout):
+                reply = await stream.receive_msg(max_size=MAX_RESPONSE_BYTES)
+                kind, value = self._parse_reply(reply, accepted_ok=False)
+                if kind == "group":
+                    return value
+                return value  # redirect target or None
+            logger.debug("leader %s did not send a group in time", peer)
+            return None
+        except (MatchmakingError, GroupInfoError) as e:
+            logger.warning("bad matchmaking reply from %s: %s", peer, e)
+            return None
+        except Exception as e:  # network failures: try someone else
+            if not _is_network_error(e):
+                raise
+            logger.debug("join request to %s failed: %r", peer, e)
+            return None
+        finally:
+            rnd.following, rnd.following_addrs = None, ()
+            if stream is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    try:
+                        await stream.aclose()
+                    except Exception as e:
+                        if not _is_network_error(e):
+                            raise
+
+    def _parse_reply(self, reply: Any, accepted_ok: bool = True):
+        if not isinstance(reply, Mapping):
+            raise MatchmakingError("matchmaking reply must be a map")
+        kind = reply.get("t")
+        if kind == "accepted" and accepted_ok:
+            return "accepted", None
+        if kind == "reject":
+            why = reply.get("why")
+            logger.debug("join rejected: %s", why if isinstance(why, str) else "?")
+            return "reject", None
+        if kind == "redirect":
+            to = reply.get("to")
+            if not isinstance(to, bytes) or len(to) > 128:
+                raise MatchmakingError("redirect target must be PeerID bytes")
+            try:
+                target = self.backend.peer_from_bytes(to)
+            except Exception as e:
+                raise MatchmakingError(f"redirect target is not a PeerID: {e}") from e
+            return "redirect", (target, _addrs(reply.get("a", [])))
+        if kind == "group":
+            group = self.backend.decode_group(reply.get("group"))
+            me = self.backend.local_peer
+            group.index_of(me)  # raises GroupInfoError if we are not in it
+            return "group", group
+        raise MatchmakingError(f"unexpected matchmaking reply type {kind!r}")
+
+    # ---- the leading side ----
+
+    async def handle_join(self, stream: MsgStream, msg: dict) -> None:
+        """Serve one join request (the dispatcher already read ``msg`` from ``stream``)."""
+        peer = stream.remote_peer
+        try:
+            request = JoinRequest.from_msg(msg)
+        except MatchmakingError as e:
+            logger.info("malformed join request from %s: %s", peer, e)
+            await stream.send_msg({"t": "reject", "why": f"malformed request: {e}"})
+            return
+        if request.gathered is not None and _packed_size(request.gathered) > MAX_GATHER_BYTES:
+            await stream.send_msg({"t": "reject", "why": "gathered metadata too large"})
+            return
+        rnd = self._round
+        why = self._refusal(rnd, peer, request)
+        if why == "redirect":
+            await stream.send_msg(
+                {
+                    "t": "redirect",
+                    "to": self.backend.peer_to_bytes(rnd.following),
+                    "a": list(rnd.following_addrs),
+                }
+            )
+            return
+        if why is not None:
+            await stream.send_msg({"t": "reject", "why": why})
+            return
+        member = _Member(
+            peer,
+            request.mode,
+            request.bandwidth,
+            request.gathered,
+            trio.current_time() + request.seconds_left,
+        )
+        lead = rnd.lead
+        lead.followers[peer] = member
+        rnd.notify()
+        try:
+            await stream.send_msg({"t": "accepted"})
+            async with trio.open_nursery() as nursery:
+
+                async def watch_follower() -> None:
+                    # any message or EOF from an accepted follower means it left
+                    try:
+                        await stream.receive_msg(max_size=1024)
+                    except Exception as e:
+                        if not _is_network_error(e):
+                            raise
+                    if lead.outcome is None:
+                        lead.followers.pop(peer, None)
+                        rnd.notify()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch_follower)
+                with trio.move_on_at(member.deadline + self.request_timeout):
+                    await lead.outcome_event.wait()
+                nursery.cancel_scope.cancel()
+            if lead.outcome is not None and peer in lead.followers:
+                with trio.move_on_after(self.request_timeout):
+                    await stream.send_msg(lead.outcome)
+        except Exception as e:
+            if not _is_network_error(e):
+                raise
+            logger.debug("lost follower %s: %r", peer, e)
+        finally:
+            if lead.outcome is None:
+                lead.followers.pop(peer, None)
+                rnd.notify()
+
+    def _refusal(self, rnd: _Round | None, peer: Any, request: JoinRequest) -> str | None:
+        """Why we cannot accept ``peer`` now ("redirect": ask whom we follow), or None."""
+        if rnd is None or rnd.finished:
+            return "not looking for a group"
+        if request.key != rnd.key:
+            return "looking under a different key"
+        if self.mode == MODE_CLIENT:
+            return "client-mode peers do not lead groups"
+        if rnd.following is not None:
+            return "redirect"
+        if self.is_banned(peer):
+            return "you failed recent rounds"
+        if peer in rnd.followers or peer == rnd.me.peer:
+            return "already a member"
+        if request.mode != MODE_CLIENT and not self._before(
+            rnd.order, rnd.me.peer, request.order, peer
+        ):
+            return "you are before me in the order; I will ask you"
+        if rnd.size + request.size > self.target_group_size:
+            return "group is full"
+        return None
+
+
+def _packed_size(obj: Any) -> int:
+    import msgpack
+
+    try:
+        return len(msgpack.packb(obj, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError):
+        return MAX_GATHER_BYTES + 1
+
+
+def _is_network_error(e: BaseException) -> bool:
+    """Errors caused by the other peer or the network (as opposed to bugs here)."""
+    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, OSError, EOFError)):
+        return True
+    try:
+        from dht.p2p.errors import P2PError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, P2PError)
+
+
+# ---------------------------------------------------------------------------------------------
+# serving: one stream handler per Host, dispatching by prefix
+
+
+class MatchmakingDispatcher:
+    """Reads the first message of an incoming matchmaking stream and hands it to the averager
+    registered under its prefix, so several averagers can share one Host."""
+
+    def __init__(self, first_message_timeout: float = 10.0):
+        self.handlers: dict[str, Callable[[MsgStream, dict], Awaitable[None]]] = {}
+        self.first_message_timeout = first_message_timeout
+
+    async def handle_stream(self, stream: MsgStream) -> None:
+        try:
+            msg = None
+            with trio.move_on_after(self.first_message_timeout):
+                msg = await stream.receive_msg(max_size=MAX_REQUEST_BYTES)
+            if msg is None:
+                logger.info(
+                    "matchmaking stream from %s sent no request in time", stream.remote_peer
+                )
+                return
+            prefix = msg.get("prefix") if isinstance(msg, Mapping) else None
+            handler = self.handlers.get(prefix) if isinstance(prefix, str) else None
+            if handler is None:
+                why = (
+                    "malformed request"
+                    if not isinstance(prefix, str)
+                    else "no averager under this prefix"
+                )
+                await stream.send_msg({"t": "reject", "why": why})
+                return
+            await handler(stream, msg)
+        except Exception as e:
+            if not _is_network_error(e):
+                raise
+            logger.debug("matchmaking stream from %s failed: %r", stream.remote_peer, e)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await stream.aclose()
+                except Exception as e:
+                    if not _is_network_error(e):
+                        raise
+
+
+_dispatchers: weakref.WeakKeyDictionary[Any, MatchmakingDispatcher] = weakref.WeakKeyDictionary()
+
+
+def dispatcher_for_host(host: Any) -> MatchmakingDispatcher:
+    """The Host's matchmaking dispatcher, registering the stream handler on first use."""
+    dispatcher = _dispatchers.get(host)
+    if dispatcher is None:
+        dispatcher = _dispatchers[host] = MatchmakingDispatcher()
+        host.set_stream_handler(MATCHMAKING_PROTOCOL, dispatcher.handle_stream)
+    return dispatcher
+
+
+class DHTMatchmakingBackend:
+    """The real backend: declarations in a ``DHTNode``, join streams over its ``Host``."""
+
+    def __init__(self, node: Any):
+        from dht.p2p.identity import PeerID
+
+        self._PeerID = PeerID
+        self.node = node
+        self.host = node.host
+        self.dispatcher = dispatcher_for_host(self.host)
+
+    @property
+    def local_peer(self) -> Any:
+        return self.host.peer_id
+
+    def own_addrs(self) -> list[str]:
+        return [str(a) for a in self.host.listen_addrs][:MAX_ADDRS]
+
+    def dht_time(self) -> float:
+        from dht.kademlia.clock import get_dht_time
+
+        return get_dht_time()
+
+    async def declare(self, key: str, order: float, expiration: float, mode: str) -> bool:
+        value = {"x": order, "a": self.own_addrs(), "m": mode}
+        return bool(
+            await self.node.store(key, value, expiration, subkey=self.local_peer.to_base58())
+        )
+
+    async def list_candidates(self, key: str) -> list[Declaration]:
+        found = await self.node.get(key, latest=True)
+        if found is None or not isinstance(found.value, Mapping):
+            return []
+        out = []
+        for subkey, item in list(found.value.items())[:MAX_CANDIDATES]:
+            try:
+                peer = self._PeerID.from_base58(subkey)
+                value = item.value
+                if not isinstance(value, Mapping) or value.get("m") not in MODES:
+                    raise MatchmakingError("declaration must be a map with a valid mode")
+                out.append(
+                    Declaration(
+                        peer,
+                        _finite(value.get("x"), "order"),
+                        _addrs(value.get("a", [])),
+                        value["m"],
+                    )
+                )
+            except Exception as e:  # a bad record from someone: ignore it, keep the rest
+                logger.debug("ignoring bad declaration %r under %s: %s", subkey, key, e)
+        return out
+
+    async def open_stream(
+        self, peer: Any, addrs: tuple[str, ...], dial_timeout: float
+    ) -> MsgStream:
+        if addrs and not self.host.is_connected(peer):
+            from dht.p2p.multiaddr import Multiaddr
+
+            parsed = []
+            for a in addrs:
+                try:
+                    parsed.append(Multiaddr(a).without_peer_id())
+                except ValueError:
+                    continue
+            if parsed:
+                self.host.peerstore.add_addrs(peer, parsed)
+        return await self.host.new_stream(peer, MATCHMAKING_PROTOCOL, timeout=dial_timeout)
+
+    def peer_to_bytes(self, peer: Any) -> bytes:
+        return peer.to_bytes()
+
+    def peer_from_bytes(self, data: bytes) -> Any:
+        return self._PeerID.from_bytes(data)
+
+    def decode_group(self, msg: Any) -> GroupInfo:
+        return GroupInfo.from_msg(msg)
+
+    def register(self, prefix: str, handler: Callable[[MsgStream, dict], Awaitable[None]]) -> None:
+        if prefix in self.dispatcher.handlers:
+            raise ValueError(f"an averager with prefix {prefix!r} already runs on this host")
+        self.dispatcher.handlers[prefix] = handler
+
+    def unregister(self, prefix: str) -> None:
+        self.dispatcher.handlers.pop(prefix, None)

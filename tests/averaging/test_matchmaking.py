@@ -1,0 +1,417 @@
+"""Matchmaking logic over an in-process backend (trio memory channels + a shared directory).
+
+These tests exercise the algorithm (ordering, merging, redirects, deadlines, bad input) in
+isolation and fast under the autojump clock; the multi-peer tests over the real DHT, Host and
+all-reduce live in test_moshpit*.py / test_averager*.py.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, defaultdict
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+
+from dht.p2p.identity import Identity, PeerID
+from moshpit.averaging.group_info import GroupInfo
+from moshpit.averaging.matchmaking import (
+    Declaration,
+    JoinRequest,
+    Matchmaker,
+    MatchmakingDispatcher,
+    MatchmakingError,
+)
+
+
+class ChannelStream:
+    """One end of an in-process bidirectional message stream; messages go through msgpack."""
+
+    def __init__(self, remote_peer, send, receive, net: LocalNet, owner):
+        self.remote_peer = remote_peer
+        self._send, self._receive = send, receive
+        self.net, self.owner = net, owner
+
+    async def send_msg(self, obj: Any) -> None:
+        if self.owner in self.net.dead:
+            raise trio.BrokenResourceError("peer is dead")
+        await trio.sleep(self.net.latency)
+        await self._send.send(msgpack.packb(obj, use_bin_type=True))
+
+    async def receive_msg(self, max_size=None) -> Any:
+        try:
+            data = await self._receive.receive()
+        except trio.EndOfChannel:
+            raise EOFError("stream closed") from None
+        if max_size is not None and len(data) > max_size:
+            raise trio.BrokenResourceError("message too large")
+        return msgpack.unpackb(data, raw=False)
+
+    async def aclose(self) -> None:
+        await self._send.aclose()
+        await self._receive.aclose()
+
+
+class LocalNet:
+    """Directory with visibility delay + stream routing between LocalBackends."""
+
+    def __init__(
+        self, nursery: trio.Nursery, latency: float = 0.001, visibility_delay: float = 0.01
+    ):
+        self.nursery = nursery
+        self.latency = latency
+        self.visibility_delay = visibility_delay
+        self.directory: dict[str, dict[PeerID, tuple[Declaration, float, float]]] = defaultdict(
+            dict
+        )
+        self.backends: dict[PeerID, LocalBackend] = {}
+        self.dead: set[PeerID] = set()
+        self.streams_by_peer: dict[PeerID, list] = defaultdict(list)
+
+    def kill(self, peer: PeerID) -> None:
+        self.dead.add(peer)
+        for s in self.streams_by_peer[peer]:
+            s._send.close()
+            s._receive.close()
+
+
+class LocalBackend:
+    def __init__(self, net: LocalNet):
+        self.net = net
+        self.identity = Identity.generate()
+        self.dispatcher = MatchmakingDispatcher()
+        net.backends[self.local_peer] = self
+
+    @property
+    def local_peer(self) -> PeerID:
+        return self.identity.peer_id
+
+    def own_addrs(self) -> list[str]:
+        return []
+
+    def dht_time(self) -> float:
+        return trio.current_time()
+
+    async def declare(self, key, order, expiration, mode) -> bool:
+        await trio.sleep(self.net.latency)
+        visible_at = trio.current_time() + self.net.visibility_delay
+        self.net.directory[key][self.local_peer] = (
+            Declaration(self.local_peer, order, (), mode),
+            expiration,
+            visible_at,
+        )
+        return True
+
+    async def list_candidates(self, key):
+        await trio.sleep(self.net.latency)
+        now = trio.current_time()
+        return [d for d, exp, vis in self.net.directory[key].values() if exp > now and vis <= now]
+
+    async def open_stream(self, peer, addrs, dial_timeout):
+        await trio.sleep(self.net.latency)
+        if peer in self.net.dead or self.local_peer in self.net.dead:
+            raise trio.BrokenResourceError("cannot reach peer")
+        a_send, b_recv = trio.open_memory_channel(16)
+        b_send, a_recv = trio.open_memory_channel(16)
+        mine = ChannelStream(peer, a_send, a_recv, self.net, self.local_peer)
+        theirs = ChannelStream(self.local_peer, b_send, b_recv, self.net, peer)
+        self.net.streams_by_peer[peer].append(theirs)
+        self.net.streams_by_peer[self.local_peer].append(mine)
+        self.net.nursery.start_soon(self.net.backends[peer].dispatcher.handle_stream, theirs)
+        return mine
+
+    def peer_to_bytes(self, peer):
+        return peer.to_bytes()
+
+    def peer_from_bytes(self, data):
+        return PeerID.from_bytes(data)
+
+    def decode_group(self, msg):
+        return GroupInfo(
+            group_id=msg["gid"],
+            members=tuple(PeerID.from_bytes(b) for b in msg["members"]),
+            modes=tuple(msg["modes"]),
+            bandwidths=tuple(msg["bw"]),
+            gathered=tuple(msg["gathered"]),
+        )
+
+    def register(self, prefix, handler):
+        self.dispatcher.handlers[prefix] = handler
+
+    def unregister(self, prefix):
+        self.dispatcher.handlers.pop(prefix, None)
+
+
+def make(net, n, **kwargs) -> list[Matchmaker]:
+    defaults = dict(
+        target_group_size=4, min_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0
+    )
+    defaults.update(kwargs)
+    return [Matchmaker(LocalBackend(net), "run", **defaults) for _ in range(n)]
+
+
+async def run_all(mms, keys, window=10.0, starts=None, gathers=None):
+    results: dict[int, Any] = {}
+    finished_at: dict[int, float] = {}
+    t0 = trio.current_time()
+
+    async def one(i):
+        if starts:
+            await trio.sleep(starts[i])
+        gather = gathers[i] if gathers else None
+        results[i] = await mms[i].look_for_group(keys[i], trio.current_time() + window, gather)
+        finished_at[i] = trio.current_time() - t0
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(mms)):
+            nursery.start_soon(one, i)
+    return results, finished_at
+
+
+def check_consistent(mms, results):
+    """Every member of a group got the same GroupInfo."""
+    by_id = defaultdict(list)
+    for i, g in results.items():
+        if g is not None:
+            assert mms[i].backend.local_peer in g.members
+            by_id[g.group_id].append((i, g))
+    for members in by_id.values():
+        first = members[0][1]
+        assert all(g == first for _, g in members)
+        assert len(members) == first.size
+    return by_id
+
+
+async def test_full_group_forms_without_waiting(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make(net, 4, min_matchmaking_time=5.0)
+        results, finished = await run_all(mms, ["run.0b"] * 4, gathers=[{"i": i} for i in range(4)])
+        groups = check_consistent(mms, results)
+        assert len(groups) == 1
+        (group,) = [g for _, g in next(iter(groups.values()))][:1]
+        assert group.size == 4
+        assert sorted(x["i"] for x in group.gathered) == [0, 1, 2, 3]
+        assert max(finished.values()) < 1.0  # did not wait min_matchmaking_time
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_grid_groups_are_exactly_the_keys(autojump_clock, seed):
+    rng = random.Random(seed)
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery, visibility_delay=0.05)
+        mms = make(net, 16, min_matchmaking_time=3.0)
+        keys = [f"run.0b{i % 4:02b}" for i in range(16)]
+        starts = [rng.random() * 0.3 for _ in range(16)]
+        results, finished = await run_all(mms, keys, starts=starts)
+        groups = check_consistent(mms, results)
+        assert len(groups) == 4
+        for members in groups.values():
+            assert len(members) == 4
+            assert len({keys[i] for i, _ in members}) == 1
+        assert max(finished.values()) < 2.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_partial_group_proceeds_after_min_matchmaking_time(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make(net, 3, min_matchmaking_time=2.0)
+        results, finished = await run_all(mms, ["run.0b1"] * 3)
+        groups = check_consistent(mms, results)
+        assert [len(m) for m in groups.values()] == [3]
+        assert 2.0 <= min(finished.values()) and max(finished.values()) < 3.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_alone_returns_none_at_deadline(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        (mm,) = make(net, 1)
+        results, finished = await run_all([mm], ["run.0b"], window=4.0)
+        assert results[0] is None
+        assert math.isclose(finished[0], 4.0, abs_tol=0.1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_target_two_splits_into_pairs(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery, visibility_delay=0.02)
+        mms = make(net, 8, target_group_size=2, min_matchmaking_time=3.0)
+        results, finished = await run_all(mms, ["run.0b0"] * 8, starts=[0.01 * i for i in range(8)])
+        groups = check_consistent(mms, results)
+        assert sorted(len(m) for m in groups.values()) == [2, 2, 2, 2]
+        assert max(finished.values()) < 1.5
+        nursery.cancel_scope.cancel()
+
+
+async def test_client_and_aux_modes(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        nodes = make(net, 1)
+        clients = make(net, 2, mode="client")
+        aux = make(net, 1, mode="aux")
+        mms = nodes + clients + aux
+        results, _ = await run_all(mms, ["run.0b"] * 4)
+        groups = check_consistent(mms, results)
+        assert len(groups) == 1
+        (members,) = groups.values()
+        group = members[0][1]
+        assert Counter(group.modes) == {"node": 1, "client": 2, "aux": 1}
+        nursery.cancel_scope.cancel()
+
+
+async def test_clients_alone_form_no_group(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make(net, 3, mode="client")
+        results, finished = await run_all(mms, ["run.0b"] * 3, window=3.0)
+        assert all(g is None for g in results.values())
+        assert max(finished.values()) <= 3.0 + 1.0 + 0.1
+        nursery.cancel_scope.cancel()
+
+
+async def test_aux_only_group_does_not_form(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make(net, 2, mode="aux")
+        results, _ = await run_all(mms, ["run.0b"] * 2, window=3.0)
+        assert all(g is None for g in results.values())
+        nursery.cancel_scope.cancel()
+
+
+async def test_leader_dies_followers_do_not_hang(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make(net, 4, target_group_size=8, min_matchmaking_time=3.0)
+
+        async def killer():
+            await trio.sleep(1.0)
+            # the leader is the peer everyone else follows: the one earliest in the order
+            leader = next(m for m in mms if m._round is not None and m._round.followers)
+            net.kill(leader.backend.local_peer)
+            leader.close()
+
+        nursery.start_soon(killer)
+        results, finished = await run_all(mms, ["run.0b"] * 4, window=6.0)
+        survivors = [i for i, m in enumerate(mms) if m.backend.local_peer not in net.dead]
+        assert len(survivors) == 3
+        assert max(finished[i] for i in survivors) <= 6.0 + 1.0 + 0.1
+        good = {i: results[i] for i in survivors if results[i] is not None}
+        groups = check_consistent(mms, good)
+        # the survivors regrouped without the dead leader
+        for members in groups.values():
+            assert all(net.dead.isdisjoint(g.members) for _, g in members)
+        assert sum(len(m) for m in groups.values()) == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_banned_peers_are_avoided(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make(net, 3, target_group_size=3, min_matchmaking_time=1.0)
+        banned = mms[0].backend.local_peer
+        for m in mms:
+            m.is_banned = lambda p: p == banned
+        results, _ = await run_all(mms, ["run.0b"] * 3, window=3.0)
+        groups = check_consistent(mms, {i: g for i, g in results.items() if i != 0})
+        assert [len(m) for m in groups.values()] == [2]
+        nursery.cancel_scope.cancel()
+
+
+async def test_malformed_requests_are_rejected_and_leader_keeps_working(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make(net, 2, target_group_size=2, min_matchmaking_time=1.0)
+        attacker = LocalBackend(net)
+        replies = []
+
+        async def attack():
+            await trio.sleep(0.1)
+            for bad in [
+                "not a map",
+                {"prefix": 5},
+                {"prefix": "other"},
+                {"prefix": "run", "key": "run.0b", "x": float("nan"), "dl": 1.0, "m": "node"},
+                {"prefix": "run", "key": "run.0b", "x": 0.0, "dl": 1.0, "m": "evil"},
+                {"prefix": "run", "key": "run.0b", "x": 0.0, "dl": 1.0, "m": "node", "n": 10**9},
+                {
+                    "prefix": "run",
+                    "key": "run.0b",
+                    "x": 1e9,
+                    "dl": 1.0,
+                    "m": "node",
+                    "g": "x" * 100_000,
+                },
+            ]:
+                for m in mms:
+                    s = await attacker.open_stream(m.backend.local_peer, (), 1.0)
+                    await s.send_msg(bad)
+                    replies.append(await s.receive_msg())
+
+        out = {}
+
+        async def matchmake():
+            out["results"], _ = await run_all(mms, ["run.0b"] * 2, window=3.0)
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(attack)
+            inner.start_soon(matchmake)
+        results = out["results"]
+        assert all(r.get("t") == "reject" for r in replies) and len(replies) == 14
+        groups = check_consistent(mms, results)
+        assert [len(m) for m in groups.values()] == [2]
+        nursery.cancel_scope.cancel()
+
+
+def test_join_request_validation():
+    ok = JoinRequest("k", 1.0, 2.0, "node", None, None, 1)
+    assert JoinRequest.from_msg(ok.to_msg("p")) == ok
+    for field, value in [
+        ("x", "1"),
+        ("dl", -1.0),
+        ("dl", 1e12),
+        ("bw", -3.0),
+        ("n", True),
+        ("key", 3),
+    ]:
+        msg = ok.to_msg("p")
+        msg[field] = value
+        with pytest.raises(MatchmakingError):
+            JoinRequest.from_msg(msg)
+    with pytest.raises(MatchmakingError):
+        JoinRequest.from_msg({"key": "k"})
+
+
+def test_invalid_configuration():
+    with pytest.raises(ValueError):
+        Matchmaker(None, "p", target_group_size=2, min_group_size=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Matchmaker(None, "p", target_group_size=2, mode="boss")  # type: ignore[arg-type]
+
+
+async def test_churn_many_peers_staggered(autojump_clock):
+    """64 peers, 16 keys, some missing: groups never mix keys and never exceed the target."""
+    rng = random.Random(5)
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery, visibility_delay=0.05)
+        mms = make(net, 64, min_matchmaking_time=1.0)
+        keys = [f"run.0b{i % 16:04b}" for i in range(64)]
+        present = [i for i in range(64) if rng.random() > 0.1]
+        sub = [mms[i] for i in present]
+        results, finished = await run_all(
+            sub, [keys[i] for i in present], starts=[rng.random() * 0.5 for _ in present]
+        )
+        groups = check_consistent(sub, results)
+        for members in groups.values():
+            assert 2 <= len(members) <= 4
+            assert len({keys[present[i]] for i, _ in members}) == 1
+        grouped = sum(len(m) for m in groups.values())
+        per_key = Counter(keys[i] for i in present)
+        expected = sum(c for c in per_key.values() if c >= 2)
+        assert grouped == expected  # everyone who had a partner got a group
+        nursery.cancel_scope.cancel()
