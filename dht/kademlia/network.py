@@ -60,6 +60,7 @@ class HostNetwork:
         self.host = host
         self.peer_id = host.peer_id
         self._announce = [Multiaddr(str(a)) for a in announce_maddrs] if announce_maddrs else None
+        self._recent_addrs: dict[Any, tuple[bytes, ...]] = {}  # skips re-parsing unchanged addrs
 
     def set_handler(self, handler: RPCHandler | None) -> None:
         self.host.set_rpc_handler(PROTOCOL_ID, handler)
@@ -99,6 +100,12 @@ class HostNetwork:
         return peer_id, addrs
 
     def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> None:
+        addrs = tuple(addrs)
+        if not addrs or self._recent_addrs.get(peer_id) == addrs:
+            return
+        if len(self._recent_addrs) >= 10_000:
+            self._recent_addrs.clear()
+        self._recent_addrs[peer_id] = addrs
         parsed = []
         for raw in addrs:
             try:

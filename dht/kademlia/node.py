@@ -107,7 +107,7 @@ class DHTNode:
         self.num_replicas = num_replicas
         self.bucket_size = bucket_size
         self.alpha = alpha
-        self.beam_size = beam_size if beam_size is not None else max(2 * num_replicas, alpha)
+        self.beam_size = beam_size if beam_size is not None else max(num_replicas, alpha)
         self.rpc_timeout = rpc_timeout
         self.lookup_timeout = lookup_timeout
         self.refresh_period = refresh_period
@@ -216,7 +216,7 @@ class DHTNode:
                 f"({'; '.join(errors[:3]) or 'they are this node itself'}); check the addresses "
                 "and that at least one of those peers is running"
             )
-        await self.find_nearest_peers(self.node_id)
+        await self.find_nearest_peers(self.node_id, self.beam_size)
         logger.info(
             "joined the DHT through %d initial peer(s); %d contacts",
             len(joined),

@@ -24,6 +24,7 @@ class Contact:
     peer_id: Hashable
     node_id: int
     addrs: tuple[bytes, ...] = ()
+    last_seen: float = float("-inf")
 
 
 @dataclass
@@ -58,9 +59,10 @@ class KBucket:
 class RoutingTable:
     """k-buckets around ``node_id``. Not thread-safe; used from one trio loop."""
 
-    def __init__(self, node_id: int, bucket_size: int = 20):
+    def __init__(self, node_id: int, bucket_size: int = 20, recheck_after: float = 60.0):
         self.node_id = node_id
         self.bucket_size = bucket_size
+        self.recheck_after = recheck_after  # contacts seen more recently are not pinged again
         self.buckets: list[KBucket] = [KBucket(0, MAX_ID, bucket_size)]
         self._by_peer: dict[Hashable, Contact] = {}
 
@@ -89,18 +91,22 @@ class RoutingTable:
     def add_or_update(self, contact: Contact, now: float) -> Contact | None:
         """Record that ``contact`` was seen alive.
 
-        Returns the bucket's least-recently-seen contact if the bucket is full (the caller
-        should ping it and call :meth:`remove` if it is dead), else None.
+        Returns the bucket's least-recently-seen contact if the bucket is full and that contact
+        was not seen within ``recheck_after`` seconds (the caller should ping it and call
+        :meth:`remove` if it is dead), else None.
         """
         if contact.node_id == self.node_id:
             return None
+        contact.last_seen = now
         while True:
             index = self.bucket_index(contact.node_id)
             bucket = self.buckets[index]
             if contact.peer_id in bucket.contacts:
                 bucket.contacts.move_to_end(contact.peer_id)
+                known = bucket.contacts[contact.peer_id]
+                known.last_seen = now
                 if contact.addrs:
-                    bucket.contacts[contact.peer_id].addrs = contact.addrs
+                    known.addrs = contact.addrs
                 bucket.last_updated = now
                 return None
             if len(bucket.contacts) < bucket.size:
@@ -113,7 +119,8 @@ class RoutingTable:
                 self.buckets[index : index + 1] = bucket.split()
                 continue
             bucket.add_replacement(contact)
-            return next(iter(bucket.contacts.values()))
+            oldest = next(iter(bucket.contacts.values()))
+            return oldest if now - oldest.last_seen >= self.recheck_after else None
 
     def remove(self, peer_id: Hashable) -> Contact | None:
         """Drop a contact (dead or misbehaving) and promote the freshest replacement, if any."""

@@ -29,7 +29,7 @@ def test_nearest_matches_brute_force_and_table_splits():
 
 
 def test_full_bucket_returns_oldest_and_keeps_newcomer_as_replacement():
-    table = RoutingTable(0, bucket_size=2)
+    table = RoutingTable(0, bucket_size=2, recheck_after=1.0)
     far = MAX_ID // 2  # the upper half never contains our ID, so it never splits
     a, b, c = contact(1, far + 1), contact(2, far + 2), contact(3, far + 3)
     assert table.add_or_update(a, 0.0) is None
@@ -39,6 +39,10 @@ def test_full_bucket_returns_oldest_and_keeps_newcomer_as_replacement():
     assert oldest is b and c.peer_id not in table
     table.remove(b.peer_id)  # the ping to b failed
     assert c.peer_id in table and b.peer_id not in table and a.peer_id in table
+    # an oldest contact seen within recheck_after is known alive: no ping, newcomer waits
+    d = contact(4, far + 4)
+    assert table.add_or_update(d, 2.5) is None and d.peer_id not in table
+    assert d.peer_id in table.buckets[table.bucket_index(d.node_id)].replacements
 
 
 def test_blacklist_backoff_grows_and_is_capped():
