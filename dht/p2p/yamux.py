@@ -106,6 +106,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         self._send_lot = trio.lowlevel.ParkingLot()
         self._reading = False
         self._sending = False
+        self._ack_pending = False  # inbound stream whose ACK rides on our first frame
 
     # -- introspection -------------------------------------------------------------------
     @property
@@ -124,6 +125,13 @@ class YamuxStream(trio.abc.HalfCloseableStream):
     def __repr__(self) -> str:
         return f"<YamuxStream {self.stream_id} on {self.session.name}>"
 
+    def _flags(self, flags: int) -> int:
+        """Flags for the next frame of this stream, with a pending ACK folded in."""
+        if self._ack_pending:
+            self._ack_pending = False
+            return flags | FLAG_ACK
+        return flags
+
     # -- receiving -----------------------------------------------------------------------
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._reading:
@@ -135,6 +143,11 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                 if self._remote_eof:
                     await trio.lowlevel.checkpoint()
                     return b""
+                if self._ack_pending and not self.session.closed:
+                    # about to wait: acknowledge now rather than with a later frame
+                    self.session._enqueue_control(
+                        TYPE_WINDOW_UPDATE, self._flags(0), self.stream_id, 0
+                    )
                 await self._recv_lot.park()
             await trio.lowlevel.checkpoint_if_cancelled()
             chunk = self._chunks.popleft()
@@ -179,7 +192,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         self._epoch_start = now
         self._consumed_since_update = 0
         self._recv_remaining += delta
-        self.session._enqueue_control(TYPE_WINDOW_UPDATE, 0, self.stream_id, delta)
+        self.session._enqueue_control(TYPE_WINDOW_UPDATE, self._flags(0), self.stream_id, delta)
 
     # -- sending -------------------------------------------------------------------------
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -212,7 +225,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                 else:
                     piece = bytes(view[offset : offset + n])
                 self._send_window -= n
-                self.session._enqueue_data(self.stream_id, piece)
+                self.session._enqueue_data(self.stream_id, piece, self._flags(0))
                 offset += n
             await self.session._after_enqueue()
         finally:
@@ -239,7 +252,9 @@ class YamuxStream(trio.abc.HalfCloseableStream):
             return
         self._local_eof = True
         if not self.session.closed:
-            self.session._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_FIN, self.stream_id, 0)
+            self.session._enqueue_control(
+                TYPE_WINDOW_UPDATE, self._flags(FLAG_FIN), self.stream_id, 0
+            )
         self.session._maybe_forget(self)
         await self.session._after_enqueue()
 
@@ -249,7 +264,9 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         if not self._local_eof and not self._reset:
             self._local_eof = True
             if not self.session.closed:
-                self.session._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_FIN, self.stream_id, 0)
+                self.session._enqueue_control(
+                    TYPE_WINDOW_UPDATE, self._flags(FLAG_FIN), self.stream_id, 0
+                )
         self._send_lot.unpark_all()
         self.session._maybe_forget(self)
         await self.session._after_enqueue()
@@ -265,7 +282,9 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         if dropped and not self._remote_eof and not self._reset and not self.session.closed:
             # Give the credit back so a remote still writing is not stuck; its bytes are dropped.
             self._recv_remaining += dropped
-            self.session._enqueue_control(TYPE_WINDOW_UPDATE, 0, self.stream_id, dropped)
+            self.session._enqueue_control(
+                TYPE_WINDOW_UPDATE, self._flags(0), self.stream_id, dropped
+            )
         self._recv_lot.unpark_all()
 
     def reset(self) -> None:
@@ -273,7 +292,9 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         if self._reset:
             return
         if not self.session.closed and not (self._local_eof and self._remote_eof):
-            self.session._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_RST, self.stream_id, 0)
+            self.session._enqueue_control(
+                TYPE_WINDOW_UPDATE, self._flags(FLAG_RST), self.stream_id, 0
+            )
         self._mark_reset("reset locally")
 
     def _mark_reset(self, reason: str) -> None:
@@ -294,7 +315,9 @@ class YamuxStream(trio.abc.HalfCloseableStream):
             # Nobody will read it: return the credit immediately.
             if not self._reset and not self._remote_eof:
                 self._recv_remaining += len(data)
-                self.session._enqueue_control(TYPE_WINDOW_UPDATE, 0, self.stream_id, len(data))
+                self.session._enqueue_control(
+                    TYPE_WINDOW_UPDATE, self._flags(0), self.stream_id, len(data)
+                )
             return
         self._chunks.append(data)
         self._buffered += len(data)
@@ -556,8 +579,8 @@ class YamuxSession:
         while self._out_bytes >= _OUT_LIMIT and not self.closed:
             await self._space_lot.park()
 
-    def _enqueue_data(self, stream_id: int, payload: bytes | memoryview) -> None:
-        self._out.append(pack_header(TYPE_DATA, 0, stream_id, len(payload)))
+    def _enqueue_data(self, stream_id: int, payload: bytes | memoryview, flags: int = 0) -> None:
+        self._out.append(pack_header(TYPE_DATA, flags, stream_id, len(payload)))
         self._out.append(payload)
         self._out_bytes += HEADER_SIZE + len(payload)
         self._writer_lot.unpark()
@@ -776,8 +799,21 @@ class YamuxSession:
             except trio.ClosedResourceError:
                 return None
             self._streams[sid] = stream
-            self._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_ACK, sid, self._initial_grant(stream))
+            self._acknowledge(stream)
         return stream
+
+    def _acknowledge(self, stream: YamuxStream) -> None:
+        """ACK an inbound stream: at once if we grant extra window, else with its first frame.
+
+        Piggybacking the ACK on the first frame the stream sends (typically the protocol echo
+        and the RPC response) saves a write per RPC; a stream whose reader waits before
+        sending anything sends a bare ACK then (see YamuxStream.receive_some).
+        """
+        extra = self._initial_grant(stream)
+        if extra:
+            self._enqueue_control(TYPE_WINDOW_UPDATE, FLAG_ACK, stream.stream_id, extra)
+        else:
+            stream._ack_pending = True
 
     def _initial_grant(self, stream: YamuxStream) -> int:
         """Extra window beyond the spec's 256 KiB, granted with SYN/ACK if configured."""

@@ -84,6 +84,18 @@ async def test_open_sends_syn_with_odd_id_and_server_acks():
         inbound = await client.accept_stream()
         assert inbound.stream_id == 2
         assert await inbound.receive_some() == b"abc"
+        # the ACK rides on the first frame the accepting side sends ...
+        await inbound.send_all(b"reply")
+        (_, ftype, flags, sid, _), payload = await read_frame(server_raw, buf)
+        assert (ftype, flags, sid, payload) == (TYPE_DATA, FLAG_ACK, 2, b"reply")
+        # ... or is sent bare as soon as the reader has to wait
+        await server_raw.send_all(pack_header(TYPE_WINDOW_UPDATE, FLAG_SYN, 4, 0))
+        quiet = await client.accept_stream()
+        async with trio.open_nursery() as waiting:
+            waiting.start_soon(quiet.receive_some)
+            (_, ftype, flags, sid, length), _ = await read_frame(server_raw, buf)
+            assert (ftype, flags, sid, length) == (TYPE_WINDOW_UPDATE, FLAG_ACK, 4, 0)
+            waiting.cancel_scope.cancel()
         await client.aclose()
 
 
