@@ -586,18 +586,22 @@ class Host:
         refusal surfaces as ProtocolNegotiationError on the first read (saves a round trip).
         """
         with trio.move_on_after(timeout) as scope:
-            conn = await self._get_connection(peer_id, timeout)
-            ystream = await conn.session.open_stream()
-            try:
-                _, stream = await multistream.negotiate_outbound(
-                    ystream, [protocol], timeout, lazy=lazy
-                )
-            except BaseException:
-                ystream.reset()
-                raise
-            return P2PStream(stream, ystream, peer_id, protocol, self.limits.max_message_size)
+            return await self._open(peer_id, protocol, timeout, lazy)
         assert scope.cancelled_caught
         raise P2PTimeoutError(f"opening {protocol} to {peer_id.short()} timed out after {timeout}s")
+
+    async def _open(self, peer_id: PeerID, protocol: str, timeout: float, lazy: bool) -> P2PStream:  # noqa: ASYNC109
+        """new_stream without its own cancel scope (callers that have one use this)."""
+        conn = await self._get_connection(peer_id, timeout)
+        ystream = await conn.session.open_stream()
+        try:
+            _, stream = await multistream.negotiate_outbound(
+                ystream, [protocol], timeout, lazy=lazy
+            )
+        except BaseException:
+            ystream.reset()
+            raise
+        return P2PStream(stream, ystream, peer_id, protocol, self.limits.max_message_size)
 
     async def _handle_stream(self, conn: _Connection, ystream: YamuxStream) -> None:
         try:
@@ -649,7 +653,7 @@ class Host:
     async def ping(self, peer_id: PeerID, timeout: float = 5.0) -> float:  # noqa: ASYNC109
         """Round-trip time (seconds) of one /ipfs/ping/1.0.0 exchange."""
         with trio.move_on_after(timeout) as scope:
-            stream = await self.new_stream(peer_id, PING_PROTOCOL, timeout, lazy=True)
+            stream = await self._open(peer_id, PING_PROTOCOL, timeout, lazy=True)
             try:
                 payload = os.urandom(PING_SIZE)
                 start = trio.current_time()
@@ -682,7 +686,7 @@ class Host:
         ProtocolNegotiationError if the remote does not serve ``protocol``.
         """
         with trio.move_on_after(timeout) as scope:
-            stream = await self.new_stream(peer_id, protocol, timeout, lazy=True)
+            stream = await self._open(peer_id, protocol, timeout, lazy=True)
             try:
                 await stream.send_msg(request)
                 await stream.send_eof()
