@@ -19,6 +19,7 @@ from dht.p2p import (
     P2PStream,
     P2PTimeoutError,
     PeerIDMismatchError,
+    PeerStore,
     ProtocolNegotiationError,
     RemoteError,
 )
@@ -342,3 +343,35 @@ async def test_message_size_cap_on_send():
         with pytest.raises(MessageTooLargeError):
             await a.call(pid, "/echo/1.0.0", b"x" * 2000)
         assert (await a.call(pid, "/echo/1.0.0", b"x" * 10))["echo"] == b"x" * 10
+
+
+async def test_peerstore_is_bounded():
+    store = PeerStore(max_peers=3, max_addrs_per_peer=2)
+    peers = [Identity.generate().peer_id for _ in range(4)]
+    for i, pid in enumerate(peers):
+        store.add_addrs(pid, [f"/ip4/10.0.0.{i}/tcp/{p}" for p in (1, 2, 3)])
+    assert len(store) == 3 and peers[0] not in store
+    assert store.get_addrs(peers[3]) == [
+        Multiaddr("/ip4/10.0.0.3/tcp/1"),
+        Multiaddr("/ip4/10.0.0.3/tcp/2"),
+    ]
+    with pytest.raises(ValueError):
+        store.add_addrs(peers[1], [f"/ip4/10.0.0.9/tcp/1/p2p/{peers[2]}"])
+
+
+async def test_tcp_ipv6_and_dns_addresses():
+    async with Host.open() as a, Host.open() as b:
+        b.set_rpc_handler("/echo/1.0.0", echo_rpc)
+        try:
+            (v6,) = await b.listen(["/ip6/::1/tcp/0"])
+        except OSError:
+            v6 = None  # no IPv6 loopback on this machine: the DNS case below still runs
+        (v4,) = await b.listen(LOCAL)
+        port = v4.tcp_endpoint()[1]
+        pid = await a.connect([f"/dns4/localhost/tcp/{port}/p2p/{b.peer_id}"])
+        assert (await a.call(pid, "/echo/1.0.0", 1))["echo"] == 1
+        if v6 is not None:
+            assert str(v6).startswith("/ip6/::1/tcp/")
+            async with Host.open() as c:
+                await c.connect([v6])
+                assert (await c.call(b.peer_id, "/echo/1.0.0", 2))["echo"] == 2

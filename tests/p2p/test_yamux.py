@@ -344,3 +344,23 @@ async def test_rst_flag_on_data_frame():
         with pytest.raises(StreamResetError):
             await stream.receive_some()
         await client.aclose()
+
+
+async def test_connection_buffer_cap_resets_the_stream_that_overflows(caplog):
+    # two streams may each buffer 256 KiB, but the connection only 300 KiB in total
+    async with yamux_pair(max_buffered=300 * 1024) as (client, server):
+        first = await client.open_stream()
+        await first.send_all(b"a" * INITIAL_WINDOW)
+        inbound_first = await server.accept_stream()
+        await trio.testing.wait_all_tasks_blocked()
+        second = await client.open_stream()
+        with caplog.at_level(logging.WARNING, logger="dht.p2p.yamux"):
+            await second.send_all(b"b" * INITIAL_WINDOW)
+            inbound_second = await server.accept_stream()
+            with pytest.raises(StreamResetError):
+                await inbound_second.receive_some()
+        assert any("receive buffer full" in r.message for r in caplog.records)
+        assert server.buffered_bytes <= 300 * 1024
+        # the first stream and the connection are unaffected
+        assert len(await inbound_first.receive_some()) > 0
+        assert not server.closed
