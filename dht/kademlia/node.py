@@ -125,6 +125,7 @@ class DHTNode:
         self._searches: dict[tuple[int, str], _SharedSearch] = {}
         self._nursery: trio.Nursery | None = None
         self._own_addrs_cache: list[bytes] | None = None
+        self._node_ids: dict[bytes, tuple[Any, int]] = {}  # PeerID bytes -> (PeerID, node ID)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -338,7 +339,7 @@ class DHTNode:
         if response is None:
             return None
         try:
-            results = parse_find_response(response, len(key_ids), self.network.peer_from_bytes)
+            results = parse_find_response(response, len(key_ids), self._peer_from_bytes)
         except DHTProtocolError as e:
             logger.warning("bad find response from %s: %s", contact.peer_id, e)
             return None
@@ -350,7 +351,7 @@ class DHTNode:
                 if peer_id == self.peer_id:
                     continue
                 self.network.remember_addrs(peer_id, addrs)
-                peers.append(Contact(peer_id, node_id_of(peer_id), addrs))
+                peers.append(Contact(peer_id, self._node_ids[peer_id.to_bytes()][1], addrs))
             converted.append(FindResult(result.entries, peers))
         return converted
 
@@ -393,7 +394,7 @@ class DHTNode:
 
         async def find(contact: Contact) -> FindResult | None:
             results = await self._find_rpc(
-                contact, [target_id], count=max(beam_size, self.bucket_size)
+                contact, [target_id], count=max(2 * beam_size, self.alpha)
             )
             return results[0] if results else None
 
@@ -423,6 +424,16 @@ class DHTNode:
         self.lookup_stats.append(
             LookupStats(lookup.result.hops, lookup.result.rounds, lookup.result.messages)
         )
+
+    def _peer_from_bytes(self, raw: bytes) -> Any:
+        """Parse a PeerID from a find response, caching it with its node ID (bounded)."""
+        cached = self._node_ids.get(raw)
+        if cached is None:
+            if len(self._node_ids) >= 50_000:
+                self._node_ids.clear()
+            peer_id = self.network.peer_from_bytes(raw)
+            cached = self._node_ids[raw] = (peer_id, node_id_of(peer_id))
+        return cached[0]
 
     @staticmethod
     def _has_plain_value(result: FindResult) -> bool:
