@@ -68,11 +68,16 @@ def encode_scaled_fp16(values: torch.Tensor, dst: torch.Tensor) -> float:
     """Write float16 of ``values / scale`` into the float16 tensor ``dst``; returns the scale."""
     flat = values.reshape(-1)
     scale = pow2_scale(absmax_of(flat))
-    if flat.numel():
-        if flat.device.type == "cpu":
-            torch.mul(flat, 1.0 / scale, out=dst)  # computed in the input dtype, cast on store
-        else:
-            dst.copy_(flat.float().mul_(1.0 / scale).half())
+    n = flat.numel()
+    if n:
+        # multiply in float32 (exact: power of two), then cast; a mixed-dtype out= would
+        # take a slow non-vectorized path
+        tmp = torch.empty(
+            min(n, _bytes.CHUNK) if flat.device.type == "cpu" else n, device=flat.device
+        )
+        for start, stop in _bytes.spans(n, flat.device):
+            part = torch.mul(flat[start:stop], 1.0 / scale, out=tmp[: stop - start])
+            dst[start:stop].copy_(part)
     return scale
 
 

@@ -88,8 +88,11 @@ class Uniform8Bit(Codec):
         lo, hi = _aminmax(flat)
         clip = False
         if self.clip_sigmas is not None and n > 1:
-            mean = float(torch.sum(flat, dtype=torch.float64)) / n
-            sq = float(torch.linalg.vector_norm(flat, 2, dtype=torch.float64)) ** 2 / n
+            # float32 reductions (pairwise sums) are accurate enough for a clipping range
+            # and ~50x faster than float64 accumulation on CPU
+            acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+            mean = float(torch.sum(flat, dtype=acc)) / n
+            sq = float(torch.linalg.vector_norm(flat, 2, dtype=acc)) ** 2 / n
             std = math.sqrt(max(sq - mean * mean, 0.0))
             clip_lo, clip_hi = mean - self.clip_sigmas * std, mean + self.clip_sigmas * std
             clip = clip_lo > lo or clip_hi < hi
@@ -334,16 +337,15 @@ class Blockwise8Bit(Codec):
         absmax = _bytes.view(ct.payload, torch.float32, nblocks).to(device)
         if not bool((torch.isfinite(absmax) & (absmax >= 0)).all()):
             raise PayloadValueError("block scales must be finite and non-negative")
-        step = absmax * (1.0 / 127.0)
         codes = _codes_on(ct, torch.int8, 4 * nblocks, device)
         out = torch.empty(n, device=device)
         block = 0
         for start, count, nb in cls(bs)._blocks(n, device):
-            torch.mul(
-                codes[start : start + count].view(nb, -1),
-                step[block : block + nb].unsqueeze(1),
-                out=out[start : start + count].view(nb, -1),
-            )
+            dst = out[start : start + count].view(nb, -1)
+            scale = absmax[block : block + nb].unsqueeze(1)
+            # (code * absmax) / 127 rather than code * (absmax / 127): the extreme codes
+            # +-127 then decode to exactly +-absmax (constants round-trip bit-exactly)
+            torch.mul(codes[start : start + count].view(nb, -1), scale, out=dst).div_(127.0)
             block += nb
         return out
 

@@ -1,0 +1,150 @@
+"""Codec speed, size and error on 16M float32 values, as ratios to a same-run baseline.
+
+Baselines measured in the same run, interleaved with every codec's repeats so that load
+from other processes affects both alike: ``tensor.clone()`` for every codec, and
+``torch.topk(x.abs(), k)`` for TopK. Prints one JSON object per line.
+
+    PYTHONPATH=. python benchmarks/bench_compression.py [--numel 16777216] [--repeats 5]
+        [--threads 1] [--data gaussian|heavy|both] [--only SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from compression import (
+    BFloat16,
+    Blockwise8Bit,
+    Float16,
+    NoCompression,
+    Quantile8Bit,
+    RandomK,
+    ScaledFloat16,
+    ScaledSign,
+    TopK,
+    Uniform8Bit,
+    decompress,
+)
+
+# (codec, target description, max round-trip time / clone time, max bits/value, max rel err)
+CODECS = [
+    (NoCompression(), None, None, None, None),
+    (Float16(), "round trip <= 2x clone", 2.0, None, None),
+    (BFloat16(), "round trip <= 2x clone", 2.0, None, None),
+    (ScaledFloat16(), None, None, None, None),
+    (Uniform8Bit(), "<= 4x clone, <= 8.25 bits, rel err <= 1e-2 (gaussian)", 4.0, 8.25, 1e-2),
+    (
+        Uniform8Bit(clip_sigmas=4.0),
+        "<= 4x clone, <= 8.25 bits, rel err <= 1e-2 (gaussian)",
+        4.0,
+        8.25,
+        1e-2,
+    ),
+    (Quantile8Bit(), "<= 4x clone, <= 8.25 bits, rel err <= 1e-2 (gaussian)", 4.0, 8.25, 1e-2),
+    (Blockwise8Bit(), "<= 4x clone, <= 8.25 bits, rel err <= 1e-2 (gaussian)", 4.0, 8.25, 1e-2),
+    (TopK(0.001, seed=0), "compress >= 3x faster than torch.topk", None, None, None),
+    (TopK(0.01, seed=0), None, None, None, None),
+    (RandomK(0.01, seed=0), None, None, None, None),
+    (ScaledSign(), None, None, None, None),
+]
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def make_data(kind: str, n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen)
+    if kind == "heavy":
+        # gradient-like: Gaussian times a log-normal scale per entry (heavy tails, most
+        # entries tiny, a few large), plus a handful of extreme outliers
+        x.mul_(torch.randn(n, generator=gen).mul_(1.5).exp_()).mul_(1e-3)
+        x[torch.randint(n, (n // 100_000 + 1,), generator=gen)] *= 100
+    return x
+
+
+def bench(codec, x: torch.Tensor, repeats: int) -> dict:
+    comp, decomp, clones, topks = [], [], [], []
+    k = max(1, round(getattr(codec, "density", 0) * x.numel()))
+    ct = y = None
+    for _ in range(repeats):
+        clones.append(timed(x.clone)[0])
+        t, ct = timed(lambda: codec.compress(x))
+        comp.append(t)
+        t, y = timed(lambda ct=ct: decompress(ct))
+        decomp.append(t)
+        if isinstance(codec, TopK):
+            topks.append(timed(lambda: torch.topk(x.abs(), k, sorted=False))[0])
+    med = statistics.median
+    rel = float((y.double() - x.double()).norm() / x.double().norm())
+    row = {
+        "codec": repr(codec),
+        "compress_s": round(med(comp), 5),
+        "decompress_s": round(med(decomp), 5),
+        "total_s": round(med(c + d for c, d in zip(comp, decomp, strict=True)), 5),
+        "clone_s": round(med(clones), 5),
+        "bytes": ct.nbytes,
+        "bits_per_value": round(8 * ct.nbytes / x.numel(), 4),
+        "compression_ratio": round(4 * x.numel() / max(ct.nbytes, 1), 2),
+        "rel_error": round(rel, 6),
+    }
+    row["time_vs_clone"] = round(row["total_s"] / row["clone_s"], 3)
+    if topks:
+        row["torch_topk_s"] = round(med(topks), 5)
+        row["speedup_vs_torch_topk"] = round(row["torch_topk_s"] / row["compress_s"], 2)
+    return row
+
+
+def check(row, target, max_time, max_bits, max_err, kind):
+    if target is None:
+        return None
+    if "torch.topk" in target:
+        return row["speedup_vs_torch_topk"] >= 3.0
+    ok = max_time is None or row["time_vs_clone"] <= max_time
+    if max_bits is not None:
+        ok = ok and row["bits_per_value"] <= max_bits
+    if max_err is not None and kind == "gaussian":
+        ok = ok and row["rel_error"] <= max_err
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=1 << 24)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a shared machine, multi-threaded kernels "
+        "stall on busy cores; 0 keeps torch's default)",
+    )
+    parser.add_argument("--data", choices=["gaussian", "heavy", "both"], default="both")
+    parser.add_argument("--only", default=None, help="substring of the codec repr to run")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kinds = ["gaussian", "heavy"] if args.data == "both" else [args.data]
+    for kind in kinds:
+        x = make_data(kind, args.numel)
+        for codec, target, max_time, max_bits, max_err in CODECS:
+            if args.only and args.only not in repr(codec):
+                continue
+            row = {"bench": "compression", "data": kind, "numel": args.numel}
+            row["threads"] = torch.get_num_threads()
+            row.update(bench(codec, x, args.repeats))
+            row["target"] = target
+            row["target_met"] = check(row, target, max_time, max_bits, max_err, kind)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
