@@ -253,13 +253,7 @@ class Matchmaker:
         is_banned: Callable[[Any], bool] = lambda peer: False,
         poll_interval: float | None = None,
     ):
-        if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
-            raise ValueError(
-                f"need 1 <= min_group_size ({min_group_size}) <= target_group_size "
-                f"({target_group_size}) <= {MAX_GROUP_SIZE}"
-            )
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self._check_config(target_group_size, min_group_size, mode)
         for name, v in (
             ("min_matchmaking_time", min_matchmaking_time),
             ("request_timeout", request_timeout),
@@ -279,6 +273,18 @@ class Matchmaker:
         self._round: _Round | None = None
         self._lock = trio.Lock()
         backend.register(prefix, self.handle_join)
+
+    @staticmethod
+    def _check_config(target_group_size: int, min_group_size: int, mode: str) -> None:
+        if not all(isinstance(x, int) for x in (target_group_size, min_group_size)) or not (
+            1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE
+        ):
+            raise ValueError(
+                f"need integers 1 <= min_group_size ({min_group_size}) <= target_group_size "
+                f"({target_group_size}) <= {MAX_GROUP_SIZE}"
+            )
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
     def close(self) -> None:
         self.backend.unregister(self.prefix)

@@ -1,0 +1,482 @@
+"""``moshpit.Averager``: average a list of tensors with whoever averages under the same prefix.
+
+One :meth:`Averager.step` = matchmaking through the DHT (``matchmaking.py``) under this peer's
+Moshpit group key (``group_keys.py``), then a butterfly all-reduce inside the group
+(``allreduce.py``), then the averaged values are written into the caller's tensors and the
+group key moves on. Every phase has a finite timeout; failures are reported in the
+:class:`StepResult`, and peers that fail repeatedly are avoided for a while.
+
+Two ways to drive it:
+
+- synchronous code passes a ``dht.DHT`` facade; the averager then lives on the DHT's trio
+  thread and shares its Host (``step()`` submits work there through ``dht.run_coroutine``);
+- trio code passes a ``DHTNode`` and awaits :meth:`Averager.astep` on the node's loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+import trio
+
+from moshpit.averaging.allreduce import AllReduceService
+from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE
+from moshpit.averaging.group_keys import GroupKeyManager
+from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, DHTMatchmakingBackend, Matchmaker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Averager", "StepResult"]
+
+LOCK_POLL_SECONDS = (
+    0.05  # how often a waiting step re-checks cancellation while the user holds the lock
+)
+WRITE_INLINE_NUMEL = 1 << 15  # smaller results are copied on the loop, larger ones in a thread
+
+
+@dataclass
+class StepResult:
+    """What one :meth:`Averager.step` did.
+
+    ``succeeded``: this peer averaged with at least one other peer (possibly with some parts
+    left at local values; see ``failed``). ``reason`` says why not when it did not.
+    ``gathered`` maps every group member to the metadata it passed as ``gather=``.
+    """
+
+    succeeded: bool
+    group_key: str
+    group_id: bytes | None = None
+    members: tuple[Any, ...] = ()
+    modes: tuple[str, ...] = ()
+    gathered: dict[Any, Any] = field(default_factory=dict)
+    failed: set[Any] = field(default_factory=set)
+    excluded: dict[Any, str] = field(default_factory=dict)
+    reason: str | None = None
+    matchmaking_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    timed_out: bool = False
+    next_group_key: str = ""
+
+    @property
+    def group_size(self) -> int:
+        return len(self.members)
+
+
+class _AllReduceServices:
+    """One AllReduceService per Host, shared by every averager on it (ref-counted)."""
+
+    def __init__(self) -> None:
+        self._services: weakref.WeakKeyDictionary[Any, tuple[AllReduceService, int]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def acquire(self, host: Any) -> AllReduceService:
+        service, refs = self._services.get(host, (None, 0))
+        if service is None:
+            service = AllReduceService(host)
+        self._services[host] = (service, refs + 1)
+        return service
+
+    def release(self, host: Any) -> None:
+        service, refs = self._services.get(host, (None, 0))
+        if service is None:
+            return
+        if refs <= 1:
+            service.close()
+            del self._services[host]
+        else:
+            self._services[host] = (service, refs - 1)
+
+
+_allreduce_services = _AllReduceServices()
+
+
+class Averager:
+    """Averages ``tensors`` in place with peers that use the same ``prefix`` (Moshpit All-Reduce).
+
+    :param tensors: the tensors to average (e.g. ``model.parameters()``); they are updated in
+      place after every successful round, under the lock that :meth:`get_tensors` holds.
+    :param dht: a ``dht.DHT`` (sync facade) or a ``DHTNode`` (trio code; use :meth:`astep`).
+    :param prefix: peers with the same prefix average together; several averagers with
+      different prefixes may share one DHT/Host.
+    :param target_group_size: the group size matchmaking aims for (the grid side ``M``).
+    :param min_group_size: a group smaller than this never runs (default 2).
+    :param min_matchmaking_time: after this long a leader proceeds with the members it has
+      (>= ``min_group_size``); a full group proceeds at once.
+    :param request_timeout: limit for each matchmaking request/DHT operation.
+    :param allreduce_timeout: limit for the all-reduce phase.
+    :param compression: a ``compression`` codec or ``TwoWayCompression`` (default: none).
+    :param bandwidth: advertised bytes/s, sizes this peer's part of each all-reduce.
+    :param client_mode: this peer cannot accept connections: it never leads or reduces.
+    :param auxiliary: this peer helps reduce but contributes nothing (weight 0).
+    :param initial_group_bits: the starting key bits (a string of 0/1; its length is the number
+      of bits kept forever). Default: random bits, ``(d-1)*ceil(log2 M)`` of them for a
+      ``d``-dimensional grid sized from ``expected_num_peers`` (``d = 2`` if unknown).
+    :param matchmaking_timeout: how long a step looks for a group before giving up (default
+      ``max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)``).
+    :param ban_after_failures / ban_seconds: a peer that failed this many consecutive rounds
+      with us is not grouped with for ``ban_seconds``.
+    """
+
+    def __init__(
+        self,
+        tensors: Iterable[torch.Tensor],
+        dht: Any,
+        prefix: str,
+        target_group_size: int,
+        min_group_size: int = 2,
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        allreduce_timeout: float = 60.0,
+        compression: Any = None,
+        bandwidth: float | None = None,
+        client_mode: bool = False,
+        auxiliary: bool = False,
+        initial_group_bits: str | None = None,
+        start: bool = True,
+        *,
+        matchmaking_timeout: float | None = None,
+        expected_num_peers: int | None = None,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
+        ban_after_failures: int = 2,
+        ban_seconds: float = 60.0,
+    ):
+        self._tensors = list(tensors)
+        if not self._tensors:
+            raise ValueError("Averager needs at least one tensor")
+        if any(not isinstance(t, torch.Tensor) for t in self._tensors):
+            raise TypeError("tensors must be torch.Tensor objects")
+        if client_mode and auxiliary:
+            raise ValueError("a peer cannot be both client_mode and auxiliary")
+        for name, value in (
+            ("min_matchmaking_time", min_matchmaking_time),
+            ("request_timeout", request_timeout),
+            ("allreduce_timeout", allreduce_timeout),
+        ):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+        if allreduce_timeout <= 0 or request_timeout <= 0:
+            raise ValueError("allreduce_timeout and request_timeout must be positive")
+        if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
+            raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
+        self.prefix = prefix
+        self.target_group_size = target_group_size
+        self.min_group_size = min_group_size
+        self.min_matchmaking_time = float(min_matchmaking_time)
+        self.request_timeout = float(request_timeout)
+        self.allreduce_timeout = float(allreduce_timeout)
+        self.matchmaking_timeout = float(
+            matchmaking_timeout
+            if matchmaking_timeout is not None
+            else max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)
+        )
+        if not (math.isfinite(self.matchmaking_timeout) and self.matchmaking_timeout > 0):
+            raise ValueError("matchmaking_timeout must be a positive number of seconds")
+        self.compression = compression
+        self.bandwidth = bandwidth
+        self.mode = MODE_CLIENT if client_mode else MODE_AUX if auxiliary else MODE_NODE
+        self.sender_timeout = sender_timeout
+        self.reducer_timeout = reducer_timeout
+        self.ban_after_failures = ban_after_failures
+        self.ban_seconds = ban_seconds
+        self.keys = GroupKeyManager(
+            prefix,
+            target_group_size,
+            initial_group_bits,
+            expected_num_peers=expected_num_peers,
+        )
+        self._numel = sum(t.numel() for t in self._tensors)
+        self._lock = threading.Lock()  # guards the tensors (user threads and the trio thread)
+        self._failures: dict[Any, int] = {}
+        self._banned_until: dict[Any, float] = {}
+        self._step_scopes: set[trio.CancelScope] = set()
+        self._step_lock: trio.Lock | None = None
+        self._facade = None
+        self._node = None
+        self._host = None
+        self.matchmaker: Matchmaker | None = None
+        self._allreduce: AllReduceService | None = None
+        self._started = False
+        self._closed = False
+        if hasattr(dht, "run_coroutine"):  # the sync facade
+            self._facade = dht
+        else:
+            self._node = dht
+        # validate matchmaking parameters now, with a clear error, before any I/O
+        Matchmaker._check_config(target_group_size, min_group_size, self.mode)
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Attach to the DHT's Host (register the matchmaking and all-reduce handlers)."""
+        if self._started:
+            return
+        if self._facade is not None:
+
+            async def attach(_dht: Any, node: Any) -> None:
+                self._attach(node)
+
+            self._facade.run_coroutine(attach)
+        else:
+            self._attach(self._node)
+
+    def _attach(self, node: Any) -> None:
+        """Runs on the DHT's trio thread."""
+        self._node = node
+        self._host = node.host
+        if self._host is None:
+            raise ValueError("the DHT node has no Host (a loopback-fabric node cannot average)")
+        self._step_lock = trio.Lock()
+        self.matchmaker = Matchmaker(
+            DHTMatchmakingBackend(node),
+            self.prefix,
+            target_group_size=self.target_group_size,
+            min_group_size=self.min_group_size,
+            min_matchmaking_time=self.min_matchmaking_time,
+            request_timeout=self.request_timeout,
+            mode=self.mode,
+            bandwidth=self.bandwidth,
+            is_banned=self._is_banned,
+        )
+        self._allreduce = _allreduce_services.acquire(self._host)
+        self._started = True
+
+    def shutdown(self) -> None:
+        """Cancel the running step (others finish via their timeouts) and detach. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._started:
+            return
+        if self._facade is not None:
+
+            async def detach(_dht: Any, _node: Any) -> None:
+                self._detach()
+
+            try:
+                self._facade.run_coroutine(detach)
+            except (RuntimeError, concurrent.futures.CancelledError):
+                pass  # the DHT is already shut down: its loop (and our tasks) are gone
+        else:
+            self._detach()
+
+    def _detach(self) -> None:
+        for scope in list(self._step_scopes):
+            scope.cancel()
+        if self.matchmaker is not None:
+            self.matchmaker.close()
+        if self._host is not None and self._allreduce is not None:
+            _allreduce_services.release(self._host)
+            self._allreduce = None
+
+    async def aclose(self) -> None:
+        """Async :meth:`shutdown` for trio code (same effect)."""
+        self.shutdown()
+        await trio.lowlevel.checkpoint()
+
+    def __enter__(self) -> Averager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ tensors
+
+    @contextmanager
+    def get_tensors(self) -> Iterator[list[torch.Tensor]]:
+        """Lock the averaged tensors and yield them (read or modify in place inside the block).
+
+        A running step holds this lock while it averages, so this waits for the round.
+        """
+        with self._lock:
+            yield self._tensors
+
+    async def _acquire_lock(self) -> None:
+        """Take the tensor lock without blocking the event loop; stays cancellable."""
+        while not self._lock.acquire(blocking=False):
+            ok = await trio.to_thread.run_sync(self._lock.acquire, True, LOCK_POLL_SECONDS)
+            if ok:
+                return
+
+    # ------------------------------------------------------------------ failures
+
+    def _is_banned(self, peer: Any) -> bool:
+        until = self._banned_until.get(peer)
+        if until is None:
+            return False
+        if trio.current_time() >= until:
+            del self._banned_until[peer]
+            return False
+        return True
+
+    def _record_round(self, members: Iterable[Any], failed: set[Any], me: Any) -> None:
+        for peer in members:
+            if peer == me:
+                continue
+            if peer in failed:
+                count = self._failures.get(peer, 0) + 1
+                self._failures[peer] = count
+                if count >= self.ban_after_failures:
+                    logger.info(
+                        "avoiding %s for %.0fs after %d failed rounds",
+                        peer,
+                        self.ban_seconds,
+                        count,
+                    )
+                    self._banned_until[peer] = trio.current_time() + self.ban_seconds
+                    self._failures.pop(peer, None)
+            else:
+                self._failures.pop(peer, None)
+        if len(self._failures) > 4096:  # bounded: forget the oldest entries
+            for peer in list(self._failures)[:1024]:
+                del self._failures[peer]
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(
+        self,
+        weight: float = 1.0,
+        gather: Any = None,
+        timeout: float | None = None,
+        wait: bool = True,
+    ) -> StepResult | concurrent.futures.Future:
+        """Average once (sync API). With ``wait=False`` returns a ``concurrent.futures.Future``.
+
+        Only for averagers built on a ``DHT`` facade; trio code awaits :meth:`astep`.
+        """
+        if self._facade is None:
+            raise RuntimeError("this averager runs on a DHTNode: use `await averager.astep(...)`")
+        if not self._started:
+            raise RuntimeError("the averager is not started (start=False): call .start() first")
+
+        async def run(_dht: Any, _node: Any) -> StepResult:
+            return await self.astep(weight=weight, gather=gather, timeout=timeout)
+
+        future = self._facade.run_coroutine(run, return_future=True)
+        return future.result() if wait else future
+
+    async def astep(
+        self,
+        weight: float = 1.0,
+        gather: Any = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - same API as step(); enforced inside
+    ) -> StepResult:
+        """Average once (async API, on the DHT node's trio loop)."""
+        if self._closed:
+            raise RuntimeError("the averager was shut down")
+        if not self._started:
+            raise RuntimeError("the averager is not started (start=False): call .start() first")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not (math.isfinite(weight) and weight >= 0)
+        ):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if gather is not None:
+            try:
+                size = len(msgpack.packb(gather, use_bin_type=True))
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ValueError(f"gather must be msgpack-serializable: {e}") from e
+            if size > MAX_GATHER_BYTES:
+                raise ValueError(f"gather is {size} bytes packed; the limit is {MAX_GATHER_BYTES}")
+        assert self._step_lock is not None and self.matchmaker is not None
+        key = self.keys.key
+        with trio.CancelScope() as scope:
+            self._step_scopes.add(scope)
+            try:
+                async with self._step_lock:
+                    return await self._step(key, float(weight), gather, timeout)
+            finally:
+                self._step_scopes.discard(scope)
+        return StepResult(
+            False, key, reason="cancelled: the averager was shut down", next_group_key=key
+        )
+
+    async def _step(
+        self, key: str, weight: float, gather: Any, time_limit: float | None
+    ) -> StepResult:
+        started = trio.current_time()
+        end = started + time_limit if time_limit is not None else math.inf
+        matchmaking_deadline = min(started + self.matchmaking_timeout, end)
+        group = await self.matchmaker.look_for_group(key, matchmaking_deadline, gather)
+        matchmaking_seconds = trio.current_time() - started
+        if group is None:
+            next_key = self.keys.update_without_group()
+            return StepResult(
+                False,
+                key,
+                reason=f"no group of >= {self.min_group_size} formed under {key} "
+                f"within {matchmaking_deadline - started:.3g}s",
+                matchmaking_seconds=matchmaking_seconds,
+                timed_out=True,
+                next_group_key=next_key,
+            )
+        me = self._host.peer_id
+        allreduce_timeout = min(self.allreduce_timeout, max(end - trio.current_time(), 1e-3))
+        await self._acquire_lock()
+        try:
+            result = await self._allreduce.run(
+                group,
+                self._tensors,
+                weight=0.0 if self.mode == MODE_AUX else weight,
+                compression=self.compression,
+                timeout=allreduce_timeout,
+                sender_timeout=self.sender_timeout,
+                reducer_timeout=self.reducer_timeout,
+                numel=self._numel,
+            )
+            if result.averaged is not None:
+                await self._write(result.averaged)
+        finally:
+            self._lock.release()
+        failed = result.failed_peers
+        self._record_round(group.members, failed, me)
+        next_key = self.keys.update_after_round(group.group_id, group.members, me)
+        return StepResult(
+            succeeded=True,
+            group_key=key,
+            group_id=group.group_id,
+            members=group.members,
+            modes=group.modes,
+            gathered=dict(zip(group.members, group.gathered, strict=True))
+            if group.gathered
+            else {},
+            failed=set(failed),
+            excluded=dict(result.excluded),
+            matchmaking_seconds=matchmaking_seconds,
+            allreduce_seconds=result.seconds,
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received,
+            timed_out=result.timed_out,
+            next_group_key=next_key,
+        )
+
+    async def _write(self, averaged: list[torch.Tensor]) -> None:
+        """Copy the round's result into the caller's tensors (caller holds the lock)."""
+
+        def copy() -> None:
+            with torch.no_grad():
+                for dst, src in zip(self._tensors, averaged, strict=True):
+                    dst.copy_(src)
+
+        if self._numel >= WRITE_INLINE_NUMEL:
+            await trio.to_thread.run_sync(copy)
+        else:
+            copy()
