@@ -225,18 +225,15 @@ class DHTNode:
         )
 
     async def _maintenance_loop(self) -> None:
-        """Prune expired records and refresh buckets that saw no traffic for refresh_period."""
-        period = min(self.refresh_period, 60.0)
-        last_refresh = trio.current_time()
+        """Prune expired records; refresh buckets that saw no traffic for refresh_period."""
+        period = min(self.refresh_period / 2, 60.0)
         while True:
             await trio.sleep(period)
             self.storage.prune(get_dht_time())
-            if trio.current_time() - last_refresh >= self.refresh_period:
-                last_refresh = trio.current_time()
-                stale = self.routing_table.stale_buckets(get_dht_time(), self.refresh_period)
-                for bucket in stale[:16]:
-                    await self.find_nearest_peers(random_id(bucket.lower, bucket.upper))
-                    bucket.last_updated = get_dht_time()
+            stale = self.routing_table.stale_buckets(get_dht_time(), self.refresh_period)
+            for bucket in stale[:16]:
+                await self.find_nearest_peers(random_id(bucket.lower, bucket.upper), self.beam_size)
+                bucket.last_updated = get_dht_time()
 
     # ------------------------------------------------------------------ background helpers
 

@@ -91,3 +91,24 @@ def test_client_mode_facade_and_shutdown_is_idempotent():
         client.shutdown()
         client.shutdown()
     assert not dht_threads()
+
+
+def test_interpreter_exit_without_shutdown_is_clean(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import dht, threading\n"
+        "a = dht.DHT(host_maddrs=['/ip4/127.0.0.1/tcp/0'])\n"
+        "b = dht.DHT(initial_peers=['/ip4/127.0.0.1/tcp/9/p2p/' + str(a.peer_id)] + a.get_visible_maddrs(),"
+        " host_maddrs=['/ip4/127.0.0.1/tcp/0'])\n"
+        "assert b.store('k', 1, dht.get_dht_time() + 10)\n"
+        "print('ok', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert "Traceback" not in done.stderr

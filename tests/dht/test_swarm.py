@@ -220,3 +220,37 @@ async def test_store_flood_and_oversized_and_forged_records_are_refused(
         own_key = f"state[owner:{flooder.peer_id}]"
         assert await flooder.store(own_key, "mine", now + 10, subkey="s")
         assert (await swarm.nodes[5].get(own_key)).value["s"].value == "mine"
+
+
+async def test_join_with_one_live_initial_peer_refresh_caching_and_blacklist(
+    autojump_clock, virtual_dht_time
+):
+    async with open_swarm(48, seed=9, refresh_period=120.0) as swarm:
+        dead = swarm.nodes[1]
+        swarm.kill(dead)
+        # any one live initial peer is enough
+        joiner = await swarm.add(initial=[dead, swarm.nodes[2], swarm.nodes[3]])
+        assert len(joiner.routing_table) > 5
+
+        # the first RPC to the dead peer bans it and evicts it from the routing table
+        node = next(n for n in swarm.alive() if dead.peer_id in n.routing_table)
+        assert not await node.ping(dead.peer_id)
+        assert node.blacklist.is_banned(dead.peer_id, get_dht_time())
+        assert dead.peer_id not in node.routing_table
+
+        # a found value is cached on the nearest queried peer that did not have it
+        reader = swarm.nodes[20]
+        assert await swarm.nodes[5].store("cached", "v", get_dht_time() + 1000)
+        key_id = key_id_of("cached")
+        before = {n.peer_id for n in swarm.alive() if n.storage.get(key_id, get_dht_time())}
+        assert (await reader.get("cached")).value == "v"
+        await trio.sleep(1)
+        after = {n.peer_id for n in swarm.alive() if n.storage.get(key_id, get_dht_time())}
+        assert len(after) >= len(before)
+
+        # with no user traffic, stale buckets are refreshed by lookups every refresh_period
+        lookups = sum(len(n.lookup_stats) for n in swarm.alive())
+        await trio.sleep(600)
+        assert sum(len(n.lookup_stats) for n in swarm.alive()) > lookups
+        for node in swarm.alive():
+            assert node.routing_table.stale_buckets(get_dht_time(), 120.0 + 60.0 + 1.0) == []
