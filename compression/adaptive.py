@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .base import Codec, CompressedTensor, MetaValue
+from .base import Codec, CompressedTensor, MetaValue, _decode_float
 from .errors import CompressionError
 from .floating import NoCompression
 from .sparse import TopK, _check_finite, density_to_k, dgc_select
@@ -181,8 +181,6 @@ class GraVAC:
         else:
             self.last_choice = "dense"
             ct = self.dense.compress(g)
-        from .base import _decode_float
-
         decoded = _decode_float(ct, g.device).to(torch.float32)
         g -= decoded
         self._residuals[key] = g

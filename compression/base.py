@@ -125,6 +125,7 @@ class CompressedTensor:
         meta = _parse_meta(msg["meta"])
         ct = cls(codec_id, dtype, shape, payload, meta)
         codec_cls.validate(ct)
+        codec_cls.check_content(ct)
         return ct
 
 
@@ -209,12 +210,15 @@ class Codec(abc.ABC):
                 raise RuntimeError(f"codec id {cid} registered twice")
             _REGISTRY[cid] = cls
 
-    def compress(self, tensor: torch.Tensor) -> CompressedTensor:
-        """Compress ``tensor`` (CPU or CUDA, any supported dtype, any shape)."""
+    def compress(self, tensor: torch.Tensor, **kwargs: Any) -> CompressedTensor:
+        """Compress ``tensor`` (CPU or CUDA, any supported dtype, any shape).
+
+        Keyword arguments are per-call codec options (e.g. ``seed=`` for RandomK).
+        """
         name = dtype_name(tensor.dtype)
         if name not in self.allowed_dtypes:
             raise CompressionError(f"{type(self).__name__} does not accept {tensor.dtype}")
-        payload, meta = self.encode(tensor.detach())
+        payload, meta = self.encode(tensor.detach(), **kwargs)
         if isinstance(payload, torch.Tensor):
             payload = _bytes.payload(payload)
         return CompressedTensor(self.codec_id, name, tuple(tensor.shape), payload, meta)
@@ -222,17 +226,24 @@ class Codec(abc.ABC):
     def decompress(self, ct: CompressedTensor, device: torch.device | str | None = None):
         return decompress(ct, device)
 
-    def roundtrip(self, tensor: torch.Tensor) -> tuple[CompressedTensor, torch.Tensor]:
-        """Compress and return also the float32 tensor a receiver will decode.
-
-        Error feedback needs both; codecs may override this to skip a redundant decode.
-        """
-        ct = self.compress(tensor)
+    def roundtrip(
+        self, tensor: torch.Tensor, **kwargs: Any
+    ) -> tuple[CompressedTensor, torch.Tensor]:
+        """Compress and return also the tensor a receiver will decode (float32 for lossy
+        codecs, on ``tensor``'s device). Error feedback needs both."""
+        ct = self.compress(tensor, **kwargs)
         return ct, _decode_float(ct, tensor.device)
 
     @abc.abstractmethod
     def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
         """Payload (a CPU uint8 tensor, see ``_bytes.alloc``) and meta for ``tensor``."""
+
+    @classmethod
+    def check_content(cls, ct: CompressedTensor) -> None:
+        """Content checks that need to read the payload (index ranges, scales stored in the
+        payload). Called by ``from_msg`` after :meth:`validate`; decoders check again.
+        Most codecs have nothing to check here: any byte is a valid code."""
+        return None
 
     @classmethod
     @abc.abstractmethod

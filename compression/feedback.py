@@ -56,10 +56,7 @@ class ErrorFeedback:
             corrected += residual
         elif len(self._residuals) >= self.max_keys:
             raise CompressionError(f"more than max_keys={self.max_keys} error-feedback keys")
-        if kwargs:
-            ct, decoded = self.codec.roundtrip(corrected, **kwargs)  # type: ignore[call-arg]
-        else:
-            ct, decoded = self.codec.roundtrip(corrected)
+        ct, decoded = self.codec.roundtrip(corrected, **kwargs)
         decoded = decoded.to(torch.float32)
         corrected -= decoded  # becomes the new residual (no extra allocation)
         self._residuals[key] = corrected

@@ -211,10 +211,19 @@ class Quantile8Bit(Codec):
         expect_len(ct, 1024 + ct.numel)
 
     @classmethod
-    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+    def levels(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
         levels = _bytes.view(ct.payload, torch.float32, 256).to(device)
         if not bool(torch.isfinite(levels).all()):
             raise PayloadValueError("quantile codebook has non-finite levels")
+        return levels
+
+    @classmethod
+    def check_content(cls, ct: CompressedTensor) -> None:
+        cls.levels(ct, torch.device("cpu"))
+
+    @classmethod
+    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+        levels = cls.levels(ct, device)
         out = torch.empty(ct.numel, device=device)
         if ct.numel == 0:
             return out
@@ -355,13 +364,23 @@ class Blockwise8Bit(Codec):
         expect_len(ct, 4 * (-(-ct.numel // bs)) + ct.numel)
 
     @classmethod
+    def scales(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+        nblocks = -(-ct.numel // meta_int(ct, "block", 1, cls.MAX_BLOCK))
+        absmax = _bytes.view(ct.payload, torch.float32, nblocks).to(device)
+        if not bool((torch.isfinite(absmax) & (absmax >= 0)).all()):
+            raise PayloadValueError("block scales must be finite and non-negative")
+        return absmax
+
+    @classmethod
+    def check_content(cls, ct: CompressedTensor) -> None:
+        cls.scales(ct, torch.device("cpu"))
+
+    @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
         bs = meta_int(ct, "block", 1, cls.MAX_BLOCK)
         n = ct.numel
         nblocks = -(-n // bs)
-        absmax = _bytes.view(ct.payload, torch.float32, nblocks).to(device)
-        if not bool((torch.isfinite(absmax) & (absmax >= 0)).all()):
-            raise PayloadValueError("block scales must be finite and non-negative")
+        absmax = cls.scales(ct, device)
         codes = _codes_on(ct, torch.int8, 4 * nblocks, device)
         out = torch.empty(n, device=device)
         block = 0

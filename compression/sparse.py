@@ -19,6 +19,7 @@ from .base import (
     CompressedTensor,
     MetaValue,
     check_finite_scalar,
+    dtype_name,
     expect_len,
     meta_float,
     meta_int,
@@ -193,7 +194,9 @@ class TopK(Codec):
         """Sorted indices this codec would send for a flat float32 tensor."""
         k = density_to_k(flat.numel(), self.density) if k is None else k
         if self.exact:
-            return _exact_topk(flat, k) if k < flat.numel() else torch.arange(flat.numel())
+            if k >= flat.numel():
+                return torch.arange(flat.numel(), device=flat.device)
+            return _exact_topk(flat, k)
         return dgc_select(flat, k, self.sample_ratio, self._gen)
 
     def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
@@ -213,8 +216,6 @@ class TopK(Codec):
 
     def compress_selected(self, tensor: torch.Tensor, indices: torch.Tensor) -> CompressedTensor:
         """A TopK message for given indices (used by GraVAC's multi-level selection)."""
-        from .base import dtype_name
-
         payload, meta = self.encode_selected(tensor.reshape(-1), indices)
         return CompressedTensor(
             self.codec_id,
@@ -235,18 +236,27 @@ class TopK(Codec):
         expect_len(ct, k * vbits // 8 + _bytes.packed_bits_nbytes(k * width))
 
     @classmethod
-    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+    def indices(cls, ct: CompressedTensor) -> torch.Tensor:
+        """The (validated, sorted, unique) indices a message carries, as CPU int64."""
         k, width, vbits = ct.meta["k"], ct.meta["width"], ct.meta["vbits"]
-        out = torch.zeros(ct.numel, device=device)
-        if k == 0:
-            return out
         nvalue = k * vbits // 8
         packed = _bytes.view(ct.payload, torch.uint8, len(ct.payload) - nvalue, nvalue)
         gaps = _bytes.unpack_uint(packed, k, width)
         indices = torch.cumsum(gaps + 1, 0) - 1  # strictly increasing: unique by design
-        if int(indices[-1]) >= ct.numel:
+        if k and int(indices[-1]) >= ct.numel:
             raise PayloadValueError(f"TopK index {int(indices[-1])} out of range {ct.numel}")
-        out[indices.to(device)] = _decode_values(ct, k, vbits, device)
+        return indices
+
+    @classmethod
+    def check_content(cls, ct: CompressedTensor) -> None:
+        cls.indices(ct)
+
+    @classmethod
+    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+        out = torch.zeros(ct.numel, device=device)
+        k, vbits = ct.meta["k"], ct.meta["vbits"]
+        if k:
+            out[cls.indices(ct).to(device)] = _decode_values(ct, k, vbits, device)
         return out
 
 
@@ -291,23 +301,11 @@ class RandomK(Codec):
         self.seed = seed
         self.value_dtype = value_dtype
         self._vbits = _value_bits(value_dtype)
-        self._call_seed: int | None = None
 
-    def compress(self, tensor: torch.Tensor, seed: int | None = None) -> CompressedTensor:
-        self._call_seed = seed
-        try:
-            return super().compress(tensor)
-        finally:
-            self._call_seed = None
-
-    def roundtrip(self, tensor: torch.Tensor, seed: int | None = None):
-        ct = self.compress(tensor, seed=seed)
-        from .base import _decode_float
-
-        return ct, _decode_float(ct, tensor.device)
-
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
-        seed = self._call_seed if self._call_seed is not None else self.seed
+    def encode(
+        self, tensor: torch.Tensor, seed: int | None = None
+    ) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+        seed = seed if seed is not None else self.seed
         if seed is None:
             seed = secrets.randbits(63)
         if not 0 <= seed <= _MAX_SEED:

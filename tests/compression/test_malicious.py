@@ -102,8 +102,10 @@ def test_topk_index_out_of_range():
     k = msg["meta"]["k"]
     nvalue = 2 * k
     packed = bytes(msg["payload"][:nvalue]) + b"\xff" * (len(msg["payload"]) - nvalue)
-    with pytest.raises(PayloadValueError):
-        parse_and_decode({**msg, "payload": packed})
+    with pytest.raises(PayloadValueError):  # already in the parser, before any decoding
+        CompressedTensor.from_msg({**msg, "payload": packed}, max_numel=1000)
+    with pytest.raises(PayloadValueError):  # and again by the decoder for local messages
+        decompress(CompressedTensor(ct.codec_id, ct.dtype, ct.shape, packed, ct.meta))
     # a huge declared width with a matching payload length must still be range-checked
     big = {**msg["meta"], "width": 32}
     payload = bytes(msg["payload"][:nvalue]) + b"\xff" * (4 * k)
@@ -120,7 +122,7 @@ def test_non_finite_scales_in_payload_rejected():
         payload = bytearray(msg["payload"])
         payload[0:4] = torch.tensor([float("nan")]).numpy().tobytes()
         with pytest.raises(PayloadValueError):
-            parse_and_decode({**msg, "payload": bytes(payload)})
+            CompressedTensor.from_msg({**msg, "payload": bytes(payload)}, max_numel=300)
 
 
 @settings(max_examples=60, deadline=None)
