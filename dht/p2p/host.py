@@ -34,6 +34,7 @@ from .errors import (
     ProtocolNegotiationError,
     ProtocolViolationError,
     RemoteError,
+    ResourceLimitError,
     StreamClosedError,
 )
 from .identity import Identity, PeerID
@@ -455,7 +456,14 @@ class Host:
         await self._get_connection(peer_id, timeout)
         return peer_id
 
+    def _check_connection_limit(self) -> None:
+        if self._connection_count() + len(self._dials) >= self.limits.max_connections:
+            raise ResourceLimitError(
+                f"connection limit reached ({self.limits.max_connections} connections/dials)"
+            )
+
     async def _dial_unknown(self, maddrs: list[Multiaddr], timeout: float) -> PeerID:  # noqa: ASYNC109
+        self._check_connection_limit()
         with trio.move_on_after(timeout) as scope:
             conn = await self._dial_addrs(None, maddrs)
             existing = self._best_connection(conn.peer_id)
@@ -477,6 +485,7 @@ class Host:
             raise DialError("host is closing")
         pending = self._dials.get(peer_id)
         if pending is None:
+            self._check_connection_limit()
             pending = _PendingDial()
             self._dials[peer_id] = pending
             self._nursery.start_soon(self._dial_task, peer_id, pending, timeout)

@@ -22,6 +22,7 @@ from dht.p2p import (
     PeerStore,
     ProtocolNegotiationError,
     RemoteError,
+    ResourceLimitError,
 )
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -333,6 +334,10 @@ async def test_connection_limit_refuses_extra_peers(caplog):
             assert any("connection limit" in r.message for r in caplog.records)
             assert (await first.call(server.peer_id, "/echo/1.0.0", 1))["echo"] == 1
             assert server.connected_peers() == [first.peer_id]
+            # the limit applies to our own dials too
+            (addr_second,) = await second.listen(LOCAL)
+            with pytest.raises(ResourceLimitError):
+                await server.connect([addr_second])
 
 
 async def test_message_size_cap_on_send():
