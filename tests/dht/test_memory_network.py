@@ -6,6 +6,7 @@ the 256+ peer simulations use the loopback fabric (test_swarm.py).
 
 import random
 
+import pytest
 import trio
 import trio.lowlevel
 
@@ -41,3 +42,23 @@ async def test_real_hosts_store_get_dictionary_and_dead_peers(autojump_clock, vi
         late = await swarm.add(initial=[nearest[5]])
         assert (await late.get("mem7")).value == 7
         await trio.lowlevel.checkpoint()
+
+
+@pytest.mark.slow
+async def test_256_real_hosts_on_the_memory_network(autojump_clock, virtual_dht_time):
+    rng = random.Random(12)
+    net = MemoryNetwork(latency=0.005)
+    async with open_swarm(256, memory_network=net, seed=12) as swarm:
+        nodes = swarm.nodes
+        expiration = get_dht_time() + 1000
+        stored = await nodes[0].store_many([(f"big{i}", None, i, expiration) for i in range(100)])
+        assert all(stored.values())
+        for i in range(100):
+            assert (await rng.choice(nodes).get(f"big{i}")).value == i
+        for _ in range(5):
+            node, target = rng.choice(nodes), rng.getrandbits(256)
+            found = [c.peer_id for c in await node.find_nearest_peers(target, 20)]
+            truth = [
+                n.peer_id for n in sorted(nodes, key=lambda n: n.node_id ^ target) if n is not node
+            ][:20]
+            assert found == truth
