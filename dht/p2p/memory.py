@@ -250,6 +250,7 @@ class MemoryTransport:
         self.net = net
         self.listeners: list[MemoryListener] = []
         self._ephemeral: int | None = None
+        self.killed = False  # set by MemoryNetwork.kill; listening again revives
 
     def can_dial(self, maddr: Multiaddr) -> bool:
         return maddr.is_memory()
@@ -272,6 +273,7 @@ class MemoryTransport:
             raise OSError(f"/memory/{port} is already in use")
         if port in self.net._dead:
             self.net._dead.discard(port)  # a restarted node may reuse its address
+        self.killed = False
         listener = MemoryListener(self, port)
         self.net._listeners[port] = listener
         self.listeners.append(listener)
@@ -284,7 +286,7 @@ class MemoryTransport:
         port = memory_port(maddr)
         src = self.local_port
         net = self.net
-        if src in net._dead:
+        if self.killed or src in net._dead:
             raise ConnectionRefusedError(f"/memory/{src} was killed")
         listener = net._listeners.get(port)
         if listener is None or listener.closed or port in net._dead:
@@ -387,6 +389,7 @@ class MemoryNetwork:
         self._dead.add(port)
         listener = self._listeners.get(port)
         if listener is not None:
+            listener.transport.killed = True
             listener._close_now()
         for stream in list(self._connections):
             if port in (stream.local_port, stream.remote_port):

@@ -595,7 +595,7 @@ class YamuxSession:
             self._fail("remote does not read what we send (outgoing queue full)")
             return
         header = pack_header(ftype, flags, stream_id, length)
-        if flags & (FLAG_SYN | FLAG_FIN):
+        if stream_id and flags & (FLAG_SYN | FLAG_FIN):
             self._out.append(header)
         else:
             self._urgent.append(header)

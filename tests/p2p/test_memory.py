@@ -99,6 +99,15 @@ async def test_kill_breaks_connections_and_refuses_new_ones(autojump_clock):
         await b.send_all(b"x")
     with pytest.raises(ConnectionRefusedError):
         await la.transport.dial(lb.multiaddr)
+    # the killed node cannot dial out either, until it listens again
+    with pytest.raises(ConnectionRefusedError):
+        await lb.transport.dial(la.multiaddr)
+    (revived,) = await lb.transport.listen(lb.multiaddr)
+    stream = await lb.transport.dial(la.multiaddr)
+    accepted, remote = await la.accept()
+    assert remote == str(revived.multiaddr)
+    await stream.aclose()
+    await accepted.aclose()
 
 
 async def test_eof_and_close():

@@ -364,3 +364,64 @@ async def test_connection_buffer_cap_resets_the_stream_that_overflows(caplog):
         # the first stream and the connection are unaffected
         assert len(await inbound_first.receive_some()) > 0
         assert not server.closed
+
+
+class GatedStream(trio.abc.Stream):
+    """Records writes; every write waits until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.gate = trio.Event()
+
+    async def send_all(self, data) -> None:
+        await self.gate.wait()
+        self.writes.append(bytes(data))
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.gate.wait()
+
+    async def receive_some(self, max_bytes=None) -> bytes:
+        await trio.sleep_forever()
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+def frames_of(data: bytes) -> list[tuple]:
+    out = []
+    while data:
+        fields = HEADER.unpack(data[:12])
+        skip = 12 + (fields[4] if fields[1] == TYPE_DATA else 0)
+        out.append(fields)
+        data = data[skip:]
+    return out
+
+
+async def test_control_frames_overtake_queued_data_and_small_frames_coalesce():
+    conn = GatedStream()
+    session = YamuxSession(conn, is_client=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.run)
+        await trio.testing.wait_all_tasks_blocked()  # the writer waits at the gate (RTT ping)
+        stream = await session.open_stream()
+        await stream.send_all(b"d" * 200_000)  # queued behind the gate
+        await stream.send_all(b"small")
+        await stream.send_eof()
+        nursery.start_soon(session.ping)
+        await trio.testing.wait_all_tasks_blocked()
+        conn.gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        frames = frames_of(b"".join(conn.writes))
+        kinds = [(f[1], f[2]) for f in frames]
+        # startup ping first, then the later ping overtakes the queued SYN and data
+        assert kinds[0] == (TYPE_PING, FLAG_SYN) and kinds[1] == (TYPE_PING, FLAG_SYN)
+        assert kinds[2:] == [
+            (TYPE_WINDOW_UPDATE, FLAG_SYN),
+            (TYPE_DATA, 0),
+            (TYPE_DATA, 0),
+            (TYPE_WINDOW_UPDATE, FLAG_FIN),
+        ]
+        # the small data frame and the FIN left in one write
+        fin = pack_header(TYPE_WINDOW_UPDATE, FLAG_FIN, stream.stream_id, 0)
+        assert any(b"small" in w and w.endswith(fin) for w in conn.writes)
+        nursery.cancel_scope.cancel()
