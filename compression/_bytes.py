@@ -43,9 +43,9 @@ def view(buf: Buffer, dtype: torch.dtype, count: int, offset: int = 0) -> torch.
 CHUNK = 1 << 18
 
 
-def spans(n: int, device: torch.device, chunk: int = CHUNK):
+def spans(n: int, device: torch.device, chunk: int | None = None):
     """``(start, stop)`` slices covering ``range(n)``: one slice on accelerators."""
-    step = n if device.type != "cpu" else chunk
+    step = n if device.type != "cpu" else (chunk or CHUNK)
     for start in range(0, n, max(step, 1)):
         yield start, min(n, start + step)
 

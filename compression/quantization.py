@@ -162,7 +162,7 @@ class Quantile8Bit(Codec):
 
     codec_id = 5
     _CELLS = 65536
-    _EDGES_PER_CELL = 2
+    _EDGES_PER_CELL = 1
 
     def __init__(self, sample_size: int = 65536, iterations: int = 0, seed: int = 0):
         if sample_size < 256 or iterations < 0:
