@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 NOISE_PROTOCOL = "/noise"
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 PING_SIZE = 32
+DIAL_STAGGER = 0.25  # seconds between starting dials to successive addresses (RFC 8305)
+MAX_DIAL_ADDRS = 16
 
 StreamHandler = Callable[["P2PStream"], Awaitable[None]]
 RpcHandler = Callable[[PeerID, Any], Awaitable[Any]]
@@ -525,41 +527,64 @@ class Host:
         pending.done.set()
 
     async def _dial_addrs(self, expected: PeerID | None, addrs: list[Multiaddr]) -> _Connection:
+        """Dial the addresses "happy eyeballs" style and return the first upgraded connection.
+
+        Attempt i starts when attempt i-1 failed or DIAL_STAGGER seconds after attempt i-1
+        started, whichever comes first; the first success cancels the others, so one
+        black-holed address costs at most DIAL_STAGGER, not a whole handshake timeout.
+        """
         failures: list[str] = []
-        mismatch: PeerIDMismatchError | None = None
-        for addr in addrs:
-            target = addr.without_peer_id()
-            if not self.transport.can_dial(target):
-                failures.append(f"{target}: transport cannot dial this address")
-                continue
+        mismatches: list[PeerIDMismatchError] = []
+        targets = list(dict.fromkeys(a.without_peer_id() for a in addrs))[:MAX_DIAL_ADDRS]
+        failed = [trio.Event() for _ in targets]
+        winner: list[_Connection] = []
+
+        async def attempt(i: int, nursery: trio.Nursery) -> None:
+            if i > 0:
+                with trio.move_on_after(DIAL_STAGGER):
+                    await failed[i - 1].wait()
+            target = targets[i]
             try:
-                raw = await self.transport.dial(target, timeout=self.limits.handshake_timeout)
-            except (OSError, P2PError) as e:
-                failures.append(f"{target}: {_reason(e)}")
-                continue
-            try:
-                with trio.fail_after(self.limits.handshake_timeout):
-                    peer_id, session = await self._upgrade(
-                        raw, expected, outbound=True, name=str(target)
-                    )
+                conn = await self._dial_one(expected, target)
             except PeerIDMismatchError as e:
-                await _close_quietly(raw)
                 logger.warning("dial %s: %s", target, e)
-                mismatch = e
+                mismatches.append(e)
                 failures.append(f"{target}: {e}")
-                continue
+                failed[i].set()
+                return
             except (P2PError, trio.TooSlowError, trio.BrokenResourceError, OSError) as e:
-                await _close_quietly(raw)
                 failures.append(f"{target}: {_reason(e)}")
-                continue
-            except BaseException:
-                await _close_quietly(raw)
-                raise
-            return _Connection(peer_id, session, outbound=True, remote_addr=str(target))
-        if mismatch is not None:
-            raise PeerIDMismatchError(f"{mismatch} (all addresses: {'; '.join(failures)})")
+                failed[i].set()
+                return
+            if winner:
+                await conn.session.aclose()  # lost the race; never started
+                return
+            winner.append(conn)
+            nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(targets)):
+                nursery.start_soon(attempt, i, nursery)
+        if winner:
+            return winner[0]
+        if mismatches:
+            raise PeerIDMismatchError(f"{mismatches[0]} (all addresses: {'; '.join(failures)})")
         who = expected.short() if expected is not None else "peer"
-        raise DialError(f"could not connect to {who}: " + "; ".join(failures))
+        raise DialError(f"could not connect to {who}: " + "; ".join(failures or ["no addresses"]))
+
+    async def _dial_one(self, expected: PeerID | None, target: Multiaddr) -> _Connection:
+        if not self.transport.can_dial(target):
+            raise DialError("transport cannot dial this address")
+        raw = await self.transport.dial(target, timeout=self.limits.handshake_timeout)
+        try:
+            with trio.fail_after(self.limits.handshake_timeout):
+                peer_id, session = await self._upgrade(
+                    raw, expected, outbound=True, name=str(target)
+                )
+        except BaseException:
+            await _close_quietly(raw)
+            raise
+        return _Connection(peer_id, session, outbound=True, remote_addr=str(target))
 
     # -- streams -------------------------------------------------------------------------
     def set_stream_handler(self, protocol: str, handler: StreamHandler | None) -> None:

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import trio
+import trio.testing
 
 from dht.p2p import (
     DialError,
@@ -380,3 +381,21 @@ async def test_tcp_ipv6_and_dns_addresses():
             async with Host.open() as c:
                 await c.connect([v6])
                 assert (await c.call(b.peer_id, "/echo/1.0.0", 2))["echo"] == 2
+
+
+async def test_black_holed_address_costs_only_the_dial_stagger(autojump_clock):
+    net = MemoryNetwork(latency=0.001)
+    limits = HostLimits(handshake_timeout=10)
+    async with (
+        Host.open(transport=net.transport(), limits=limits) as a,
+        Host.open(transport=net.transport(), limits=limits) as b,
+    ):
+        (good,) = await b.listen(["/memory/0"])
+        # an address that accepts connections but never answers (nobody calls accept())
+        (black_hole,) = await net.transport().listen("/memory/0")
+        start = trio.current_time()
+        pid = await a.connect([black_hole.multiaddr, good], peer_id=b.peer_id)
+        assert pid == b.peer_id
+        assert trio.current_time() - start < 1.0  # not the 10 s handshake timeout
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(a._conns[pid]) == 1
