@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,6 +211,8 @@ class Averager:
         self._allreduce: AllReduceService | None = None
         self._started = False
         self._closed = False
+        # called with the GroupInfo between matchmaking and all-reduce (tests, demo --kill)
+        self._before_allreduce: Callable[[Any], Awaitable[None]] | None = None
         if hasattr(dht, "run_coroutine"):  # the sync facade
             self._facade = dht
         else:
@@ -429,6 +431,8 @@ class Averager:
                 next_group_key=next_key,
             )
         me = self._host.peer_id
+        if self._before_allreduce is not None:  # test/demo hook (e.g. die mid-round)
+            await self._before_allreduce(group)
         allreduce_timeout = min(self.allreduce_timeout, max(end - trio.current_time(), 1e-3))
         await self._acquire_lock()
         try:

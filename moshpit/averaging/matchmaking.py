@@ -59,6 +59,9 @@ MAX_ADDRS = 16
 MAX_ADDR_CHARS = 512
 MAX_DEADLINE_SECONDS = 24 * 3600.0
 MAX_CANDIDATES = 1024  # declarations considered per lookup
+MAX_TRIES = 3  # join attempts per declaration that answered "busy"/timed out/redirected
+RETRY = "retry"  # outcome of a join attempt worth repeating later in the round
+BUSY = "busy: asking another leader, retry shortly"
 
 
 class MatchmakingError(Exception):
@@ -220,6 +223,7 @@ class _Round:
     lead: _Lead = field(default_factory=_Lead)
     following: Any = None  # peer we are joining right now (None: we lead)
     following_addrs: tuple[str, ...] = ()
+    probing: bool = False  # asking someone to lead us (not accepted yet)
     finished: bool = False
     changed: trio.Event = field(default_factory=trio.Event)
 
@@ -333,7 +337,7 @@ class Matchmaker:
             expiration = rnd.order + max(0.0, rnd.deadline - trio.current_time())
             with trio.move_on_after(self.request_timeout):
                 await self.backend.declare(rnd.key, rnd.order, expiration, self.mode)
-        tried: set[tuple[Any, float]] = set()
+        attempts: dict[tuple[Any, float], int] = {}  # declaration -> tries (MAX_TRIES: done)
         next_poll = trio.current_time()
         while True:
             now = trio.current_time()
@@ -347,12 +351,20 @@ class Matchmaker:
                 candidates: list[Declaration] = []
                 with trio.move_on_after(self.request_timeout):
                     candidates = await self.backend.list_candidates(rnd.key)
+                logger.debug(
+                    "under %s (me %s, order %.3f): %d declared: %s",
+                    rnd.key,
+                    _short(me),
+                    rnd.order,
+                    len(candidates),
+                    ", ".join(f"{_short(c.peer)}@{c.order:.3f}" for c in candidates[:8]),
+                )
                 candidates = [
                     c
                     for c in candidates
                     if c.peer != me
                     and c.mode != MODE_CLIENT
-                    and (c.peer, c.order) not in tried
+                    and attempts.get((c.peer, c.order), 0) < MAX_TRIES
                     and not self.is_banned(c.peer)
                     and (client or self._before(c.order, c.peer, rnd.order, me))
                 ]
@@ -360,10 +372,11 @@ class Matchmaker:
                 for cand in candidates[:MAX_CANDIDATES]:
                     if trio.current_time() >= rnd.deadline:
                         break
-                    tried.add((cand.peer, cand.order))
-                    group = await self._follow_chain(rnd, cand.peer, cand.addrs)
-                    if group is not None:
-                        return group
+                    outcome = await self._follow_chain(rnd, cand.peer, cand.addrs)
+                    if isinstance(outcome, GroupInfo):
+                        return outcome
+                    tag = (cand.peer, cand.order)
+                    attempts[tag] = attempts.get(tag, 0) + 1 if outcome == RETRY else MAX_TRIES
                 next_poll = trio.current_time() + self.poll_interval
             wake = min(next_poll, rnd.deadline, self._finalize_time(rnd))
             with trio.move_on_at(max(wake, trio.current_time())):
@@ -409,18 +422,26 @@ class Matchmaker:
         rnd.lead.conclude({"t": "group", "group": group.to_msg()})
         return group
 
-    async def _follow_chain(
-        self, rnd: _Round, peer: Any, addrs: tuple[str, ...]
-    ) -> GroupInfo | None:
-        """Join ``peer``, following redirects (each one strictly earlier in the order)."""
+    async def _follow_chain(self, rnd: _Round, peer: Any, addrs: tuple[str, ...]) -> Any:
+        """Join ``peer``, following redirects (each one strictly earlier in the order).
+
+        Returns a GroupInfo, :data:`RETRY` (the candidate may still lead later: it was busy or
+        following someone) or None (it will not take us this round).
+        """
+        retry = False
         for _ in range(MAX_GROUP_SIZE):
             result = await self._try_join(rnd, peer, addrs)
-            if not isinstance(result, tuple):
+            if isinstance(result, GroupInfo):
                 return result
+            if result == RETRY:
+                return RETRY
+            if not isinstance(result, tuple):
+                return RETRY if retry else None
+            retry = True  # the candidate follows someone; it may lead again if that fails
             peer, addrs = result
-            if peer == rnd.me.peer or self.is_banned(peer):
-                return None
-        return None
+            if peer == rnd.me.peer or self.is_banned(peer) or trio.current_time() >= rnd.deadline:
+                break
+        return RETRY if retry else None
 
     async def _try_join(self, rnd: _Round, peer: Any, addrs: tuple[str, ...]):
         """One join attempt. Returns a GroupInfo, None (failed) or ``(peer, addrs)`` to try next."""
@@ -436,7 +457,7 @@ class Matchmaker:
             gathered=rnd.me.gathered,
             size=rnd.size,
         )
-        rnd.following, rnd.following_addrs = peer, addrs
+        rnd.probing = True
         stream = None
         try:
             with trio.move_on_after(min(self.request_timeout, remaining)) as cs:
@@ -447,10 +468,11 @@ class Matchmaker:
                 reply = await stream.receive_msg(max_size=MAX_RESPONSE_BYTES)
             if cs.cancelled_caught:
                 logger.debug("join request to %s timed out", peer)
-                return None
+                return RETRY
             outcome = self._parse_reply(reply)
             if outcome[0] != "accepted":
                 return outcome[1]
+            rnd.following, rnd.following_addrs = peer, addrs
             # accepted: our own followers go where we go; we start a fresh lead if this fails
             if rnd.followers:
                 rnd.lead.conclude(
@@ -475,6 +497,7 @@ class Matchmaker:
             logger.debug("join request to %s failed: %r", peer, e)
             return None
         finally:
+            rnd.probing = False
             rnd.following, rnd.following_addrs = None, ()
             if stream is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
@@ -493,7 +516,7 @@ class Matchmaker:
         if kind == "reject":
             why = reply.get("why")
             logger.debug("join rejected: %s", why if isinstance(why, str) else "?")
-            return "reject", None
+            return "reject", RETRY if why == BUSY else None
         if kind == "redirect":
             to = reply.get("to")
             if not isinstance(to, bytes) or len(to) > 128:
@@ -590,6 +613,8 @@ class Matchmaker:
             return "client-mode peers do not lead groups"
         if rnd.following is not None:
             return "redirect"
+        if rnd.probing:
+            return BUSY
         if self.is_banned(peer):
             return "you failed recent rounds"
         if peer in rnd.followers or peer == rnd.me.peer:
@@ -601,6 +626,11 @@ class Matchmaker:
         if rnd.size + request.size > self.target_group_size:
             return "group is full"
         return None
+
+
+def _short(peer: Any) -> str:
+    short = getattr(peer, "short", None)
+    return short() if callable(short) else str(peer)[-6:]
 
 
 def _packed_size(obj: Any) -> int:

@@ -1,0 +1,404 @@
+"""``moshpit demo``: a local swarm of peer processes that average random tensors with Moshpit.
+
+The parent starts a bootstrap DHT peer (in-process, torch-free), launches N worker processes
+(``python -m moshpit.cli.demo_cmd worker ...``) that know only the bootstrap multiaddr, and
+reads one JSON line per round from each worker's stdout. From those it computes the global
+mean and the spread (max |x_i - mean| over every peer and coordinate) per round and shows it
+shrinking. ``--kill`` SIGKILLs one peer in the middle of a round to show the others carry on.
+
+Workers get grid coordinates as their initial group bits (peer i -> bits of ``i``), so a full
+swarm of ``group_size ** d`` peers reaches the exact mean in ``d`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+CODECS = ("none", "float16", "uint8", "blockwise8", "topk")
+WORKER_STARTUP_TIMEOUT = 60.0
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", type=int, default=8, help="number of peer processes (default 8)")
+    parser.add_argument(
+        "--size", type=int, default=10_000, help="float32 values per peer (default 10000)"
+    )
+    parser.add_argument("--group-size", type=int, default=2, help="target group size M (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="averaging rounds (default 5)")
+    parser.add_argument(
+        "--compression", choices=CODECS, default="none", help="codec for the all-reduce"
+    )
+    parser.add_argument(
+        "--kill", action="store_true", help="SIGKILL one peer in the middle of round 2"
+    )
+    parser.add_argument(
+        "--min-matchmaking-time", type=float, default=1.5, help="seconds (default 1.5)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random tensors")
+
+
+# ---------------------------------------------------------------------------------------------
+# worker process
+
+
+def make_codec(name: str) -> Any:
+    import compression
+
+    return {
+        "none": None,
+        "float16": compression.Float16(),
+        "uint8": compression.Uniform8Bit(),
+        "blockwise8": compression.Blockwise8Bit(),
+        "topk": compression.TopK(density=0.1),
+    }[name]
+
+
+def encode_tensor(t: Any) -> str:
+    return base64.b64encode(t.detach().float().contiguous().numpy().tobytes()).decode()
+
+
+def decode_tensor(text: str) -> Any:
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype=np.float32).copy())
+
+
+def _emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def worker_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="moshpit-demo-worker")
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--size", type=int, default=1000)
+    p.add_argument("--group-size", type=int, default=2)
+    p.add_argument("--bits", default="")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--compression", choices=CODECS, default="none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix", default="demo")
+    p.add_argument("--min-matchmaking-time", type=float, default=1.5)
+    p.add_argument("--allreduce-timeout", type=float, default=6.0)
+    p.add_argument("--request-timeout", type=float, default=3.0)
+    p.add_argument("--wait-go", action="store_true", help="start each round after a stdin line")
+    p.add_argument("--die-at-round", type=int, default=-1, help="SIGKILL self mid-round (tests)")
+    p.add_argument("--report-parts", action="store_true", help="report the part bounds (tests)")
+    args = p.parse_args(argv)
+
+    import logging
+
+    import torch
+
+    from dht import DHT
+
+    if os.environ.get("MOSHPIT_DEMO_LOG"):
+        logging.basicConfig(
+            level=os.environ["MOSHPIT_DEMO_LOG"].upper(),
+            format=f"%(relativeCreated)6d [{args.index}] %(name)s: %(message)s",
+        )
+    from moshpit.averaging.averager import Averager
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(args.seed * 100_003 + args.index)
+    tensor = torch.randn(args.size, generator=gen) * 10 + args.index
+    dht = DHT(initial_peers=[args.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = Averager(
+        [tensor],
+        dht,
+        prefix=args.prefix,
+        target_group_size=args.group_size,
+        min_matchmaking_time=args.min_matchmaking_time,
+        request_timeout=args.request_timeout,
+        allreduce_timeout=args.allreduce_timeout,
+        compression=make_codec(args.compression),
+        initial_group_bits=args.bits,
+        matchmaking_timeout=args.min_matchmaking_time + 2.0,
+    )
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # leave cleanly: cancel the running round (groupmates finish via their timeouts)
+        averager.shutdown()
+        dht.shutdown()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    _emit(
+        {
+            "event": "ready",
+            "index": args.index,
+            "peer": str(dht.peer_id),
+            "tensor": encode_tensor(tensor),
+        }
+    )
+    for r in range(args.rounds):
+        if args.wait_go and not sys.stdin.readline():
+            break  # the parent is gone
+        if r == args.die_at_round:
+
+            async def die(group: Any) -> None:
+                import trio
+
+                await trio.sleep(0.3)  # let the leader's group message reach everyone first
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            averager._before_allreduce = die
+        res = averager.step(gather={"index": args.index})
+        with averager.get_tensors() as ts:
+            out = encode_tensor(ts[0])
+        report = {
+            "event": "round",
+            "index": args.index,
+            "round": r,
+            "ok": res.succeeded,
+            "reason": res.reason,
+            "group_id": res.group_id.hex() if res.group_id else None,
+            "members": [str(m) for m in res.members],
+            "group_indices": sorted(v["index"] for v in res.gathered.values()),
+            "failed": sorted(str(f) for f in res.failed),
+            "matchmaking_s": res.matchmaking_seconds,
+            "allreduce_s": res.allreduce_seconds,
+            "tensor": out,
+        }
+        if args.report_parts and res.group_id:
+            from moshpit.averaging.group_info import GroupInfo
+            from moshpit.averaging.partition import part_bounds
+
+            group = GroupInfo(res.group_id, res.members, res.modes, (None,) * len(res.members))
+            report["parts"] = part_bounds(group, args.size)
+        _emit(report)
+    _emit({"event": "done", "index": args.index})
+    averager.shutdown()
+    dht.shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# parent
+
+
+class Worker:
+    """One peer process and a thread that collects its JSON lines."""
+
+    def __init__(self, index: int, cmd: list[str]):
+        self.index = index
+        # MOSHPIT_DEMO_LOGDIR=dir keeps each worker's stderr (with MOSHPIT_DEMO_LOG=debug: logs)
+        log_dir = os.environ.get("MOSHPIT_DEMO_LOGDIR")
+        self._err_file = open(os.path.join(log_dir, f"peer{index}.log"), "w") if log_dir else None  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err_file or subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[dict] = []
+        self.cond = threading.Condition()
+        self.stderr_tail: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        if self._err_file is None:
+            threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            with self.cond:
+                self.lines.append(obj)
+                self.cond.notify_all()
+        with self.cond:
+            self.lines.append({"event": "exit"})
+            self.cond.notify_all()
+
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr_tail = (self.stderr_tail + [line])[-20:]
+
+    def wait_for(self, predicate, timeout: float) -> dict | None:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for obj in self.lines:
+                    if predicate(obj):
+                        return obj
+                if any(o["event"] == "exit" for o in self.lines):
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self.cond.wait(remaining)
+
+    def send_go(self) -> None:
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._err_file is not None:
+            self._err_file.close()
+
+
+def worker_command(
+    index: int, bootstrap: str, bits: str, args: argparse.Namespace, extra=()
+) -> list[str]:
+    return [
+        sys.executable, "-m", "moshpit.cli.demo_cmd", "worker",
+        "--bootstrap", bootstrap, "--index", str(index), "--size", str(args.size),
+        "--group-size", str(args.group_size), "--bits", bits, "--rounds", str(args.rounds),
+        "--compression", args.compression, "--seed", str(args.seed),
+        "--min-matchmaking-time", str(args.min_matchmaking_time), "--wait-go", *extra,
+    ]  # fmt: skip
+
+
+def grid_bits(index: int, num_peers: int, group_size: int) -> str:
+    """Initial key bits for peer ``index``: its grid coordinates (see module docstring)."""
+    from moshpit.averaging.group_keys import default_num_bits
+
+    nbits = default_num_bits(group_size, num_peers)
+    return format(index % (1 << nbits), f"0{nbits}b") if nbits else ""
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dht import DHT
+
+    console = Console()
+    if args.peers < 2 or args.group_size < 2 or args.rounds < 1 or args.size < 1:
+        console.print("[red]need --peers >= 2, --group-size >= 2, --rounds >= 1, --size >= 1")
+        return 2
+    started = time.monotonic()
+    bootstrap = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    workers: list[Worker] = []
+    try:
+        maddr = str(bootstrap.get_visible_maddrs()[0])
+        console.print(f"bootstrap peer: [bold]{maddr}[/bold]")
+        for i in range(args.peers):
+            workers.append(
+                Worker(i, worker_command(i, maddr, grid_bits(i, args.peers, args.group_size), args))
+            )
+        initial = {}
+        with console.status(f"starting {args.peers} peers..."):
+            for w in workers:
+                ready = w.wait_for(lambda o: o["event"] == "ready", WORKER_STARTUP_TIMEOUT)
+                if ready is None:
+                    console.print(
+                        f"[red]peer {w.index} failed to start:[/red]\n{''.join(w.stderr_tail)}"
+                    )
+                    return 1
+                initial[w.index] = decode_tensor(ready["tensor"])
+        console.print(
+            f"{args.peers} peers up after {time.monotonic() - started:.1f}s; averaging..."
+        )
+        spreads = [_spread(list(initial.values()))]
+        table = Table(title=f"Moshpit averaging: {args.peers} peers, groups of {args.group_size}")
+        for col in (
+            "round",
+            "peers",
+            "groups",
+            "spread (max |x - mean|)",
+            "matchmaking s",
+            "all-reduce s",
+        ):
+            table.add_column(col, justify="right")
+        table.add_row("start", str(args.peers), "-", f"{spreads[0]:.3g}", "-", "-")
+        console.print(f"round start: spread {spreads[0]:.4g}")
+        killed: int | None = None
+        alive = set(range(args.peers))
+        for r in range(args.rounds):
+            # rounds are aligned by the parent (a "go" line per round) so each row of the table
+            # compares every peer after the same number of rounds
+            for i in alive:
+                workers[i].send_go()
+            if args.kill and r == min(1, args.rounds - 1) and killed is None:
+                killed = args.peers - 1
+                time.sleep(0.3)  # mid-round: groups are forming / averaging
+                workers[killed].proc.kill()
+                alive.discard(killed)
+                console.print(
+                    f"[yellow]killed peer {killed} (SIGKILL) during round {r + 1}[/yellow]"
+                )
+            reports = []
+            for i in sorted(alive):
+                rep = workers[i].wait_for(
+                    lambda o, r=r: o["event"] == "round" and o["round"] == r, timeout=60.0
+                )
+                if rep is None:
+                    alive.discard(i)
+                    console.print(f"[yellow]peer {i} stopped reporting[/yellow]")
+                    continue
+                reports.append(rep)
+            if not reports:
+                console.print("[red]no peer reported; giving up")
+                return 1
+            spread = _spread([decode_tensor(rep["tensor"]) for rep in reports])
+            spreads.append(spread)
+            groups = len({rep["group_id"] for rep in reports if rep["group_id"]})
+            mm = max(rep["matchmaking_s"] for rep in reports)
+            ar = max(rep["allreduce_s"] for rep in reports)
+            table.add_row(
+                str(r + 1),
+                str(len(reports)),
+                str(groups),
+                f"{spread:.3g}",
+                f"{mm:.2f}",
+                f"{ar:.2f}",
+            )
+            console.print(
+                f"round {r + 1}: {len(reports)} peers in {groups} groups, spread {spread:.4g}"
+            )
+        console.print(table)
+        ratio = spreads[-1] / spreads[0] if spreads[0] > 0 else 0.0
+        # a full grid reaches the exact mean; with a peer killed the grid has a hole, so we
+        # only ask for a clear geometric decrease
+        converged = ratio < 1e-3 if killed is None else ratio < 0.25
+        elapsed = time.monotonic() - started
+        verdict = "CONVERGED" if converged else "DID NOT CONVERGE"
+        console.print(
+            f"[bold]verdict: {verdict}[/bold]: spread {spreads[0]:.4g} -> {spreads[-1]:.4g} "
+            f"(x{ratio:.2g}) in {args.rounds} rounds, {len(alive)}/{args.peers} peers alive, {elapsed:.1f}s"
+        )
+        return 0 if converged else 1
+    finally:
+        for w in workers:
+            w.stop()
+        bootstrap.shutdown()
+
+
+def _spread(tensors: list[Any]) -> float:
+    import torch
+
+    if not tensors:
+        return math.nan
+    xs = torch.stack(tensors)
+    return float((xs - xs.mean(0)).abs().max())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        sys.exit(worker_main(sys.argv[2:]))
+    sys.exit("usage: python -m moshpit.cli.demo_cmd worker ... (or run `moshpit demo`)")
