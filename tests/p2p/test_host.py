@@ -26,6 +26,8 @@ from dht.p2p import (
     ResourceLimitError,
 )
 
+from .conftest import wait_until
+
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 
 
@@ -399,3 +401,28 @@ async def test_black_holed_address_costs_only_the_dial_stagger(autojump_clock):
         assert trio.current_time() - start < 1.0  # not the 10 s handshake timeout
         await trio.testing.wait_all_tasks_blocked()
         assert len(a._conns[pid]) == 1
+
+
+async def test_memory_network_bandwidth_applies_to_host_streams(autojump_clock):
+    net = MemoryNetwork(latency=0.01, bandwidth=1_000_000)
+    size = 4 * 1024 * 1024
+    async with Host.open(transport=net.transport()) as a, Host.open(transport=net.transport()) as b:
+        addrs = await b.listen(["/memory/0"])
+        got = {}
+
+        async def sink(stream: P2PStream):
+            n = 0
+            while data := await stream.receive_some():
+                n += len(data)
+            got["n"], got["t"] = n, trio.current_time()
+
+        b.set_stream_handler("/sink/1.0.0", sink)
+        pid = await a.connect(addrs)
+        stream = await a.new_stream(pid, "/sink/1.0.0")
+        start = trio.current_time()
+        await stream.send_all(b"\0" * size)
+        await stream.send_eof()
+        await wait_until(lambda: "n" in got)
+        assert got["n"] == size
+        # Noise + yamux add < 0.1 % of bytes; the link time dominates: size / bandwidth
+        assert got["t"] - start == pytest.approx(size / 1e6, rel=0.01)
