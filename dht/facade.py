@@ -149,14 +149,6 @@ class DHT:
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
 
-    def __del__(self) -> None:
-        # best effort for a DHT dropped without shutdown(); atexit covers interpreter exit
-        if getattr(self, "_thread", None) is not None and not getattr(self, "_stopped", True):
-            try:
-                self.shutdown()
-            except Exception:  # noqa: BLE001 - never raise from a finalizer
-                pass
-
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopped

@@ -49,6 +49,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backpor
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+SIGNATURES_ON_LOOP = 16  # default: more signed records than this are verified in a worker thread
 StoreItem = tuple[Any, Any, Any, float]  # (key, subkey or None, value, expiration_time)
 
 
@@ -97,6 +98,7 @@ class DHTNode:
         validators: Sequence[RecordValidator] = (),
         max_background_tasks: int = 64,
         max_parallel_lookups: int = 32,
+        max_signatures_on_loop: int = SIGNATURES_ON_LOOP,
     ):
         self.network = network
         self.host = getattr(network, "host", None)
@@ -126,6 +128,10 @@ class DHTNode:
         self._nursery: trio.Nursery | None = None
         self._own_addrs_cache: list[bytes] | None = None
         self._node_ids: dict[bytes, tuple[Any, int]] = {}  # PeerID bytes -> (PeerID, node ID)
+        self._cpu_limiter = trio.CapacityLimiter(2)
+        # under MockClock(autojump_threshold=0) a worker thread lets virtual time leap past
+        # every timeout, so simulations raise this to keep verification on the loop
+        self.max_signatures_on_loop = max_signatures_on_loop
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -410,12 +416,8 @@ class DHTNode:
             async with self._lookup_limiter:
                 with trio.move_on_after(self.lookup_timeout):
                     await lookup.run()
-            if lookup.result.nearest == [] and lookup._responded:
-                lookup.result.nearest = [
-                    lookup._known[p][0] for _, _, p in lookup._responded[:beam_size]
-                ]
         finally:
-            search.result = lookup.result
+            search.result = lookup.snapshot()
             self._searches.pop(tag, None)
             search.done.set()
         self.lookup_stats.append(
@@ -453,6 +455,36 @@ class DHTNode:
     def _check_record(self, record: DHTRecord) -> str | None:
         return self.storage.check_limits(record, get_dht_time()) or self.validators.validate(record)
 
+    async def _validate_many(self, records: list[DHTRecord]) -> list[str | None]:
+        """Validate records; large signed batches are verified in a worker thread so that
+        Ed25519 checks (~0.1 ms each) never stall the event loop."""
+        if sum(1 for r in records if r.signature is not None) <= self.max_signatures_on_loop:
+            return [self.validators.validate(r) for r in records]
+        return await trio.to_thread.run_sync(
+            lambda: [self.validators.validate(r) for r in records], limiter=self._cpu_limiter
+        )
+
+    async def _store_incoming(self, records: list[DHTRecord]) -> list[tuple[bool, str | None]]:
+        if self.client_mode:
+            return [(False, "client-mode peers do not store records for others")] * len(records)
+        now = get_dht_time()
+        results: list[tuple[bool, str | None]] = [(False, None)] * len(records)
+        pending = []
+        for i, record in enumerate(records):
+            reason = self.storage.check_limits(record, now)
+            if reason is not None:
+                results[i] = (False, reason)
+            else:
+                pending.append(i)
+        reasons = await self._validate_many([records[i] for i in pending])
+        now = get_dht_time()
+        for i, reason in zip(pending, reasons, strict=True):
+            if reason is not None:
+                results[i] = (False, reason)
+            else:
+                results[i] = self.storage.store(id_from_bytes(records[i].key), records[i], now)
+        return results
+
     def _store_local(self, record: DHTRecord) -> tuple[bool, str | None]:
         if self.client_mode:
             return False, "client-mode peers do not store records for others"
@@ -468,12 +500,12 @@ class DHTNode:
         if the record is invalid before it leaves this node (too large, expired, unsigned
         owner key, ...), and TypeError if it is not msgpack-serializable.
         """
-        _, record = self._make_record(key, subkey, value, expiration_time)
+        key_id, record = self._make_record(key, subkey, value, expiration_time)
         reason = self._check_record(record)
         if reason is not None:
             raise RecordRejectedError(reason)
-        results = await self.store_many([(key, subkey, value, expiration_time)])
-        return next(iter(results.values()))
+        results = await self._store_records({key_id: [((key, subkey), record)]})
+        return results[(key, subkey)]
 
     async def store_many(self, items: Iterable[StoreItem]) -> dict[tuple[Any, Any], bool]:
         """Store many ``(key, subkey, value, expiration_time)`` items with batched RPCs.
@@ -491,7 +523,14 @@ class DHTNode:
                 logger.warning("not storing %r/%r: %s", key, subkey, reason)
                 continue
             by_key.setdefault(key_id, []).append(((key, subkey), record))
+        outcome.update(await self._store_records(by_key))
+        return outcome
 
+    async def _store_records(
+        self, by_key: dict[int, list[tuple[tuple[Any, Any], DHTRecord]]]
+    ) -> dict[tuple[Any, Any], bool]:
+        """Place valid records on their replicas: one lookup per key, one batched RPC per peer."""
+        outcome = {name: False for entries in by_key.values() for name, _ in entries}
         plan: dict[Any, list[tuple[tuple[Any, Any], DHTRecord]]] = {}
         local: list[tuple[tuple[Any, Any], DHTRecord]] = []
 
@@ -554,7 +593,7 @@ class DHTNode:
             local = encode_entries(self.storage.get(key_id, get_dht_time()))
             if local:
                 entry_lists.append((None, [tuple(e) for e in local]))
-        value, best = self._merge(key_bytes, [entries for _, entries in entry_lists])
+        value, best = await self._merge(key_bytes, [entries for _, entries in entry_lists])
         if value is not None and isinstance(best, DHTRecord) and self.cache_on_get:
             holders = {c.peer_id for c, _ in entry_lists if c is not None}
             for contact in result.nearest:
@@ -577,27 +616,33 @@ class DHTNode:
                 nursery.start_soon(one, key)
         return results
 
-    def _merge(
+    async def _merge(
         self, key_bytes: bytes, entry_lists: list[list[Any]]
     ) -> tuple[ValueWithExpiration | None, Any]:
         """Validate and merge entries from several replicas: newest plain value vs. dictionary."""
         now = get_dht_time()
-        best_plain: DHTRecord | None = None
-        subkeys: dict[bytes, DHTRecord] = {}
+        unique: dict[tuple[Any, ...], DHTRecord] = {}
         for entries in entry_lists:
             for subkey, value, expiration, signature in entries:
-                if expiration <= now:
-                    continue
-                record = DHTRecord(key_bytes, subkey, value, expiration, signature)
-                if record.size > self.storage.limits.max_record_bytes or self.validators.validate(
-                    record
-                ):
-                    continue
-                if subkey is None:
-                    if best_plain is None or expiration > best_plain.expiration_time:
-                        best_plain = record
-                elif subkey not in subkeys or expiration > subkeys[subkey].expiration_time:
-                    subkeys[subkey] = record
+                if expiration > now and (subkey, value, expiration, signature) not in unique:
+                    unique[(subkey, value, expiration, signature)] = DHTRecord(
+                        key_bytes, subkey, value, expiration, signature
+                    )
+        candidates = [r for r in unique.values() if r.size <= self.storage.limits.max_record_bytes]
+        reasons = await self._validate_many(candidates)
+        best_plain: DHTRecord | None = None
+        subkeys: dict[bytes, DHTRecord] = {}
+        for record, reason in zip(candidates, reasons, strict=True):
+            if reason is not None:
+                continue
+            if record.subkey is None:
+                if best_plain is None or record.expiration_time > best_plain.expiration_time:
+                    best_plain = record
+            elif (
+                record.subkey not in subkeys
+                or record.expiration_time > subkeys[record.subkey].expiration_time
+            ):
+                subkeys[record.subkey] = record
         if best_plain is not None:
             subkeys = {
                 s: r for s, r in subkeys.items() if r.expiration_time > best_plain.expiration_time
@@ -635,7 +680,9 @@ class DHTNode:
         if isinstance(request, PingRequest):
             return {"from": sender_info(self._own_addrs(), self.client_mode)}
         if isinstance(request, StoreRequest):
-            return {"results": [list(self._store_local(record)) for record in request.records]}
+            return {
+                "results": [list(result) for result in await self._store_incoming(request.records)]
+            }
         if isinstance(request, FindRequest):
             now = get_dht_time()
             results = []

@@ -207,10 +207,22 @@ def parse_find_response(
     return parsed
 
 
+MAX_VALUE_RESPONSE_BYTES = 4 * 1024 * 1024
+
+
 def encode_entries(stored: DHTRecord | dict[bytes, DHTRecord] | None) -> list[list[Any]] | None:
+    """Entries of a stored value for a find reply, capped in count and bytes (latest first),
+    so a huge dictionary value cannot exceed the transport's message size limit."""
     if stored is None:
         return None
-    records = [stored] if isinstance(stored, DHTRecord) else list(stored.values())
-    return [
-        [r.subkey, r.value, r.expiration_time, r.signature] for r in records[:MAX_ENTRIES_PER_VALUE]
-    ]
+    if isinstance(stored, DHTRecord):
+        records = [stored]
+    else:
+        records = sorted(stored.values(), key=lambda r: r.expiration_time, reverse=True)
+    entries, total = [], 0
+    for r in records[:MAX_ENTRIES_PER_VALUE]:
+        total += r.size
+        if total > MAX_VALUE_RESPONSE_BYTES and entries:
+            break
+        entries.append([r.subkey, r.value, r.expiration_time, r.signature])
+    return entries

@@ -102,8 +102,13 @@ class Lookup:
             self._nursery = nursery
             for _ in range(self.alpha):
                 nursery.start_soon(self._worker)
-        nearest = [self._known[peer][0] for _, _, peer in self._responded[: self.beam_size]]
-        self.result.nearest = nearest
+        return self.snapshot()
+
+    def snapshot(self) -> LookupResult:
+        """The result so far (also valid after the lookup was cut short by a timeout)."""
+        self.result.nearest = [
+            self._known[peer][0] for _, _, peer in self._responded[: self.beam_size]
+        ]
         if self._responded:
             self.result.hops = self._known[self._responded[0][2]][1]
         return self.result

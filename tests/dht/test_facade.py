@@ -112,3 +112,16 @@ def test_interpreter_exit_without_shutdown_is_clean(tmp_path):
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_many_owner_signed_subkeys_are_verified_in_worker_threads():
+    with (
+        DHT(host_maddrs=LOOPBACK) as first,
+        DHT(initial_peers=first.get_visible_maddrs(), host_maddrs=LOOPBACK) as second,
+    ):
+        key = "matchmaking.0b0101"
+        items = [(key, f"[owner:{second.peer_id}]#{i}", i, get_dht_time() + 100) for i in range(40)]
+        assert all(second.store_many(items).values())
+        assert first.node.storage.num_records == 40  # verified (in a thread) and stored
+        found = first.get(key, latest=True)
+        assert {k: v.value for k, v in found.value.items()} == {sub: i for _, sub, i, _ in items}
