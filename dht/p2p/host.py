@@ -278,6 +278,19 @@ class Host:
                     logger.warning("dropping inbound connection from %s: %s", remote, _reason(e))
                     await _close_quietly(raw)
                     return
+                except Exception as e:
+                    # A bug reachable from untrusted input must not take the whole host down.
+                    logger.warning(
+                        "dropping inbound connection from %s: unexpected %s",
+                        remote,
+                        _reason(e),
+                        exc_info=True,
+                    )
+                    await _close_quietly(raw)
+                    return
+                except BaseException:
+                    await _close_quietly(raw)  # cancelled (host closing): still close the socket
+                    raise
             if scope.cancelled_caught:
                 logger.warning(
                     "dropping inbound connection from %s: handshake did not finish within %.1fs",
@@ -556,6 +569,11 @@ class Host:
                 failures.append(f"{target}: {_reason(e)}")
                 failed[i].set()
                 return
+            except Exception as e:  # a bug reachable from a remote must not kill the host
+                logger.warning("dial %s: unexpected %s", target, _reason(e), exc_info=True)
+                failures.append(f"{target}: {_reason(e)}")
+                failed[i].set()
+                return
             if winner:
                 await conn.session.aclose()  # lost the race; never started
                 return
@@ -642,7 +660,7 @@ class Host:
             protocol, stream = await multistream.negotiate_inbound(
                 ystream, self._supports, self.limits.negotiation_timeout
             )
-        except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+        except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError, ValueError) as e:
             logger.debug("stream from %s: negotiation failed: %s", conn.peer_id.short(), e)
             # FIN rather than RST: a lazy dialer must still get to read our "na" answer.
             await ystream.aclose()
