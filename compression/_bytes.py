@@ -41,12 +41,27 @@ def view(buf: Buffer, dtype: torch.dtype, count: int, offset: int = 0) -> torch.
 #: Elements per slice when streaming big CPU tensors through small, cache-resident
 #: temporaries (1 MiB of float32): avoids allocating (and page-faulting) tensor-sized scratch.
 CHUNK = 1 << 18
+#: With several intra-op threads every op on a slice is a fork-join; on busy cores each join
+#: can wait for a descheduled thread, so multi-threaded runs use fewer, larger slices.
+CHUNK_MULTITHREADED = 1 << 22
 
 
-def spans(n: int, device: torch.device, chunk: int | None = None):
-    """``(start, stop)`` slices covering ``range(n)``: one slice on accelerators."""
-    step = n if device.type != "cpu" else (chunk or CHUNK)
-    for start in range(0, n, max(step, 1)):
+def slice_elems(device: torch.device) -> int:
+    """Slice length for streaming a tensor on ``device`` (CPU only; one slice elsewhere)."""
+    if device.type != "cpu":
+        return sys.maxsize
+    return CHUNK if torch.get_num_threads() == 1 else CHUNK_MULTITHREADED
+
+
+def scratch_len(n: int, device: torch.device) -> int:
+    """Length of a scratch buffer that holds one slice of an ``n``-element tensor."""
+    return min(n, slice_elems(device))
+
+
+def spans(n: int, device: torch.device):
+    """``(start, stop)`` slices covering ``range(n)`` (slice lengths are multiples of 8)."""
+    step = slice_elems(device)
+    for start in range(0, n, step):
         yield start, min(n, start + step)
 
 

@@ -72,9 +72,7 @@ def encode_scaled_fp16(values: torch.Tensor, dst: torch.Tensor) -> float:
     if n:
         # multiply in float32 (exact: power of two), then cast; a mixed-dtype out= would
         # take a slow non-vectorized path
-        tmp = torch.empty(
-            min(n, _bytes.CHUNK) if flat.device.type == "cpu" else n, device=flat.device
-        )
+        tmp = torch.empty(_bytes.scratch_len(n, flat.device), device=flat.device)
         for start, stop in _bytes.spans(n, flat.device):
             part = torch.mul(flat[start:stop], 1.0 / scale, out=tmp[: stop - start])
             dst[start:stop].copy_(part)

@@ -4,7 +4,7 @@ All three reject NaN/+-Inf input with NonFiniteInputError: a non-finite value wo
 the range or the codebook of the whole tensor (or block), and under error feedback it would
 sit in the residual forever. Arithmetic is float32 whatever the input dtype.
 
-Big CPU tensors are processed in slices of ``_bytes.CHUNK`` elements through small reused
+Big CPU tensors are processed in slices of ``_bytes.slice_elems()`` elements through small reused
 temporaries, so an encode or decode touches the tensor about once instead of allocating
 and page-faulting several tensor-sized intermediates.
 """
@@ -45,7 +45,7 @@ class _F32Slices:
         self.flat = flat
         self.scratch = None
         if flat.dtype != torch.float32:
-            size = min(flat.numel(), _bytes.CHUNK) if flat.device.type == "cpu" else flat.numel()
+            size = _bytes.scratch_len(flat.numel(), flat.device)
             self.scratch = torch.empty(size, device=flat.device)
 
     def __call__(self, start: int, stop: int) -> torch.Tensor:
@@ -56,9 +56,7 @@ class _F32Slices:
 
 
 def _scratch(n: int, device: torch.device, dtype=torch.float32) -> torch.Tensor:
-    return torch.empty(
-        min(n, _bytes.CHUNK) if device.type == "cpu" else n, dtype=dtype, device=device
-    )
+    return torch.empty(_bytes.scratch_len(n, device), dtype=dtype, device=device)
 
 
 def _store(dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> None:
@@ -327,7 +325,7 @@ class Blockwise8Bit(Codec):
         """(first element, element count, block count) per slice of whole blocks + tail."""
         bs = self.block_size
         full = n // bs
-        per = max(1, _bytes.CHUNK // bs) if device.type == "cpu" else max(full, 1)
+        per = max(1, min(_bytes.slice_elems(device), max(full, 1) * bs) // bs)
         for b in range(0, full, per):
             nb = min(per, full - b)
             yield b * bs, nb * bs, nb

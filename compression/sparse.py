@@ -133,7 +133,7 @@ def _sample(values: torch.Tensor, m: int, generator: torch.Generator | None) -> 
 def _at_least(values: torch.Tensor, threshold: float) -> torch.Tensor:
     """Sorted indices with |value| >= threshold, streaming through cache-sized slices."""
     n, device = values.numel(), values.device
-    size = min(n, _bytes.CHUNK) if device.type == "cpu" else n
+    size = _bytes.scratch_len(n, device)
     mags = torch.empty(size, dtype=values.dtype, device=device)
     mask = torch.empty(size, dtype=torch.bool, device=device)
     found = []
@@ -350,11 +350,11 @@ class ScaledSign(Codec):
         flat = tensor.reshape(-1)
         n = flat.numel()
         packed = _bytes.alloc(_bytes.packed_bits_nbytes(n))
-        size = min(n, _bytes.CHUNK) if flat.device.type == "cpu" else n
+        size = _bytes.scratch_len(n, flat.device)
         negative = torch.empty(size, dtype=torch.bool, device=flat.device)
         mags = torch.empty(size, dtype=flat.dtype, device=flat.device)
         l1 = 0.0  # accumulated in float64 across slices (each slice sums in float32)
-        for start, stop in _bytes.spans(n, flat.device):  # CHUNK is a multiple of 8
+        for start, stop in _bytes.spans(n, flat.device):  # slices are multiples of 8 long
             part = flat[start:stop]
             l1 += float(torch.abs(part, out=mags[: stop - start]).sum(dtype=torch.float32))
             bits = torch.lt(part, 0, out=negative[: stop - start])

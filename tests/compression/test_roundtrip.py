@@ -157,10 +157,10 @@ def test_sliced_processing_matches_single_pass(which, monkeypatch):
     import compression._bytes as b
 
     x = torch.randn(3 * 4096 + 1000, generator=torch.Generator().manual_seed(9)) ** 3
-    monkeypatch.setattr(b, "CHUNK", 4096)  # several slices plus a ragged tail
+    monkeypatch.setattr(b, "slice_elems", lambda device: 4096)  # slices plus a ragged tail
     sliced = all_codecs()[which].compress(x, **_seed(which))
     y_sliced = decompress(sliced)
-    monkeypatch.setattr(b, "CHUNK", 1 << 30)
+    monkeypatch.setattr(b, "slice_elems", lambda device: 1 << 30)
     whole = all_codecs()[which].compress(x, **_seed(which))
     assert bytes(sliced.payload) == bytes(whole.payload)
     if sliced.codec_id == 9:  # ScaledSign's L1 is summed per slice: float rounding differs
