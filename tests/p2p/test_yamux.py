@@ -9,6 +9,8 @@ import struct
 import pytest
 import trio
 import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dht.p2p.errors import ResourceLimitError, StreamClosedError, StreamResetError
 from dht.p2p.memory import MemoryNetwork
@@ -425,3 +427,66 @@ async def test_control_frames_overtake_queued_data_and_small_frames_coalesce():
         fin = pack_header(TYPE_WINDOW_UPDATE, FLAG_FIN, stream.stream_id, 0)
         assert any(b"small" in w and w.endswith(fin) for w in conn.writes)
         nursery.cancel_scope.cancel()
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 1),  # version (1 = bad)
+            st.integers(0, 4),  # type (4 = bad)
+            st.integers(0, 0x1F),  # flags (0x10 = bad)
+            st.integers(0, 6),  # stream id
+            st.sampled_from([0, 1, 5, 1000, INITIAL_WINDOW, 2**31]),  # length
+            st.binary(max_size=64),  # payload bytes that follow (may not match length)
+        ),
+        max_size=12,
+    )
+)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_arbitrary_frames_never_crash_the_session(frames):
+    async def scenario():
+        a, b = trio.testing.memory_stream_pair()
+        server = YamuxSession(b, is_client=False)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+
+            async def drain():  # the remote reads whatever we answer
+                try:
+                    while await a.receive_some():
+                        pass
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    pass
+
+            nursery.start_soon(drain)
+
+            async def accept_all():
+                while True:
+                    try:
+                        stream = await server.accept_stream()
+                    except StreamClosedError:
+                        return
+                    nursery.start_soon(read_all_quietly, stream)
+
+            nursery.start_soon(accept_all)
+            try:
+                for version, ftype, flags, sid, length, payload in frames:
+                    header = bytes([version, ftype]) + struct.pack(">HII", flags, sid, length)
+                    await a.send_all(header + payload)
+                await a.send_eof()
+            except trio.BrokenResourceError:
+                pass  # the session already closed the connection: fine
+            await a.aclose()
+            with trio.fail_after(5):
+                await server.wait_closed()
+            nursery.cancel_scope.cancel()
+        assert server.closed and server.buffered_bytes <= server.max_buffered
+
+    trio.run(scenario)
+
+
+async def read_all_quietly(stream) -> None:
+    try:
+        while await stream.receive_some():
+            pass
+    except (StreamResetError, trio.ClosedResourceError):
+        pass
