@@ -129,3 +129,29 @@ async def test_truncated_message_and_bad_prefix():
     await send.send_all(b"\xff" * 12)
     with pytest.raises(ProtocolViolationError):
         await MessageReader(recv).receive_msg()
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_arbitrary_bytes_decode_or_raise_protocol_violation(body):
+    try:
+        unpack_body(body)
+    except ProtocolViolationError:
+        pass
+
+
+@given(st.binary(max_size=64))
+@settings(max_examples=200, deadline=None)
+def test_arbitrary_stream_bytes_never_escape_the_documented_errors(data):
+    async def scenario():
+        send, recv = trio.testing.memory_stream_pair()
+        await send.send_all(data)
+        await send.send_eof()
+        reader = MessageReader(recv)
+        try:
+            while True:
+                await reader.receive_msg(max_size=32)
+        except (StreamClosedError, MessageTooLargeError, ProtocolViolationError):
+            pass
+
+    trio.run(scenario)
