@@ -238,9 +238,11 @@ class Host:
         for maddr in maddrs:
             for listener in await self.transport.listen(Multiaddr(maddr)):
                 self._listeners.append(listener)
-                addr = listener.multiaddr.with_peer_id(self.peer_id)
-                self._listen_addrs.append(addr)
-                added.append(addr)
+                # a wildcard listener (0.0.0.0 / ::) is announced with concrete addresses
+                for bound in getattr(listener, "multiaddrs", [listener.multiaddr]):
+                    addr = bound.with_peer_id(self.peer_id)
+                    self._listen_addrs.append(addr)
+                    added.append(addr)
                 self._nursery.start_soon(self._accept_loop, listener)
         return added
 

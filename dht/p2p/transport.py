@@ -37,12 +37,41 @@ def sockaddr_to_multiaddr(sockaddr: tuple) -> Multiaddr:
     return Multiaddr(f"/{proto}/{ip}/tcp/{port}")
 
 
+async def _local_addresses(family: int) -> list[str]:
+    """Loopback plus the addresses this host's name resolves to (no interface enumeration
+    exists in the standard library; this finds the primary address on typical machines)."""
+    found = ["127.0.0.1" if family == socket.AF_INET else "::1"]
+    try:
+        infos = await trio.socket.getaddrinfo(
+            socket.gethostname(), None, family, socket.SOCK_STREAM
+        )
+    except OSError:
+        infos = []
+    for *_, sockaddr in infos:
+        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        if not ip.is_unspecified and not ip.is_link_local and str(ip) not in found:
+            found.append(str(ip))
+    return found[:MAX_RESOLVED_ADDRESSES]
+
+
 class TCPListener:
-    """One bound socket; ``multiaddr`` is the actual address (port 0 resolved)."""
+    """One bound socket. ``multiaddr`` is the bound address (port 0 resolved); ``multiaddrs``
+    are the addresses others can dial (a wildcard address expanded to concrete ones)."""
 
     def __init__(self, listener: trio.SocketListener) -> None:
         self._listener = listener
         self.multiaddr = sockaddr_to_multiaddr(listener.socket.getsockname())
+        self.multiaddrs = [self.multiaddr]
+
+    async def _expand_wildcard(self) -> None:
+        host, port = self.multiaddr.tcp_endpoint()
+        ip = ipaddress.ip_address(host)
+        if ip.is_unspecified:
+            family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
+            proto = "ip4" if ip.version == 4 else "ip6"
+            self.multiaddrs = [
+                Multiaddr(f"/{proto}/{a}/tcp/{port}") for a in await _local_addresses(family)
+            ]
 
     async def accept(self) -> tuple[trio.SocketStream, str]:
         stream = await self._listener.accept()
@@ -66,8 +95,10 @@ class TCPTransport:
 
     async def listen(self, maddr: Multiaddr | str) -> list[TCPListener]:
         host, port = Multiaddr(maddr).tcp_endpoint()
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        return [TCPListener(listener) for listener in listeners]
+        listeners = [TCPListener(lst) for lst in await trio.open_tcp_listeners(port, host=host)]
+        for listener in listeners:
+            await listener._expand_wildcard()
+        return listeners
 
     async def _resolve(self, maddr: Multiaddr) -> list[tuple[str, int]]:
         host, port = maddr.tcp_endpoint()

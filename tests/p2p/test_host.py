@@ -426,3 +426,13 @@ async def test_memory_network_bandwidth_applies_to_host_streams(autojump_clock):
         assert got["n"] == size
         # Noise + yamux add < 0.1 % of bytes; the link time dominates: size / bandwidth
         assert got["t"] - start == pytest.approx(size / 1e6, rel=0.01)
+
+
+async def test_wildcard_listen_announces_dialable_addresses():
+    async with Host.open() as a, Host.open() as b:
+        addrs = await b.listen(["/ip4/0.0.0.0/tcp/0"])
+        assert addrs and all("0.0.0.0" not in str(addr) for addr in addrs)
+        assert any(str(addr).startswith("/ip4/127.0.0.1/tcp/") for addr in addrs)
+        b.set_rpc_handler("/echo/1.0.0", echo_rpc)
+        pid = await a.connect(addrs)
+        assert (await a.call(pid, "/echo/1.0.0", 5))["echo"] == 5
