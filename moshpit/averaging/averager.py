@@ -123,7 +123,8 @@ class Averager:
     :param auxiliary: this peer helps reduce but contributes nothing (weight 0).
     :param initial_group_bits: the starting key bits (a string of 0/1; its length is the number
       of bits kept forever). Default: random bits, ``(d-1)*ceil(log2 M)`` of them for a
-      ``d``-dimensional grid sized from ``expected_num_peers`` (``d = 2`` if unknown).
+      ``d``-dimensional grid sized from ``expected_num_peers``; none (one shared key, random
+      groups) when ``expected_num_peers`` is not given.
     :param matchmaking_timeout: how long a step looks for a group before giving up (default
       ``max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)``).
     :param ban_after_failures / ban_seconds: a peer that failed this many consecutive rounds

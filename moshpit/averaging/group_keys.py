@@ -43,13 +43,14 @@ def default_num_bits(target_group_size: int, expected_num_peers: int | None = No
     """Number of key bits for a swarm of about ``expected_num_peers`` peers.
 
     A grid with ``M = target_group_size`` peers per side needs ``d = ceil(log_M(N))``
-    dimensions; the key holds the other ``d - 1`` coordinates. Without an estimate we
-    assume ``d = 2`` (up to ``M**2`` peers averaging exactly in 2 rounds), which is also
-    what a larger swarm degrades to gracefully (groups simply fill up to the target).
+    dimensions; the key holds the other ``d - 1`` coordinates. Without an estimate we use
+    0 bits: every peer declares under the same key and groups of up to ``M`` form at random
+    each round. That is what small swarms need (with more bits than the swarm can fill,
+    peers would sit alone under empty keys); large swarms should pass ``expected_num_peers``.
     """
     b = coordinate_bits(target_group_size)
     if expected_num_peers is None:
-        return b
+        return 0
     if expected_num_peers <= max(target_group_size, 1):
         return 0
     m = max(2, target_group_size)

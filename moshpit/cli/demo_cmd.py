@@ -114,7 +114,16 @@ def worker_main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(args.seed * 100_003 + args.index)
     tensor = torch.randn(args.size, generator=gen) * 10 + args.index
-    dht = DHT(initial_peers=[args.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    from dht import BootstrapError
+
+    for attempt in range(3):  # a busy machine (N peers importing torch at once) can be slow
+        try:
+            dht = DHT(initial_peers=[args.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            break
+        except BootstrapError:
+            if attempt == 2:
+                raise
+            time.sleep(1.0)
     averager = Averager(
         [tensor],
         dht,
@@ -380,7 +389,8 @@ def run(args: argparse.Namespace) -> int:
         verdict = "CONVERGED" if converged else "DID NOT CONVERGE"
         console.print(
             f"[bold]verdict: {verdict}[/bold]: spread {spreads[0]:.4g} -> {spreads[-1]:.4g} "
-            f"(x{ratio:.2g}) in {args.rounds} rounds, {len(alive)}/{args.peers} peers alive, {elapsed:.1f}s"
+            f"(x{ratio:.2g}) in {args.rounds} rounds, {len(alive)}/{args.peers} peers alive, {elapsed:.1f}s",
+            soft_wrap=True,
         )
         return 0 if converged else 1
     finally:

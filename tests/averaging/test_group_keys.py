@@ -38,7 +38,7 @@ def test_key_format_and_parse():
 def test_default_num_bits():
     assert coordinate_bits(1) == 1 and coordinate_bits(2) == 1
     assert coordinate_bits(4) == 2 and coordinate_bits(5) == 3 and coordinate_bits(16) == 4
-    assert default_num_bits(4) == 2  # unknown swarm size: 2-d grid
+    assert default_num_bits(4) == 0  # unknown swarm size: one key, random groups
     assert default_num_bits(4, expected_num_peers=16) == 2  # 4x4
     assert default_num_bits(2, expected_num_peers=8) == 2  # 2x2x2
     assert default_num_bits(16, expected_num_peers=4096) == 8  # 16^3

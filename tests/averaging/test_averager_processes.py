@@ -1,0 +1,110 @@
+"""Averagers in separate OS processes over loopback TCP: kill -9 mid-round, a peer joining late.
+
+Workers are ``python -m moshpit.cli.demo_cmd worker`` processes (the demo's peers); they find
+each other only through a bootstrap DHT peer running in this test process.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from dht import DHT
+from moshpit.cli.demo_cmd import Worker, decode_tensor, worker_command
+
+pytestmark = pytest.mark.slow
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(
+        size=1000, group_size=4, rounds=1, compression="none", seed=5, min_matchmaking_time=1.5
+    )
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.fixture
+def bootstrap():
+    dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        yield str(dht.get_visible_maddrs()[0])
+    finally:
+        dht.shutdown()
+
+
+def _start(index, maddr, args, extra=()) -> Worker:
+    return Worker(index, worker_command(index, maddr, "", args, extra))
+
+
+def _ready(w: Worker) -> torch.Tensor:
+    ready = w.wait_for(lambda o: o["event"] == "ready", 90)
+    assert ready is not None, "".join(w.stderr_tail)
+    return decode_tensor(ready["tensor"])
+
+
+def _round(w: Worker, r: int, timeout=60) -> dict:
+    rep = w.wait_for(lambda o: o["event"] == "round" and o["round"] == r, timeout)
+    assert rep is not None, "".join(w.stderr_tail)
+    return rep
+
+
+def test_kill_9_mid_round_survivors_average_without_the_dead_peer(bootstrap):
+    args = _args(rounds=1)
+    workers = [
+        _start(i, bootstrap, args, ["--report-parts"] + (["--die-at-round", "0"] if i == 3 else []))
+        for i in range(4)
+    ]
+    try:
+        initial = [_ready(w) for w in workers]
+        for w in workers:
+            w.send_go()
+        reports = [_round(w, 0) for w in workers[:3]]
+        assert workers[3].proc.wait(timeout=30) == -9  # it really died by SIGKILL mid-round
+        for rep in reports:
+            assert rep["ok"] and len(rep["members"]) == 4, rep["reason"]
+            assert rep["allreduce_s"] < 10.0  # finished within its timeouts
+        ids = [w.wait_for(lambda o: o["event"] == "ready", 1)["peer"] for w in workers]
+        dead = ids[3]
+        survivors_mean = torch.stack(initial[:3]).mean(0)
+        for i, rep in enumerate(reports):
+            assert dead in rep["failed"]
+            got = decode_tensor(rep["tensor"])
+            for owner, (start, end) in zip(rep["members"], rep["parts"], strict=True):
+                if owner == dead:  # nobody reduced this part: everyone keeps its own values
+                    assert torch.allclose(got[start:end], initial[i][start:end])
+                else:
+                    assert torch.allclose(got[start:end], survivors_mean[start:end], atol=1e-5)
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_peer_joining_mid_run_takes_part_in_later_rounds(bootstrap):
+    args = _args(rounds=3, group_size=4)
+    workers = [_start(i, bootstrap, args) for i in range(3)]
+    late = None
+    try:
+        for w in workers:
+            _ready(w)
+        for r in range(2):
+            for w in workers:
+                w.send_go()
+            for w in workers:
+                rep = _round(w, r)
+                assert rep["ok"] and len(rep["members"]) == 3
+        late = _start(3, bootstrap, _args(rounds=1, group_size=4))
+        late_initial = _ready(late)
+        for w in workers + [late]:
+            w.send_go()
+        reps = [_round(w, 2) for w in workers] + [_round(late, 0)]
+        for rep in reps:
+            assert rep["ok"] and len(rep["members"]) == 4, rep["reason"]
+        before = [decode_tensor(_round(w, 1)["tensor"]) for w in workers] + [late_initial]
+        want = torch.stack(before).mean(0)
+        for rep in reps:
+            assert torch.allclose(decode_tensor(rep["tensor"]), want, atol=1e-5)
+    finally:
+        for w in workers + ([late] if late else []):
+            w.stop()
