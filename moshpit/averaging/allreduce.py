@@ -569,6 +569,15 @@ class AllReduceService:
         for round_ in self._rounds.values():
             round_.close()
 
+    def _learn_addrs(self, group: GroupInfo, me: int) -> None:
+        """Add the members' addresses from the GroupInfo to the peerstore (we must dial them)."""
+        for j, member_addrs in enumerate(group.addrs):
+            if j != me and member_addrs:
+                try:
+                    self.host.peerstore.add_addrs(group.members[j], member_addrs)
+                except ValueError as e:  # MultiaddrError or an address naming another peer
+                    logger.info("ignoring bad addresses of member %s: %s", group.members[j], e)
+
     async def _run_cpu(self, fn: Callable[..., Any], *args: Any, numel: int) -> Any:
         """Run CPU work inline when small, in a worker thread (bounded) when large."""
         if numel >= THREAD_MIN_NUMEL:
@@ -668,6 +677,7 @@ class AllReduceService:
             raise ValueError("tensors are required (an aux member may pass numel= instead)")
         if group.group_id in self._rounds:
             raise GroupInfoError("a round with this group id is already running on this host")
+        self._learn_addrs(group, me)
         round_ = _Round(
             self, group, me, None if aux else tensors, total, layout, 0.0 if aux else float(weight),
             _Codecs(compression), aggregation or WeightedMean(), sender_timeout, reducer_timeout,

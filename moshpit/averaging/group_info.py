@@ -22,6 +22,8 @@ MODES = (MODE_NODE, MODE_CLIENT, MODE_AUX)
 
 MAX_GROUP_SIZE = 256
 MAX_GROUP_ID_BYTES = 64
+MAX_ADDRS_PER_MEMBER = 16
+MAX_ADDR_CHARS = 256
 
 
 class GroupInfoError(ValueError):
@@ -35,6 +37,9 @@ class GroupInfo:
     ``bandwidths[i]`` is member i's advertised bandwidth in bytes/s (``None`` = unknown); it only
     decides part sizes. ``gathered[i]`` is opaque msgpack-able metadata that member i sent the
     leader (passed through to the user, e.g. for progress tracking); empty or one per member.
+    ``addrs[i]`` are multiaddr strings where member i can be dialed (empty, or one tuple per
+    member): members found through different DHT lookups may not know each other's addresses,
+    so the leader passes them along and the all-reduce adds them to the host's peerstore.
     """
 
     group_id: bytes
@@ -42,6 +47,7 @@ class GroupInfo:
     modes: tuple[str, ...]
     bandwidths: tuple[float | None, ...]
     gathered: tuple[Any, ...] = ()
+    addrs: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_id, bytes) or not 0 < len(self.group_id) <= MAX_GROUP_ID_BYTES:
@@ -55,6 +61,16 @@ class GroupInfo:
             raise GroupInfoError("members, modes and bandwidths must have the same length")
         if self.gathered and len(self.gathered) != n:
             raise GroupInfoError("gathered must be empty or have one entry per member")
+        if self.addrs:
+            if len(self.addrs) != n:
+                raise GroupInfoError("addrs must be empty or have one entry per member")
+            for member_addrs in self.addrs:
+                if not isinstance(member_addrs, tuple) or len(member_addrs) > MAX_ADDRS_PER_MEMBER:
+                    raise GroupInfoError(
+                        f"each member has a tuple of <= {MAX_ADDRS_PER_MEMBER} addrs"
+                    )
+                if not all(isinstance(a, str) and len(a) <= MAX_ADDR_CHARS for a in member_addrs):
+                    raise GroupInfoError(f"addrs must be strings of <= {MAX_ADDR_CHARS} chars")
         for mode in self.modes:
             if mode not in MODES:
                 raise GroupInfoError(f"unknown member mode {mode!r}; expected one of {MODES}")
@@ -100,6 +116,7 @@ class GroupInfo:
             "modes": list(self.modes),
             "bw": [None if b is None else float(b) for b in self.bandwidths],
             "gathered": list(self.gathered),
+            "addrs": [list(a) for a in self.addrs],
         }
 
     @classmethod
@@ -111,7 +128,7 @@ class GroupInfo:
             raise GroupInfoError("group info must be a map")
         try:
             members_raw, modes, bws = msg["members"], msg["modes"], msg["bw"]
-            gid, gathered = msg["gid"], msg.get("gathered", [])
+            gid, gathered, addrs = msg["gid"], msg.get("gathered", []), msg.get("addrs", [])
         except KeyError as e:
             raise GroupInfoError(f"group info lacks field {e.args[0]!r}") from None
         for name, value in (("members", members_raw), ("modes", modes), ("bw", bws)):
@@ -121,6 +138,10 @@ class GroupInfo:
                 )
         if not isinstance(gathered, (list, tuple)):
             raise GroupInfoError("group info field 'gathered' must be a list")
+        if not isinstance(addrs, (list, tuple)) or not all(
+            isinstance(a, (list, tuple)) for a in addrs
+        ):
+            raise GroupInfoError("group info field 'addrs' must be a list of lists")
         if not all(isinstance(m, str) for m in modes):
             raise GroupInfoError("member modes must be strings")
         members = []
@@ -137,4 +158,5 @@ class GroupInfo:
             modes=tuple(modes),
             bandwidths=tuple(bws),
             gathered=tuple(gathered),
+            addrs=tuple(tuple(a) for a in addrs),
         )

@@ -37,7 +37,11 @@ from moshpit.averaging.partition import part_bounds
 
 @asynccontextmanager
 async def swarm(
-    n: int, net: MemoryNetwork | None = None, tcp: bool = False, **service_kw
+    n: int,
+    net: MemoryNetwork | None = None,
+    tcp: bool = False,
+    introduce: bool = True,
+    **service_kw,
 ) -> AsyncIterator[list[AllReduceService]]:
     """``n`` real Hosts that know each other's addresses, each with an AllReduceService."""
     net = net if net is not None or tcp else MemoryNetwork()
@@ -50,7 +54,7 @@ async def swarm(
             hosts.append(host)
         for h in hosts:
             for other in hosts:
-                if other is not h:
+                if introduce and other is not h:
                     h.peerstore.add_addrs(other.peer_id, other.listen_addrs)
         yield [AllReduceService(h, **service_kw) for h in hosts]
 
@@ -281,6 +285,25 @@ async def test_tcp_loopback_basic_round():
         for r in results:
             assert not r.failed_peers
             assert torch.allclose(r.averaged[0].double(), want[0], atol=1e-5)
+
+
+async def test_members_learn_addresses_from_the_group_info():
+    """Members that never heard of each other (e.g. matched via different DHT lookups)."""
+    async with swarm(3, introduce=False) as services:
+        base = make_group(services)
+        group = GroupInfo(
+            base.group_id,
+            base.members,
+            base.modes,
+            base.bandwidths,
+            addrs=tuple(tuple(str(a) for a in s.host.listen_addrs) for s in services),
+        )
+        assert GroupInfo.from_msg(group.to_msg()) == group
+        tensors = [[torch.randn(10)] for _ in range(3)]
+        results = await run_all(services, group, tensors, timeout=10)
+        for r in results:
+            assert not r.failed_peers
+            assert_close(r.averaged, weighted_mean(tensors, [1.0] * 3, [0, 1, 2]))
 
 
 async def test_consecutive_rounds_on_one_service():
