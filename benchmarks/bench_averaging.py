@@ -1,0 +1,314 @@
+"""Averaging benchmark: Averager.step() across peer processes on loopback vs torch.distributed gloo.
+
+For each peer count P, P worker processes are started once (each: a ``moshpit.DHT`` joined
+through a bootstrap peer in this process, plus a gloo process group for the baseline). For
+each tensor size and codec the parent starts every round at once (all peers call ``step()``
+together) and collects, per round, the slowest peer's step / matchmaking / all-reduce time.
+One JSON object per line:
+
+- ``{"kind": "gloo", ...}``: ``torch.distributed.all_reduce`` (gloo, SUM, unencrypted) of the
+  same size with the same processes, median of repeats: the baseline.
+- one warm-up ``step()`` per configuration is not counted (first-use allocations, dials).
+- ``{"kind": "averaging", ...}``: medians over rounds, ``allreduce_vs_gloo`` (ratio),
+  ``bytes_sent_per_peer`` (tensor payload bytes, mean over peers), ``peak_extra_mem_bytes``
+  (max over peers of VmHWM - VmRSS measured around the rounds, /proc peak reset before) and its
+  ratio to the tensor bytes. Our all-reduce always runs over Noise-encrypted connections.
+
+    python benchmarks/bench_averaging.py --quick      # 4 peers, 1M floats, 2 codecs
+    python benchmarks/bench_averaging.py              # 4 and 8 peers, 1M and 16M, 4 codecs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CODECS = ("none", "float16", "uint8", "topk")
+
+
+# ---------------------------------------------------------------------------------------------
+# worker
+
+
+def _mem() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _codec(name: str):
+    import compression
+
+    return {
+        "none": None,
+        "float16": compression.Float16(),
+        "uint8": compression.Uniform8Bit(),
+        "topk": compression.TopK(density=0.01),
+    }[name]
+
+
+def worker(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--gloo-port", type=int, required=True)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from dht import DHT
+    from moshpit.averaging.averager import Averager
+
+    torch.set_num_threads(1)
+    dht = DHT(
+        initial_peers=[args.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120
+    )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.gloo_port}",
+        rank=args.rank,
+        world_size=args.world,
+    )
+
+    def emit(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    emit({"event": "ready"})
+    averager = None
+    tensor = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "gloo":
+            t = torch.randn(cmd["numel"])
+            dist.all_reduce(t)  # warm-up
+            times = []
+            for _ in range(cmd["reps"]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - t0)
+            del t
+            emit({"event": "gloo", "seconds": statistics.median(times)})
+        elif cmd["cmd"] == "setup":
+            tensor = torch.randn(cmd["numel"])
+            averager = Averager(
+                [tensor],
+                dht,
+                prefix=cmd["prefix"],
+                target_group_size=args.world,
+                min_group_size=args.world,
+                min_matchmaking_time=30.0,
+                request_timeout=10.0,
+                allreduce_timeout=600.0,
+                matchmaking_timeout=60.0,
+                compression=_codec(cmd["codec"]),
+                initial_group_bits="",
+            )
+            emit({"event": "setup"})
+        elif cmd["cmd"] == "step":
+            before = _mem()
+            peak_ok = _reset_peak()
+            t0 = time.perf_counter()
+            res = averager.step()
+            step_s = time.perf_counter() - t0
+            after = _mem()
+            emit(
+                {
+                    "event": "step",
+                    "ok": res.succeeded and not res.failed,
+                    "group": res.group_size,
+                    "step_s": step_s,
+                    "matchmaking_s": res.matchmaking_seconds,
+                    "allreduce_s": res.allreduce_seconds,
+                    "bytes_sent": res.bytes_sent,
+                    "peak_extra": after["VmHWM"] - before["VmRSS"] if peak_ok else None,
+                }
+            )
+        elif cmd["cmd"] == "teardown":
+            averager.shutdown()
+            averager = tensor = None
+            emit({"event": "teardown"})
+        elif cmd["cmd"] == "exit":
+            break
+    dist.destroy_process_group()
+    dht.shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# parent
+
+
+class Proc:
+    def __init__(self, cmd: list[str]):
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.p = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+
+    def send(self, obj: dict) -> None:
+        self.p.stdin.write(json.dumps(obj) + "\n")
+        self.p.stdin.flush()
+
+    def recv(self, event: str) -> dict:
+        for line in self.p.stdout:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if obj.get("event") == event:
+                return obj
+        raise RuntimeError(f"worker exited while waiting for {event!r} (rc={self.p.wait()})")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _all(procs: list[Proc], cmd: dict, event: str) -> list[dict]:
+    for p in procs:
+        p.send(cmd)
+    out: list[dict | None] = [None] * len(procs)
+
+    def get(i: int) -> None:
+        out[i] = procs[i].recv(event)
+
+    threads = [threading.Thread(target=get, args=(i,)) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out  # type: ignore[return-value]
+
+
+def run_peers(
+    num_peers: int, sizes: list[int], codecs: list[str], rounds: int, gloo_reps: int
+) -> None:
+    from dht import DHT
+
+    bootstrap = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    maddr = str(bootstrap.get_visible_maddrs()[0])
+    port = _free_port()
+    procs = [
+        Proc([sys.executable, __file__, "--worker", "--bootstrap", maddr, "--rank", str(r),
+              "--world", str(num_peers), "--gloo-port", str(port)])
+        for r in range(num_peers)
+    ]  # fmt: skip
+    try:
+        for p in procs:
+            p.recv("ready")
+        for numel in sizes:
+            gloo = statistics.median(
+                r["seconds"]
+                for r in _all(procs, {"cmd": "gloo", "numel": numel, "reps": gloo_reps}, "gloo")
+            )
+            print(
+                json.dumps({"kind": "gloo", "peers": num_peers, "numel": numel, "seconds": gloo}),
+                flush=True,
+            )
+            for codec in codecs:
+                prefix = f"bench-{num_peers}-{numel}-{codec}"
+                _all(
+                    procs,
+                    {"cmd": "setup", "numel": numel, "codec": codec, "prefix": prefix},
+                    "setup",
+                )
+                _all(procs, {"cmd": "step"}, "step")  # warm-up round (first-use allocations, dials)
+                per_round = []
+                for _ in range(rounds):
+                    per_round.append(_all(procs, {"cmd": "step"}, "step"))
+                _all(procs, {"cmd": "teardown"}, "teardown")
+                ok = all(s["ok"] and s["group"] == num_peers for rnd in per_round for s in rnd)
+                step_s = statistics.median(max(s["step_s"] for s in rnd) for rnd in per_round)
+                mm_s = statistics.median(max(s["matchmaking_s"] for s in rnd) for rnd in per_round)
+                ar_s = statistics.median(max(s["allreduce_s"] for s in rnd) for rnd in per_round)
+                sent = statistics.mean(s["bytes_sent"] for rnd in per_round for s in rnd)
+                peaks = [
+                    s["peak_extra"] for rnd in per_round for s in rnd if s["peak_extra"] is not None
+                ]
+                peak = max(peaks) if peaks else None
+                row = {
+                    "kind": "averaging",
+                    "peers": num_peers,
+                    "numel": numel,
+                    "codec": codec,
+                    "rounds": rounds,
+                    "all_ok": ok,
+                    "step_s": round(step_s, 4),
+                    "matchmaking_s": round(mm_s, 4),
+                    "allreduce_s": round(ar_s, 4),
+                    "gloo_s": round(gloo, 4),
+                    "allreduce_vs_gloo": round(ar_s / gloo, 2) if gloo > 0 else None,
+                    "bytes_sent_per_peer": int(sent),
+                    "tensor_bytes": numel * 4,
+                    "peak_extra_mem_bytes": peak,
+                    "peak_extra_mem_vs_tensor": round(peak / (numel * 4), 2)
+                    if peak is not None
+                    else None,
+                }
+                print(json.dumps(row), flush=True)
+        for p in procs:
+            p.send({"cmd": "exit"})
+        for p in procs:
+            p.p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.p.poll() is None:
+                p.p.kill()
+                p.p.wait()
+        bootstrap.shutdown()
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 peers, 1M floats, none/float16")
+    parser.add_argument("--peers", type=int, nargs="*", default=None)
+    parser.add_argument("--sizes", type=int, nargs="*", default=None)
+    parser.add_argument("--codecs", nargs="*", choices=CODECS, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    if args.quick:
+        peers, sizes, codecs, rounds = [4], [1 << 20], ["none", "float16"], 2
+    else:
+        peers, sizes, codecs, rounds = [4, 8], [1 << 20, 1 << 24], list(CODECS), 3
+    peers = args.peers or peers
+    sizes = args.sizes or sizes
+    codecs = args.codecs or codecs
+    rounds = args.rounds or rounds
+    sys.path.insert(0, str(ROOT))
+    for n in peers:
+        run_peers(n, sizes, codecs, rounds, gloo_reps=3)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
