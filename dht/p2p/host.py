@@ -14,6 +14,7 @@ one (the other idles until it is closed with the host or the peer).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 
 import trio
 
-from . import multistream
+from . import identify, multistream
 from .errors import (
     DialError,
     HandshakeError,
@@ -92,6 +93,7 @@ class P2PStream(trio.abc.HalfCloseableStream):
         remote_peer: PeerID,
         protocol: str,
         max_message_size: int,
+        remote_addr: str = "",
     ) -> None:
         self._inner = inner
         self._yamux = yamux_stream
@@ -99,6 +101,7 @@ class P2PStream(trio.abc.HalfCloseableStream):
         self.remote_peer = remote_peer
         self.protocol = protocol
         self.max_message_size = max_message_size
+        self.remote_addr = remote_addr  # the connection's remote address, for logs
 
     def __repr__(self) -> str:
         return f"<P2PStream {self.protocol} with {self.remote_peer.short()}>"
@@ -186,6 +189,7 @@ class Host:
         self._observers: list[tuple[Callable[[PeerID], None], Callable[[PeerID], None]]] = []
         self._closing = False
         self._stream_handlers[PING_PROTOCOL] = self._serve_ping
+        self._stream_handlers[identify.PROTOCOL_ID] = self._serve_identify
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod
@@ -372,6 +376,7 @@ class Host:
         """Run a registered connection until it closes (a task in the host nursery)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(conn.session.run)
+            nursery.start_soon(self._identify_peer, conn)
             while True:
                 try:
                     ystream = await conn.session.accept_stream()
@@ -667,7 +672,9 @@ class Host:
             # FIN rather than RST: a lazy dialer must still get to read our "na" answer.
             await ystream.aclose()
             return
-        p2p = P2PStream(stream, ystream, conn.peer_id, protocol, self.limits.max_message_size)
+        p2p = P2PStream(
+            stream, ystream, conn.peer_id, protocol, self.limits.max_message_size, conn.remote_addr
+        )
         rpc = self._rpc_handlers.get(protocol)
         try:
             if rpc is not None:
@@ -693,6 +700,51 @@ class Host:
             p2p.reset()
         else:
             await p2p.aclose()
+
+    # -- identify ------------------------------------------------------------------------
+    def _identify_info(self, remote_addr: str) -> identify.IdentifyInfo:
+        return identify.IdentifyInfo(
+            listen_addrs=self.listen_addrs,
+            protocols=sorted(set(self._stream_handlers) | set(self._rpc_handlers)),
+            observed_addr=identify.observed_multiaddr(remote_addr),
+            public_key=self.peer_id.public_key_proto(),
+            agent_version=identify.AGENT_VERSION,
+            protocol_version=identify.PROTOCOL_VERSION,
+        )
+
+    async def _serve_identify(self, stream: P2PStream) -> None:
+        await stream.send_all(identify.encode_identify(self._identify_info(stream.remote_addr)))
+
+    async def _identify_peer(self, conn: _Connection) -> None:
+        """Learn where a newly connected peer listens (so it can be redialed later)."""
+        with trio.move_on_after(self.limits.handshake_timeout):
+            try:
+                ystream = await conn.session.open_stream()
+            except P2PError:
+                return
+            try:
+                _, stream = await multistream.negotiate_outbound(
+                    ystream, [identify.PROTOCOL_ID], self.limits.handshake_timeout, lazy=True
+                )
+                await stream.send_eof()  # sends the proposal; we have nothing else to say
+                body = await MessageReader(stream).receive_frame(identify.MAX_MESSAGE_SIZE)
+                info = identify.decode_identify(body, conn.peer_id)
+            except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                logger.debug("identify %s: %s", conn.peer_id.short(), _reason(e))
+                ystream.reset()
+                return
+            except Exception as e:  # untrusted input must not crash the connection's tasks
+                logger.warning(
+                    "identify %s: unexpected %s", conn.peer_id.short(), _reason(e), exc_info=True
+                )
+                ystream.reset()
+                return
+            await ystream.aclose()
+            addrs = [a for a in info.listen_addrs if self.transport.can_dial(a)]
+            if not _is_loopback(conn.remote_addr):
+                addrs = [a for a in addrs if not _is_loopback(str(a))]
+            if addrs:
+                self.peerstore.add_addrs(conn.peer_id, addrs)
 
     async def _serve_ping(self, stream: P2PStream) -> None:
         """/ipfs/ping/1.0.0: echo 32-byte payloads until the dialer closes."""
@@ -779,6 +831,15 @@ class Host:
             )
             logger.debug("handler traceback", exc_info=True)
             await stream.send_msg({"err": f"{type(e).__name__}: {e}"[:4096]})
+
+
+def _is_loopback(addr: str) -> bool:
+    """``ip:port`` or a multiaddr text on a loopback IP (in-memory addresses are not)."""
+    text = addr.split("/")[2] if addr.startswith("/ip") else addr.rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        return False
 
 
 def _reason(e: BaseException) -> str:

@@ -205,15 +205,18 @@ class MessageReader:
             have += len(data)
         return b"".join(parts)
 
-    async def receive_msg(self, max_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> Any:
-        """Read one framed message. StreamClosedError at clean EOF, MessageTooLargeError over cap."""
+    async def receive_frame(self, max_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> bytes:
+        """Read one uvarint-length-prefixed frame without decoding it (e.g. a protobuf)."""
         length = await self._read_length()
         if length > max_size:
             raise MessageTooLargeError(
                 f"incoming message of {length} bytes exceeds the cap of {max_size}"
             )
-        body = await self.receive_exactly(length)
-        return unpack_body(body)
+        return await self.receive_exactly(length)
+
+    async def receive_msg(self, max_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> Any:
+        """Read one framed message. StreamClosedError at clean EOF, MessageTooLargeError over cap."""
+        return unpack_body(await self.receive_frame(max_size))
 
 
 async def receive_msg(reader: MessageReader, max_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> Any:

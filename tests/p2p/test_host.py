@@ -22,9 +22,12 @@ from dht.p2p import (
     PeerIDMismatchError,
     PeerStore,
     ProtocolNegotiationError,
+    ProtocolViolationError,
     RemoteError,
     ResourceLimitError,
+    identify,
 )
+from dht.p2p.varint import decode_uvarint
 
 from .conftest import wait_until
 
@@ -436,3 +439,37 @@ async def test_wildcard_listen_announces_dialable_addresses():
         b.set_rpc_handler("/echo/1.0.0", echo_rpc)
         pid = await a.connect(addrs)
         assert (await a.call(pid, "/echo/1.0.0", 5))["echo"] == 5
+
+
+async def test_identify_lets_a_host_redial_a_peer_that_dialed_it():
+    async with Host.open() as a, Host.open() as b:
+        (addr_a,) = await a.listen(LOCAL)
+        (addr_b,) = await b.listen(LOCAL)
+        a.set_rpc_handler("/echo/1.0.0", echo_rpc)
+        await a.connect([addr_b])  # b only learns a's address through identify
+        await wait_until(lambda: b.peerstore.get_addrs(a.peer_id) == [addr_a.without_peer_id()])
+        await b.disconnect(a.peer_id)
+        await wait_until(lambda: not a.is_connected(b.peer_id))
+        assert (await b.call(a.peer_id, "/echo/1.0.0", 9))["echo"] == 9  # b dials a
+
+
+def test_identify_message_roundtrip_and_validation():
+    me = Identity.generate()
+    info = identify.IdentifyInfo(
+        listen_addrs=[Multiaddr("/ip4/10.1.2.3/tcp/4001"), Multiaddr("/memory/7")],
+        protocols=["/ipfs/ping/1.0.0", "/x/1.0.0"],
+        observed_addr=identify.observed_multiaddr("192.0.2.1:5555"),
+        public_key=me.peer_id.public_key_proto(),
+        agent_version="test",
+        protocol_version=identify.PROTOCOL_VERSION,
+    )
+    framed = identify.encode_identify(info)
+    length, start = decode_uvarint(framed)
+    decoded = identify.decode_identify(framed[start:], me.peer_id)
+    assert length == len(framed) - start
+    assert decoded == info
+    assert decoded.observed_addr == Multiaddr("/ip4/192.0.2.1/tcp/5555")
+    with pytest.raises(ProtocolViolationError, match="does not match"):
+        identify.decode_identify(framed[start:], Identity.generate().peer_id)
+    with pytest.raises(ProtocolViolationError):
+        identify.decode_identify(b"\x0a\xff\x01", me.peer_id)  # truncated field
