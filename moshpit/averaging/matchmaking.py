@@ -40,6 +40,8 @@ from typing import Any, Protocol
 import trio
 
 from moshpit.averaging.group_info import (
+    MAX_ADDR_CHARS,
+    MAX_ADDRS_PER_MEMBER,
     MAX_GROUP_SIZE,
     MODE_AUX,
     MODE_CLIENT,
@@ -55,8 +57,7 @@ MAX_REQUEST_BYTES = 256 * 1024  # join request incl. gathered metadata
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # a GroupInfo with everyone's gathered metadata
 MAX_GATHER_BYTES = 64 * 1024
 MAX_KEY_CHARS = 512
-MAX_ADDRS = 16
-MAX_ADDR_CHARS = 512
+MAX_ADDRS = MAX_ADDRS_PER_MEMBER
 MAX_DEADLINE_SECONDS = 24 * 3600.0
 MAX_CANDIDATES = 1024  # declarations considered per lookup
 MAX_TRIES = 3  # join attempts per declaration that answered "busy"/timed out/redirected
@@ -152,6 +153,7 @@ class JoinRequest:
     bandwidth: float | None
     gathered: Any
     size: int
+    addrs: tuple[str, ...] = ()
 
     def to_msg(self, prefix: str) -> dict[str, Any]:
         return {
@@ -163,6 +165,7 @@ class JoinRequest:
             "bw": self.bandwidth,
             "g": self.gathered,
             "n": self.size,
+            "a": list(self.addrs),
         }
 
     @classmethod
@@ -183,7 +186,7 @@ class JoinRequest:
                 raise MatchmakingError("bandwidth must be positive")
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_GROUP_SIZE:
             raise MatchmakingError(f"group size must be an int in 1..{MAX_GROUP_SIZE}")
-        return cls(key, order, seconds_left, mode, bw, msg.get("g"), size)
+        return cls(key, order, seconds_left, mode, bw, msg.get("g"), size, _addrs(msg.get("a", [])))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +200,7 @@ class _Member:
     bandwidth: float | None
     gathered: Any
     deadline: float  # trio time by which this member stops waiting
+    addrs: tuple[str, ...] = ()  # where the other members can dial it
 
 
 @dataclass
@@ -320,7 +324,14 @@ class Matchmaker:
                 order=order,
                 deadline=deadline,
                 started=now,
-                me=_Member(me, self.mode, self.bandwidth, gathered, deadline),
+                me=_Member(
+                    me,
+                    self.mode,
+                    self.bandwidth,
+                    gathered,
+                    deadline,
+                    tuple(self.backend.own_addrs()[:MAX_ADDRS]),
+                ),
             )
             self._round = rnd
             try:
@@ -414,6 +425,7 @@ class Matchmaker:
             modes=tuple(m.mode for m in members),
             bandwidths=tuple(m.bandwidth for m in members),
             gathered=tuple(m.gathered for m in members),
+            addrs=tuple(m.addrs for m in members),
         )
         logger.debug(
             "leading group %s under %s: %d members", group.group_id.hex()[:8], rnd.key, group.size
@@ -456,6 +468,7 @@ class Matchmaker:
             bandwidth=self.bandwidth,
             gathered=rnd.me.gathered,
             size=rnd.size,
+            addrs=rnd.me.addrs,
         )
         rnd.probing = True
         stream = None
@@ -567,6 +580,7 @@ class Matchmaker:
             request.bandwidth,
             request.gathered,
             trio.current_time() + request.seconds_left,
+            request.addrs,
         )
         lead = rnd.lead
         lead.followers[peer] = member
@@ -727,7 +741,10 @@ class DHTMatchmakingBackend:
         return self.host.peer_id
 
     def own_addrs(self) -> list[str]:
-        return [str(a) for a in self.host.listen_addrs][:MAX_ADDRS]
+        visible = getattr(self.node, "get_visible_maddrs", None)
+        addrs = visible() if visible is not None else []
+        addrs = addrs or self.host.listen_addrs
+        return [str(a) for a in addrs if len(str(a)) <= MAX_ADDR_CHARS][:MAX_ADDRS]
 
     def dht_time(self) -> float:
         from dht.kademlia.clock import get_dht_time

@@ -130,13 +130,7 @@ class LocalBackend:
         return PeerID.from_bytes(data)
 
     def decode_group(self, msg):
-        return GroupInfo(
-            group_id=msg["gid"],
-            members=tuple(PeerID.from_bytes(b) for b in msg["members"]),
-            modes=tuple(msg["modes"]),
-            bandwidths=tuple(msg["bw"]),
-            gathered=tuple(msg["gathered"]),
-        )
+        return GroupInfo.from_msg(msg)
 
     def register(self, prefix, handler):
         self.dispatcher.handlers[prefix] = handler
