@@ -121,20 +121,44 @@ def unpack_bits(packed: torch.Tensor, nbits: int) -> torch.Tensor:
 
 
 def pack_uint(values: torch.Tensor, width: int) -> torch.Tensor:
-    """Pack non-negative integers (< 2**width) into ``width`` bits each, as uint8 bytes."""
-    if width == 0 or values.numel() == 0:
+    """Pack non-negative integers (< 2**width) into ``width`` bits each, as uint8 bytes.
+
+    Value i occupies bits ``[i*width, (i+1)*width)`` of the little-endian bit stream. Each
+    value is shifted into place and split over the (at most 5) bytes it touches; the pieces
+    never overlap, so adding them up is the same as OR-ing them. Memory: a few int64 per
+    value, independent of ``width``.
+    """
+    count = values.numel()
+    if width == 0 or count == 0:
         return torch.empty(0, dtype=torch.uint8, device=values.device)
     if not 0 < width <= 32:
         raise CompressionError(f"bit width must be in [0, 32], got {width}")
-    shifts = torch.arange(width, dtype=torch.int64, device=values.device)
-    bits = (values.to(torch.int64).reshape(-1, 1) >> shifts) & 1
-    return pack_bits(bits.reshape(-1))
+    device = values.device
+    offsets = torch.arange(count, dtype=torch.int64, device=device) * width
+    first = offsets >> 3
+    shifted = values.to(torch.int64).reshape(-1) << (offsets & 7)  # < 2**39
+    out = torch.zeros(packed_bits_nbytes(count * width) + 5, dtype=torch.int64, device=device)
+    for j in range(5):
+        out.index_add_(0, first + j, (shifted >> (8 * j)) & 0xFF)
+    return out[: packed_bits_nbytes(count * width)].to(torch.uint8)
 
 
 def unpack_uint(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """Inverse of :func:`pack_uint`: ``count`` int64 values of ``width`` bits."""
+    """Inverse of :func:`pack_uint`: ``count`` int64 values of ``width`` bits.
+
+    Reads the (at most 5) bytes holding each value, so memory stays a few int64 per value
+    whatever ``width`` an untrusted message declares. ``packed`` must hold at least
+    ``ceil(count * width / 8)`` bytes (callers check the payload length first).
+    """
+    device = packed.device
     if width == 0 or count == 0:
-        return torch.zeros(count, dtype=torch.int64, device=packed.device)
-    bits = unpack_bits(packed, count * width).to(torch.int64).view(count, width)
-    shifts = torch.arange(width, dtype=torch.int64, device=packed.device)
-    return (bits << shifts).sum(dim=1)
+        return torch.zeros(count, dtype=torch.int64, device=device)
+    nbytes = packed_bits_nbytes(count * width)
+    padded = torch.zeros(nbytes + 5, dtype=torch.int64, device=device)
+    padded[:nbytes] = packed[:nbytes]
+    offsets = torch.arange(count, dtype=torch.int64, device=device) * width
+    first = offsets >> 3
+    word = torch.zeros(count, dtype=torch.int64, device=device)
+    for j in range(5):
+        word |= padded.index_select(0, first + j) << (8 * j)
+    return (word >> (offsets & 7)) & ((1 << width) - 1)
