@@ -95,6 +95,9 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("--request-timeout", type=float, default=3.0)
     p.add_argument("--wait-go", action="store_true", help="start each round after a stdin line")
     p.add_argument("--die-at-round", type=int, default=-1, help="SIGKILL self mid-round (tests)")
+    p.add_argument(
+        "--sigterm-at-round", type=int, default=-1, help="SIGTERM self mid-round (tests)"
+    )
     p.add_argument("--report-parts", action="store_true", help="report the part bounds (tests)")
     args = p.parse_args(argv)
 
@@ -164,6 +167,16 @@ def worker_main(argv: list[str]) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
 
             averager._before_allreduce = die
+        if r == args.sigterm_at_round:
+
+            async def terminate(group: Any) -> None:
+                import trio
+
+                await trio.sleep(0.3)
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs on the main thread
+                await trio.sleep_forever()  # until shutdown() cancels this round
+
+            averager._before_allreduce = terminate
         res = averager.step(gather={"index": args.index})
         with averager.get_tensors() as ts:
             out = encode_tensor(ts[0])

@@ -123,3 +123,21 @@ def test_invalid_arguments(two_dhts):
             av.step(gather="x" * 100_000)
     finally:
         av.shutdown()
+
+
+async def test_repeat_offenders_are_avoided_for_a_while(autojump_clock):
+    import trio
+
+    av = Averager([torch.zeros(1)], dht=None, prefix="ban", target_group_size=2, start=False,
+                  ban_after_failures=2, ban_seconds=30.0)  # fmt: skip
+    me, good, bad = "me", "good", "bad"
+    av._record_round([me, good, bad], {bad}, me)
+    assert not av._is_banned(bad)  # one failure is forgiven
+    av._record_round([me, good, bad], {bad}, me)
+    assert av._is_banned(bad) and not av._is_banned(good)
+    await trio.sleep(31.0)
+    assert not av._is_banned(bad)  # only for a while
+    av._record_round([me, bad], {bad}, me)
+    av._record_round([me, bad], set(), me)  # a good round resets the count
+    av._record_round([me, bad], {bad}, me)
+    assert not av._is_banned(bad)

@@ -108,3 +108,30 @@ def test_peer_joining_mid_run_takes_part_in_later_rounds(bootstrap):
     finally:
         for w in workers + ([late] if late else []):
             w.stop()
+
+
+def test_sigterm_mid_round_leaves_cleanly(bootstrap):
+    args = _args(rounds=1, group_size=3)
+    workers = [
+        _start(i, bootstrap, args, ["--sigterm-at-round", "0"] if i == 2 else []) for i in range(3)
+    ]
+    try:
+        initial = [_ready(w) for w in workers]
+        ids = [w.wait_for(lambda o: o["event"] == "ready", 1)["peer"] for w in workers]
+        for w in workers:
+            w.send_go()
+        assert workers[2].proc.wait(timeout=30) == 0  # left cleanly via its SIGTERM handler
+        reports = [_round(w, 0) for w in workers[:2]]
+        mean01 = torch.stack(initial[:2]).mean(0)
+        for i, rep in enumerate(reports):
+            assert rep["ok"] and len(rep["members"]) == 3 and ids[2] in rep["failed"]
+            assert rep["allreduce_s"] < 10.0
+            got = decode_tensor(rep["tensor"])
+            # every value is either this peer's own (the leaver's part) or the two survivors' mean
+            own = torch.isclose(got, initial[i], atol=1e-5)
+            averaged = torch.isclose(got, mean01, atol=1e-5)
+            assert bool((own | averaged).all())
+            assert averaged.float().mean() > 0.5  # the survivors' two parts were averaged
+    finally:
+        for w in workers:
+            w.stop()
