@@ -9,7 +9,9 @@ one write), so a call on a warm connection is one round trip.
 Connections: at most one dial per peer is in flight (concurrent callers share it). If two
 peers dial each other at the same moment both connections are kept; new streams then go
 over the connection dialed by the peer with the smaller PeerID, so both sides pick the same
-one (the other idles until it is closed with the host or the peer).
+one (the other idles until it is closed with the host or the peer). Every new connection
+runs libp2p identify, so the peerstore learns where a peer that dialed us listens. A peer's
+addresses are dialed "happy eyeballs" style (staggered, first success wins).
 """
 
 from __future__ import annotations
