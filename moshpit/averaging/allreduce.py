@@ -70,6 +70,7 @@ from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, GroupInfo, Group
 from moshpit.averaging.partition import (
     TensorLayout,
     chunk_bounds,
+    chunk_numel_for,
     copy_range,
     empty_like_all,
     gather,
@@ -225,7 +226,10 @@ class _Round:
         self.reducer_timeout = reducer_timeout
         self.is_sender = group.modes[me] != MODE_AUX
         self.bounds = part_bounds(group, layout_numel)
-        self.chunks = [chunk_bounds(a, b, service.chunk_numel) for a, b in self.bounds]
+        self.chunk_numel = chunk_numel_for(
+            layout_numel, len(group.sender_indices), service.chunk_numel
+        )
+        self.chunks = [chunk_bounds(a, b, self.chunk_numel) for a, b in self.bounds]
         self.outputs = empty_like_all(tensors) if self.is_sender and tensors is not None else None
         self.part_ok = [False] * group.size
         self.part_dev = [0.0] * group.size
@@ -286,8 +290,11 @@ class _Round:
             reducer.fail(s, "opened a second stream for the same part", excluded=True)
             raise ProtocolError("duplicate stream for this part")
         self._connected.add(s)
-        if hello.total != self.total:
-            reason = f"flat size {hello.total} != ours {self.total} (different tensors)"
+        if hello.total != self.total or hello.chunk != self.chunk_numel:
+            if hello.total != self.total:
+                reason = f"flat size {hello.total} != ours {self.total} (different tensors)"
+            else:
+                reason = f"chunk size {hello.chunk} != ours {self.chunk_numel} (different chunk_numel settings)"
             reducer.fail(s, reason, excluded=True)
             raise ProtocolError(reason)
         scope = trio.CancelScope()
@@ -412,7 +419,9 @@ class _Round:
 
     async def _exchange_part(self, stream: P2PStream, j: int) -> None:
         with trio.fail_after(self.reducer_timeout):
-            await stream.send_msg(hello_msg(self.group.group_id, j, self.total, self.weight))
+            await stream.send_msg(
+                hello_msg(self.group.group_id, j, self.total, self.chunk_numel, self.weight)
+            )
         received = [0]
         progress = [trio.Event()]
         error = await _first_error(

@@ -2,7 +2,8 @@
 
 One stream per (sender, reducer) pair, opened by the sender (see docs/allreduce.md)::
 
-    sender -> reducer   {"t": "hello", "v": 1, "gid": bytes, "part": int, "total": int, "w": float}
+    sender -> reducer   {"t": "hello", "v": 1, "gid": bytes, "part": int, "total": int,
+                         "chunk": int, "w": float}
     sender -> reducer   {"t": "chunk", "k": int, "ct": CompressedTensor msg}      k = 0, 1, ...
     reducer -> sender   {"t": "result", "k": int, "ct": CompressedTensor msg | None, "dev": float}
     either way          {"t": "error", "reason": str}                            then the stream ends
@@ -50,16 +51,18 @@ class Hello:
     group_id: bytes
     part: int
     total: int
+    chunk: int
     weight: float
 
 
-def hello_msg(group_id: bytes, part: int, total: int, weight: float) -> dict[str, Any]:
+def hello_msg(group_id: bytes, part: int, total: int, chunk: int, weight: float) -> dict[str, Any]:
     return {
         "t": "hello",
         "v": PROTOCOL_VERSION,
         "gid": group_id,
         "part": part,
         "total": total,
+        "chunk": chunk,
         "w": weight,
     }
 
@@ -103,7 +106,7 @@ def hello_group_id(msg: Any) -> bytes | None:
 
 
 def parse_hello(msg: Any) -> Hello:
-    m = _field(msg, "hello", {"t", "v", "gid", "part", "total", "w"})
+    m = _field(msg, "hello", {"t", "v", "gid", "part", "total", "chunk", "w"})
     if m["v"] != PROTOCOL_VERSION:
         raise ProtocolError(
             f"unsupported protocol version {str(m['v'])[:20]} (we speak {PROTOCOL_VERSION})"
@@ -115,6 +118,7 @@ def parse_hello(msg: Any) -> Hello:
         group_id=gid,
         part=_int(m["part"], "part", 0, 1 << 16),
         total=_int(m["total"], "total", 0, 1 << 62),
+        chunk=_int(m["chunk"], "chunk", 1, 1 << 24),
         weight=_float(m["w"], "weight", 0.0, MAX_WEIGHT),
     )
 

@@ -146,6 +146,21 @@ def part_bounds(group: GroupInfo, total: int) -> list[tuple[int, int]]:
     return bounds
 
 
+MIN_CHUNK_NUMEL = 1 << 14  # 64 KiB of float32: smaller chunks cost more in per-message overhead
+CHUNKS_PER_PEER = 16  # aim for this many chunks per (sender, reducer) pair on small vectors
+
+
+def chunk_numel_for(total: int, num_senders: int, max_chunk_numel: int) -> int:
+    """Chunk size for a round: ``max_chunk_numel`` for big vectors, smaller for small ones.
+
+    Small vectors would otherwise be one chunk per part (no pipelining, and the chunks in
+    flight would be several times the vector). Deterministic in its arguments, which every
+    member knows, so all members chunk every part identically.
+    """
+    wanted = -(-total // (CHUNKS_PER_PEER * max(1, num_senders - 1)))
+    return max(1, min(max_chunk_numel, max(MIN_CHUNK_NUMEL, wanted)))
+
+
 def chunk_bounds(start: int, end: int, chunk_numel: int) -> list[tuple[int, int]]:
     """Split [start, end) into consecutive chunks of at most ``chunk_numel`` elements."""
     if chunk_numel <= 0:

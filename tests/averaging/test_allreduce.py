@@ -265,11 +265,14 @@ async def test_single_member_group_returns_its_own_values():
         assert torch.equal(r.averaged[0], t[0])
 
 
-async def test_large_chunks_use_worker_threads_and_pipeline():
-    # 3 parts of ~200k elements, 64k-element chunks: several chunks per part, processed in threads
-    async with swarm(3, chunk_numel=1 << 16, window=2) as services:
+async def test_worker_threads_and_pipelining(monkeypatch):
+    """Every chunk's CPU work in worker threads, several chunks per part in flight."""
+    import moshpit.averaging.allreduce as allreduce_module
+
+    monkeypatch.setattr(allreduce_module, "THREAD_MIN_NUMEL", 1)
+    async with swarm(3, chunk_numel=1 << 12, window=2) as services:
         group = make_group(services)
-        tensors = [[torch.randn(600_000)] for _ in range(3)]
+        tensors = [[torch.randn(100_000)] for _ in range(3)]
         results = await run_all(services, group, tensors, timeout=60)
         want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])
         for r in results:

@@ -17,14 +17,21 @@ from dht.p2p import MemoryNetwork, P2PError
 from moshpit.averaging.aggregation import CenteredClip, ClippedMean
 from moshpit.averaging.allreduce import ALLREDUCE_PROTOCOL, AllReduceService
 from moshpit.averaging.allreduce_protocol import chunk_msg, hello_msg, result_msg
-from moshpit.averaging.partition import chunk_bounds, part_bounds
+from moshpit.averaging.partition import chunk_bounds, chunk_numel_for, part_bounds
 from tests.averaging.test_allreduce import make_group, run_all, swarm, weighted_mean
 
 # ---------------------------------------------------------------- a hand-driven member
 
 
 async def drive_sender(
-    service: AllReduceService, group, reducer: int, total: int, messages, *, read_replies=True
+    service: AllReduceService,
+    group,
+    reducer: int,
+    total: int,
+    messages,
+    *,
+    read_replies=True,
+    chunk: int | None = None,
 ) -> list:
     """Open a stream to ``reducer`` as member ``service`` and send ``messages`` (after hello,
     unless the first message is a hello itself); returns the replies until the stream ends."""
@@ -32,7 +39,11 @@ async def drive_sender(
     replies = []
     try:
         if not (messages and isinstance(messages[0], dict) and messages[0].get("t") == "hello"):
-            await stream.send_msg(hello_msg(group.group_id, reducer, total, 1.0))
+            await stream.send_msg(
+                hello_msg(
+                    group.group_id, reducer, total, chunk or _chunk(service, group, total), 1.0
+                )
+            )
         for m in messages:
             await stream.send_msg(m)
         while read_replies:
@@ -46,6 +57,10 @@ async def drive_sender(
             except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
     return replies
+
+
+def _chunk(service: AllReduceService, group, total: int) -> int:
+    return chunk_numel_for(total, len(group.sender_indices), service.chunk_numel)
 
 
 def chunk_of(values: torch.Tensor, k: int = 0) -> dict:
@@ -236,8 +251,9 @@ def _attacks(part_len: int):
             [{"t": "chunk", "k": 0, "ct": {**good, "payload": b"\0" * 2_000_000}}],
             "MessageTooLarge",
         ),
-        "wrong_total": ([hello_msg(b"", 0, 0, 1.0)], "flat size"),  # hello patched below
-        "nan_weight": ([hello_msg(b"", 0, N, 1.0)], "weight"),  # hello patched below
+        "wrong_total": ([], "flat size"),  # hello patched below
+        "nan_weight": ([], "weight"),
+        "wrong_chunking": ([], "chunk size"),  # hello patched below
     }
 
 
@@ -255,6 +271,7 @@ def _attacks(part_len: int):
         "huge",
         "wrong_total",
         "nan_weight",
+        "wrong_chunking",
     ],
 )
 async def test_malicious_sender_is_excluded_with_a_reason(attack, autojump_clock):
@@ -270,9 +287,11 @@ async def test_malicious_sender_is_excluded_with_a_reason(attack, autojump_clock
                     a, b = bounds[j]
                     msgs, _ = _attacks(b - a)[attack]
                     if attack == "wrong_total":
-                        msgs = [hello_msg(group.group_id, j, N + 1, 1.0)]
+                        msgs = [hello_msg(group.group_id, j, N + 1, 1000, 1.0)]
                     elif attack == "nan_weight":
-                        msgs = [{**hello_msg(group.group_id, j, N, 1.0), "w": math.nan}]
+                        msgs = [{**hello_msg(group.group_id, j, N, 1000, 1.0), "w": math.nan}]
+                    elif attack == "wrong_chunking":
+                        msgs = [hello_msg(group.group_id, j, N, 3, 1.0)]
 
                     async def one(j=j, msgs=msgs):
                         replies[j] = await drive_sender(services[3], group, j, N, msgs)

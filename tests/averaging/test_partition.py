@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from dht.p2p import Identity
 from moshpit.averaging.group_info import GroupInfo, GroupInfoError
 from moshpit.averaging.partition import (
+    MIN_CHUNK_NUMEL,
     TensorLayout,
     chunk_bounds,
+    chunk_numel_for,
     copy_range,
     empty_like_all,
     gather,
@@ -42,9 +44,9 @@ def flat(ts):
 def test_gather_scatter_any_range(sizes, data):
     dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
     tensors = [
-        torch.randn(s).to(data.draw(st.sampled_from(dtypes))).reshape(
-            data.draw(st.sampled_from([(s,), (1, s)]))
-        )
+        torch.randn(s)
+        .to(data.draw(st.sampled_from(dtypes)))
+        .reshape(data.draw(st.sampled_from([(s,), (1, s)])))
         for s in sizes
     ]
     layout = TensorLayout.from_tensors(tensors)
@@ -117,6 +119,14 @@ def test_part_sizes_sum_and_are_contiguous(bws, total):
                 assert sizes[i] >= sizes[j] - 1
 
 
+def test_chunk_numel_for_small_and_large_vectors():
+    assert chunk_numel_for(10**9, 4, 1 << 18) == 1 << 18  # big: the configured maximum
+    assert chunk_numel_for(4 * 10**6, 5, 1 << 18) == 62500  # 16 chunks per sender pair
+    assert chunk_numel_for(1000, 3, 1 << 18) == MIN_CHUNK_NUMEL  # tiny: not below 64 KiB
+    assert chunk_numel_for(1000, 3, 8) == 8  # an explicit small maximum wins
+    assert chunk_numel_for(0, 1, 1 << 18) == MIN_CHUNK_NUMEL
+
+
 def test_chunk_bounds():
     assert chunk_bounds(3, 10, 3) == [(3, 6), (6, 9), (9, 10)]
     assert chunk_bounds(5, 5, 4) == []
@@ -140,7 +150,9 @@ def test_group_info_validation():
 
 
 def test_group_info_wire_roundtrip_and_bad_input():
-    g = GroupInfo(b"gid", tuple(PEERS[:3]), ("node", "client", "aux"), (1e6, None, 3), ({"x": 1}, None, 2))
+    g = GroupInfo(
+        b"gid", tuple(PEERS[:3]), ("node", "client", "aux"), (1e6, None, 3), ({"x": 1}, None, 2)
+    )
     assert GroupInfo.from_msg(g.to_msg()) == g
     for bad in [
         None,
