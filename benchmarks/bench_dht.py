@@ -1,6 +1,7 @@
 """DHT benchmarks; one JSON object per result line.
 
   python benchmarks/bench_dht.py --network tcp --peers 64          # real TCP on loopback, one process
+  python benchmarks/bench_dht.py --network tcp --peers 64 --processes 4   # 4 processes x 16 peers
   python benchmarks/bench_dht.py --network loopback --peers 1024   # virtual clock, loopback fabric
   python benchmarks/bench_dht.py --network memory --peers 64       # virtual clock, real hosts on MemoryNetwork
   python benchmarks/bench_dht.py --network loopback --peers 1024 --churn 0.3
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,14 +86,37 @@ async def bench_tcp(args: argparse.Namespace) -> None:
                 task_status.started(node)
                 await trio.sleep_forever()
 
-        for _ in range(args.peers):
+        local_peers = args.peers // args.processes
+        for _ in range(local_peers):
             initial = [rng.choice(nodes).get_visible_maddrs()[0]] if nodes else []
             nodes.append(await nursery.start(run_node, initial))
+        workers = []
+        for _ in range(args.processes - 1):  # the other peers live in worker processes
+            workers.append(
+                await trio.lowlevel.open_process(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        "--peers",
+                        str(local_peers),
+                        "--join",
+                        str(rng.choice(nodes).get_visible_maddrs()[0]),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                )
+            )
+        for worker in workers:  # each prints one line once all its nodes joined
+            with trio.fail_after(300):
+                assert b"ready" in await worker.stdout.receive_some(100)
+        for node in nodes:  # learn about the workers' peers as a long-running swarm would
+            await node.find_nearest_peers(node.node_id, 20)
         rng = random.Random(args.seed + 1)  # same sequence of (node, key) pairs in each phase
         emit(
             network="tcp",
             peers=args.peers,
-            processes=1,
+            processes=args.processes,
             metric="startup_per_peer_ms",
             value=round(statistics.median(startup[1:]) * 1e3, 2),
             p95=round(percentile(startup[1:], 0.95) * 1e3, 2),
@@ -118,7 +144,7 @@ async def bench_tcp(args: argparse.Namespace) -> None:
             emit(
                 network="tcp",
                 peers=args.peers,
-                processes=1,
+                processes=args.processes,
                 metric=f"{op}_latency_ms_{phase}",
                 median=round(median * 1e3, 3),
                 p95=round(percentile(samples, 0.95) * 1e3, 3),
@@ -129,6 +155,36 @@ async def bench_tcp(args: argparse.Namespace) -> None:
                 target_ms=10,
                 met=median <= 0.010 and ok == args.ops,
             )
+        for worker in workers:
+            await worker.stdin.aclose()
+            with trio.move_on_after(30):
+                await worker.wait()
+            if worker.returncode is None:
+                worker.kill()
+                await worker.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def run_worker(args: argparse.Namespace) -> None:
+    """--processes helper: run --peers nodes joined through --join until stdin closes."""
+    async with trio.open_nursery() as nursery:
+
+        async def run_node(initial: list[Any], task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with DHTNode.open(
+                initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+            ) as node:
+                task_status.started(node)
+                await trio.sleep_forever()
+
+        nodes = []
+        for _ in range(args.peers):
+            initial = [args.join] if not nodes else [random.choice(nodes).get_visible_maddrs()[0]]
+            nodes.append(await nursery.start(run_node, initial))
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+        stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+        while await stdin.receive_some(100):
+            pass
         nursery.cancel_scope.cancel()
 
 
@@ -242,8 +298,15 @@ def main() -> None:
         "--latency", type=float, default=0.005, help="per-hop latency in simulations (s)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--processes", type=int, default=1, help="tcp: split the peers over N processes"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--join", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.network == "tcp":
+    if args.worker:
+        trio.run(run_worker, args)
+    elif args.network == "tcp":
         trio.run(bench_tcp, args)
     else:
         trio.run(bench_simulated, args, clock=trio.testing.MockClock(autojump_threshold=0))
