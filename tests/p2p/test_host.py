@@ -25,6 +25,7 @@ from dht.p2p import (
     ProtocolViolationError,
     RemoteError,
     ResourceLimitError,
+    StreamResetError,
     identify,
 )
 from dht.p2p.varint import decode_uvarint
@@ -473,3 +474,33 @@ def test_identify_message_roundtrip_and_validation():
         identify.decode_identify(framed[start:], Identity.generate().peer_id)
     with pytest.raises(ProtocolViolationError):
         identify.decode_identify(b"\x0a\xff\x01", me.peer_id)  # truncated field
+
+
+async def test_stream_limit_per_connection_is_enforced_by_the_remote():
+    async with Host.open(limits=HostLimits(max_streams_per_connection=4)) as server:
+        addrs = await server.listen(LOCAL)
+        release = trio.Event()
+
+        async def hold(stream: P2PStream):
+            await stream.send_all(b"open")
+            await release.wait()
+
+        server.set_stream_handler("/hold/1.0.0", hold)
+        server.set_rpc_handler("/echo/1.0.0", echo_rpc)
+        async with Host.open() as client:
+            pid = await client.connect(addrs)
+            session = server._best_connection(client.peer_id).session
+            await wait_until(lambda: session.num_streams == 0)  # identify streams are done
+            held = []
+            for _ in range(4):
+                stream = await client.new_stream(pid, "/hold/1.0.0")
+                assert await stream.receive_some() == b"open"
+                held.append(stream)
+            with pytest.raises(StreamResetError):
+                await client.new_stream(pid, "/hold/1.0.0")
+            release.set()
+            for stream in held:
+                assert await stream.receive_some() == b""
+                await stream.aclose()
+            await trio.sleep(0.1)
+            assert (await client.call(pid, "/echo/1.0.0", 1))["echo"] == 1
