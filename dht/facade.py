@@ -67,6 +67,7 @@ class DHT:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stopped = False
+        self._pending: weakref.WeakSet[concurrent.futures.Future] = weakref.WeakSet()
         if start:
             self.run_in_background()
 
@@ -142,6 +143,9 @@ class DHT:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+            for future in list(self._pending):  # work that never got to run on the loop
+                if not future.done():
+                    future.set_exception(RuntimeError("the DHT shut down before this call ran"))
 
     def __enter__(self) -> DHT:
         return self
@@ -166,6 +170,7 @@ class DHT:
         """Run ``await async_fn(*args)`` as a task in the services nursery; a future for its result."""
         token, services = self._require_running()
         future: concurrent.futures.Future = concurrent.futures.Future()
+        self._pending.add(future)
 
         async def runner() -> None:
             if future.cancelled():
@@ -190,8 +195,15 @@ class DHT:
             if scope.cancelled_caught and not future.done():
                 future.cancel()
 
+        def spawn() -> None:  # runs on the trio thread; must never raise there
+            try:
+                services.start_soon(runner)
+            except RuntimeError as e:  # the services nursery already closed (shutdown race)
+                if not future.done():
+                    future.set_exception(RuntimeError(f"the DHT is shutting down: {e}"))
+
         try:
-            token.run_sync_soon(services.start_soon, runner)
+            token.run_sync_soon(spawn)
         except trio.RunFinishedError as e:
             raise RuntimeError("the DHT is shutting down") from e
         return future

@@ -125,3 +125,23 @@ def test_many_owner_signed_subkeys_are_verified_in_worker_threads():
         assert first.node.storage.num_records == 40  # verified (in a thread) and stored
         found = first.get(key, latest=True)
         assert {k: v.value for k, v in found.value.items()} == {sub: i for _, sub, i, _ in items}
+
+
+def test_calls_racing_with_shutdown_fail_cleanly():
+    dht = DHT(host_maddrs=LOOPBACK)
+    futures = [dht.get(f"k{i}", return_future=True) for i in range(50)]
+    stopper = threading.Thread(target=dht.shutdown)
+    stopper.start()
+    late = []
+    for i in range(50):
+        try:
+            late.append(dht.get(f"late{i}", return_future=True))
+        except RuntimeError:
+            pass
+    stopper.join()
+    for future in futures + late:
+        try:
+            future.result(timeout=10)
+        except (RuntimeError, concurrent.futures.CancelledError):
+            pass
+    assert not dht_threads()
