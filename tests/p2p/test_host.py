@@ -489,6 +489,7 @@ async def test_stream_limit_per_connection_is_enforced_by_the_remote():
         server.set_rpc_handler("/echo/1.0.0", echo_rpc)
         async with Host.open() as client:
             pid = await client.connect(addrs)
+            await wait_until(lambda: server.is_connected(client.peer_id))
             session = server._best_connection(client.peer_id).session
             await wait_until(lambda: session.num_streams == 0)  # identify streams are done
             held = []
