@@ -20,6 +20,7 @@ from . import _bytes
 from .errors import (
     CompressionError,
     MalformedMessageError,
+    NonFiniteInputError,
     PayloadSizeError,
     SizeLimitError,
     UnknownCodecError,
@@ -302,14 +303,18 @@ def float32_flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).to(torch.float32).contiguous()
 
 
-def check_finite_scalar(value: torch.Tensor | float, what: str) -> float:
-    """Turn a reduction result into a float, raising if the input had NaN/Inf."""
-    from .errors import NonFiniteInputError
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
+
+def check_finite_scalar(value: torch.Tensor | float, what: str) -> float:
+    """Turn a reduction result into a float, raising if the input had NaN/Inf (or, for
+    float64 input, values that float32 arithmetic cannot represent)."""
     v = float(value)
     if not math.isfinite(v):
         raise NonFiniteInputError(
             f"{what} is {v}: the input contains NaN or Inf; this codec rejects non-finite "
             "values (clean or clip the tensor first, or use NoCompression/Float16)"
         )
+    if abs(v) > _F32_MAX:
+        raise NonFiniteInputError(f"{what} is {v}: beyond float32, which this codec computes in")
     return v

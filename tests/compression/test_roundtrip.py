@@ -183,3 +183,37 @@ def test_quantile_lookup_table_matches_binary_search():
         y = decompress(ct)
         assert float((y != exact).float().mean()) <= 1e-4
         assert rel_err(x, y) <= rel_err(x, exact) * 1.001
+
+
+def test_float64_beyond_float32_range_is_rejected_by_lossy_codecs():
+    x = torch.tensor([1.0, 1e300, -2.0], dtype=torch.float64)
+    for codec in REJECTING:
+        with pytest.raises(NonFiniteInputError):
+            codec.compress(x)
+    assert decompress(Float16().compress(x))[1] == 65504  # saturates, per its policy
+
+
+def test_codecs_are_safe_to_share_between_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(20_000, generator=gen) for _ in range(16)]
+    for codec in all_codecs():
+        expected = [decompress(codec.compress(x, **_seed_for(codec))) for x in inputs]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(
+                pool.map(lambda x, c=codec: decompress(c.compress(x, **_seed_for(c))), inputs)
+            )
+        for x, e, g in zip(inputs, expected, got, strict=True):
+            if codec.codec_id == 5:  # sampled codebook: same quality, not the same bytes
+                assert rel_err(x, g) <= 1.05 * rel_err(x, e) + 1e-3
+            elif codec.codec_id == 7 and not codec.exact:  # sampled threshold: DGC bounds
+                kept = g != 0
+                assert 1600 <= int(kept.sum()) <= 2600
+                assert torch.allclose(g[kept], x[kept], rtol=1e-3)
+            else:
+                assert torch.equal(e, g)
+
+
+def _seed_for(codec):
+    return {"seed": 11} if codec.codec_id == 8 else {}

@@ -27,7 +27,7 @@ def test_pack_bits_round_trip(bits):
     assert torch.equal(unpack_bits(pack_bits(t), len(bits)).bool(), t)
 
 
-@pytest.mark.parametrize("n", [5000, 100_000, 1_000_003])
+@pytest.mark.parametrize("n", [5000, 300_007])
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
 @pytest.mark.parametrize("dist", ["gauss", "heavy", "ties"])
 def test_topk_count_within_dgc_bounds(n, density, dist, device):
