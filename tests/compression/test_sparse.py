@@ -106,3 +106,32 @@ def test_scaled_sign_preserves_l1_and_signs(n, device):
     assert math.isclose(float(y.abs().sum()), float(x.abs().sum()), rel_tol=1e-5)
     assert torch.equal(torch.sign(y), torch.where(x < 0, -1.0, 1.0).to(device))
     assert ScaledSign().compress(x).nbytes == math.ceil(n / 8)
+
+
+def test_random_k_indices_identical_in_another_process():
+    """Two peers are two processes: the indices must come from the seed alone."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    code = (
+        "import json, torch; torch.manual_seed(999)\n"
+        "from compression import RandomK, decompress\n"
+        "ct = RandomK(0.01).compress(torch.randn(10_007), seed=2**40 + 3)\n"
+        "print(json.dumps(torch.nonzero(decompress(ct)).flatten().tolist()))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    theirs = json.loads(out.stdout)
+    mine = random_k_indices(10_007, 100, 2**40 + 3).tolist()
+    assert theirs == mine and len(mine) == 100
