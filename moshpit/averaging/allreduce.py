@@ -86,7 +86,7 @@ logger = logging.getLogger(__name__)
 ALLREDUCE_PROTOCOL = "/moshpit/averaging/1.0.0"
 DEFAULT_CHUNK_NUMEL = 1 << 18  # 1 MiB of float32 per chunk message
 DEFAULT_WINDOW = 4  # chunks a sender may be ahead of the results it received
-THREAD_MIN_NUMEL = 1 << 15  # smaller chunks are processed inline on the event loop (< ~1 ms)
+THREAD_MIN_NUMEL = 1 << 17  # smaller chunks run inline (< ~1 ms): a thread hand-off costs more
 MAX_PENDING_STREAMS = 256  # incoming streams waiting for their round to start
 CLOSE_TIMEOUT = 2.0  # best-effort goodbye (error message / EOF) to a peer
 
