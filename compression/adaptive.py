@@ -67,12 +67,17 @@ class RoleAdaptive(_Selector):
         return self.roles.get(role, self.default) if role is not None else self.default
 
 
+def _energy(t: torch.Tensor) -> float:
+    """Squared L2 norm; a float32 reduction (pairwise sums), squared in Python doubles."""
+    return float(torch.linalg.vector_norm(t.float())) ** 2 if t.numel() else 0.0
+
+
 def compression_gain(original: torch.Tensor, compressed: torch.Tensor) -> float:
     """``||C(g)||^2 / ||g||^2`` (GraVAC): 1 for lossless, the kept energy for top-k."""
-    total = float(original.double().pow(2).sum())
+    total = _energy(original)
     if total == 0.0:
         return 1.0
-    return float(compressed.double().pow(2).sum()) / total
+    return _energy(compressed) / total
 
 
 def exponential_factors(theta_min: float, theta_max: float) -> list[float]:
@@ -166,9 +171,9 @@ class GraVAC:
         k_c = min(idx_min.numel(), density_to_k(n, 1.0 / self.theta_c))
         top_in_min = torch.topk(flat[idx_min].abs(), k_c, sorted=False).indices
         idx_c = idx_min[top_in_min].sort().values
-        energy = float(flat.double().pow(2).sum())
-        gain_min = float(flat[idx_min].double().pow(2).sum()) / energy if energy else 1.0
-        gain_c = float(flat[idx_c].double().pow(2).sum()) / energy if energy else 1.0
+        energy = _energy(flat)
+        gain_min = _energy(flat[idx_min]) / energy if energy else 1.0
+        gain_c = _energy(flat[idx_c]) / energy if energy else 1.0
         self.gain_min = self._ewma(self.gain_min, gain_min)
         self.gain_c = self._ewma(self.gain_c, gain_c)
 

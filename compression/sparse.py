@@ -94,8 +94,8 @@ def dgc_select(
     if n <= exact_below:
         return _exact_topk(values, k)
     k_lo, k_hi = math.ceil(0.8 * k), max(k, math.floor(1.3 * k))
-    m = min(n, max(int(n * sample_ratio), 1024))
-    sample = _sample(values, m, generator).abs()
+    sample = _sample(values, min(n, max(int(n * sample_ratio), 1024)), generator).abs()
+    m = sample.numel()
     rank = max(1, round(m * k / n))
     ranked = torch.topk(sample, min(m, 4 * rank + 8), sorted=True).values
     for _ in range(4):
@@ -199,7 +199,7 @@ class TopK(Codec):
             return _exact_topk(flat, k)
         return dgc_select(flat, k, self.sample_ratio, self._gen)
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytearray, dict[str, MetaValue]]:
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
         flat = tensor.reshape(-1)
         _check_finite(flat)
         return self.encode_selected(flat, self.select(flat))
