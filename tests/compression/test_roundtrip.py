@@ -217,3 +217,25 @@ def test_codecs_are_safe_to_share_between_threads():
 
 def _seed_for(codec):
     return {"seed": 11} if codec.codec_id == 8 else {}
+
+
+@pytest.mark.parametrize("offset", [0.0, -3.0, 1e4])
+def test_uniform_rounds_to_nearest_level_everywhere(offset):
+    """Per element |error| <= step/2, on both the fused and the large-offset path."""
+    x = torch.randn(300_001, generator=torch.Generator().manual_seed(5)) + offset
+    ct = Uniform8Bit().compress(x)
+    step, lo = ct.meta["step"], ct.meta["lo"]
+    y = decompress(ct)
+    assert float((y.double() - x.double()).abs().max()) <= step / 2 * 1.001 + 1e-6 * abs(lo)
+    assert float(y.min()) == pytest.approx(float(x.min()), abs=1e-6 * (1 + abs(offset)))
+
+
+def test_blockwise_error_within_half_step_per_block():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(300_001, generator=gen) * torch.rand(300_001, generator=gen).pow(4) * 100
+    y = decompress(Blockwise8Bit(block_size=64).compress(x))
+    pad = (-x.numel()) % 64
+    xb = torch.cat([x, x.new_zeros(pad)]).view(-1, 64)
+    yb = torch.cat([y, y.new_zeros(pad)]).view(-1, 64)
+    half_step = xb.abs().amax(dim=1, keepdim=True) / 127 / 2
+    assert bool(((yb - xb).abs() <= half_step * 1.0001 + 1e-30).all())
