@@ -16,13 +16,13 @@ import trio
 from dht.kademlia.clock import get_dht_time
 from dht.kademlia.errors import BootstrapError, DHTProtocolError, RecordRejectedError
 from dht.kademlia.ids import (
-    deserialize,
     id_from_bytes,
     id_to_bytes,
     node_id_of,
     random_id,
     serialize,
 )
+from dht.kademlia.merge import merge_records, unique_live_records
 from dht.kademlia.network import HostNetwork, PeerUnreachableError, RPCNetwork
 from dht.kademlia.protocol import (
     MAX_RECORDS_PER_STORE,
@@ -619,55 +619,13 @@ class DHTNode:
     async def _merge(
         self, key_bytes: bytes, entry_lists: list[list[Any]]
     ) -> tuple[ValueWithExpiration | None, Any]:
-        """Validate and merge entries from several replicas: newest plain value vs. dictionary."""
-        now = get_dht_time()
-        unique: dict[tuple[Any, ...], DHTRecord] = {}
-        for entries in entry_lists:
-            for subkey, value, expiration, signature in entries:
-                if expiration > now and (subkey, value, expiration, signature) not in unique:
-                    unique[(subkey, value, expiration, signature)] = DHTRecord(
-                        key_bytes, subkey, value, expiration, signature
-                    )
-        candidates = [r for r in unique.values() if r.size <= self.storage.limits.max_record_bytes]
+        """Validate (untrusted replicas!) and merge what several replicas returned."""
+        limit = self.storage.limits.max_record_bytes
+        candidates = unique_live_records(key_bytes, entry_lists, get_dht_time(), limit)
         reasons = await self._validate_many(candidates)
-        best_plain: DHTRecord | None = None
-        subkeys: dict[bytes, DHTRecord] = {}
-        for record, reason in zip(candidates, reasons, strict=True):
-            if reason is not None:
-                continue
-            if record.subkey is None:
-                if best_plain is None or record.expiration_time > best_plain.expiration_time:
-                    best_plain = record
-            elif (
-                record.subkey not in subkeys
-                or record.expiration_time > subkeys[record.subkey].expiration_time
-            ):
-                subkeys[record.subkey] = record
-        if best_plain is not None:
-            subkeys = {
-                s: r for s, r in subkeys.items() if r.expiration_time > best_plain.expiration_time
-            }
-            if not subkeys:
-                try:
-                    return ValueWithExpiration(
-                        deserialize(best_plain.value), best_plain.expiration_time
-                    ), best_plain
-                except Exception:  # noqa: BLE001 - undecodable bytes from the network
-                    return None, None
-        merged: dict[Any, ValueWithExpiration] = {}
-        for record in subkeys.values():
-            try:
-                name = deserialize(record.subkey)
-                hash(name)
-                merged[name] = ValueWithExpiration(
-                    deserialize(record.value), record.expiration_time
-                )
-            except Exception:  # noqa: BLE001 - undecodable or unhashable subkey from the network
-                continue
-        if not merged:
-            return None, None
-        latest = max(v.expiration_time for v in merged.values())
-        return ValueWithExpiration(merged, latest), merged
+        return merge_records(
+            r for r, reason in zip(candidates, reasons, strict=True) if reason is None
+        )
 
     # ------------------------------------------------------------------ incoming RPCs
 

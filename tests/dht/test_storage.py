@@ -82,3 +82,29 @@ def test_replacing_records_keeps_accounting_and_heap_bounded():
         assert s.store(kid("k"), rec("k", i, 1.0 + i), now=0.0)[0]
     assert len(s) == 1 and s.num_bytes == rec("k", 9999, 1.0).size
     assert len(s._heap) <= 4 * 1024 + 1
+
+
+def test_reader_merge_rules_match_storage():
+    from dht.kademlia.merge import merge_records, unique_live_records
+
+    k = serialize("k")
+    entries_a = [
+        (serialize("s1"), serialize("old"), 10.0, None),
+        (None, serialize("plain"), 12.0, None),
+    ]
+    entries_b = [
+        (serialize("s1"), serialize("new"), 20.0, None),
+        (serialize("s2"), b"\xc1", 30.0, None),
+    ]
+    records = unique_live_records(
+        k, [entries_a, entries_b, entries_a], now=0.0, max_record_bytes=1024
+    )
+    assert len(records) == 4  # duplicates dropped
+    value, _ = merge_records(records)
+    # s2's value is not valid msgpack (0xc1): skipped; s1's newest record wins over the plain value
+    assert value.value == {"s1": ("new", 20.0)} and value.expiration_time == 20.0
+    value, best = merge_records(
+        r for r in records if r.subkey != serialize("s1") or r.expiration_time < 15
+    )
+    assert value == ("plain", 12.0) and best.subkey is None
+    assert unique_live_records(k, [entries_a], now=11.0, max_record_bytes=1024)[0].subkey is None
