@@ -239,3 +239,12 @@ def test_blockwise_error_within_half_step_per_block():
     yb = torch.cat([y, y.new_zeros(pad)]).view(-1, 64)
     half_step = xb.abs().amax(dim=1, keepdim=True) / 127 / 2
     assert bool(((yb - xb).abs() <= half_step * 1.0001 + 1e-30).all())
+
+
+@pytest.mark.parametrize("which", range(len(all_codecs())))
+def test_non_contiguous_input_equals_contiguous(which):
+    x = torch.randn(64, 50, generator=torch.Generator().manual_seed(8)).t()[::2]
+    a = all_codecs()[which].compress(x, **_seed(which))
+    b = all_codecs()[which].compress(x.contiguous(), **_seed(which))
+    assert a.shape == (25, 64) and bytes(a.payload) == bytes(b.payload) and a.meta == b.meta
+    assert torch.equal(decompress(a), decompress(b))
