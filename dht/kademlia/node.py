@@ -13,6 +13,7 @@ from typing import Any
 
 import trio
 
+from dht.kademlia.batching import FindBatcher
 from dht.kademlia.clock import get_dht_time
 from dht.kademlia.errors import BootstrapError, DHTProtocolError, RecordRejectedError
 from dht.kademlia.ids import (
@@ -26,6 +27,7 @@ from dht.kademlia.merge import merge_records, unique_live_records
 from dht.kademlia.network import HostNetwork, PeerUnreachableError, RPCNetwork
 from dht.kademlia.protocol import (
     MAX_RECORDS_PER_STORE,
+    MAX_VALUE_RESPONSE_BYTES,
     FindRequest,
     FindResult,
     PingRequest,
@@ -129,6 +131,7 @@ class DHTNode:
         self._own_addrs_cache: list[bytes] | None = None
         self._node_ids: dict[bytes, tuple[Any, int]] = {}  # PeerID bytes -> (PeerID, node ID)
         self._cpu_limiter = trio.CapacityLimiter(2)
+        self._finds = FindBatcher(self._find_rpc)
         # under MockClock(autojump_threshold=0) a worker thread lets virtual time leap past
         # every timeout, so simulations raise this to keep verification on the loop
         self.max_signatures_on_loop = max_signatures_on_loop
@@ -396,10 +399,9 @@ class DHTNode:
         stop_when = self._has_plain_value if mode == "first-value" else None
 
         async def find(contact: Contact) -> FindResult | None:
-            results = await self._find_rpc(
-                contact, [target_id], count=max(2 * beam_size, self.alpha)
-            )
-            return results[0] if results else None
+            assert self._nursery is not None
+            count = max(2 * beam_size, self.alpha)
+            return await self._finds.find(self._nursery, contact, target_id, count)
 
         initial = self.routing_table.nearest(target_id, max(beam_size, self.bucket_size))
         lookup = Lookup(
@@ -648,6 +650,7 @@ class DHTNode:
                 stored = None if self.client_mode else self.storage.get(key_id, now)
                 nearest = self.routing_table.nearest(key_id, request.count, exclude=peer_id)
                 peers = [[c.peer_id.to_bytes(), list(c.addrs)] for c in nearest]
-                results.append([encode_entries(stored), peers])
+                budget = MAX_VALUE_RESPONSE_BYTES // len(request.key_ids)
+                results.append([encode_entries(stored, budget), peers])
             return {"results": results}
         raise DHTProtocolError(f"unsupported request {type(request).__name__}")

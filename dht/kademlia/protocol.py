@@ -207,10 +207,12 @@ def parse_find_response(
     return parsed
 
 
-MAX_VALUE_RESPONSE_BYTES = 4 * 1024 * 1024
+MAX_VALUE_RESPONSE_BYTES = 8 * 1024 * 1024  # value entries per find reply, shared by its keys
 
 
-def encode_entries(stored: DHTRecord | dict[bytes, DHTRecord] | None) -> list[list[Any]] | None:
+def encode_entries(
+    stored: DHTRecord | dict[bytes, DHTRecord] | None, max_bytes: int = MAX_VALUE_RESPONSE_BYTES
+) -> list[list[Any]] | None:
     """Entries of a stored value for a find reply, capped in count and bytes (latest first),
     so a huge dictionary value cannot exceed the transport's message size limit."""
     if stored is None:
@@ -222,7 +224,7 @@ def encode_entries(stored: DHTRecord | dict[bytes, DHTRecord] | None) -> list[li
     entries, total = [], 0
     for r in records[:MAX_ENTRIES_PER_VALUE]:
         total += r.size
-        if total > MAX_VALUE_RESPONSE_BYTES and entries:
+        if total > max_bytes and entries:
             break
         entries.append([r.subkey, r.value, r.expiration_time, r.signature])
     return entries

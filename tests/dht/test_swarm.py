@@ -143,6 +143,10 @@ async def test_concurrent_lookups_of_one_key_share_a_search(autojump_clock, virt
             for _ in range(10):
                 nursery.start_soon(node.get, "shared", True)
         assert len(node.lookup_stats) == before + 1
+        # lookups of different keys running together share batched find RPCs
+        items = [(f"batch{i}", None, i, get_dht_time() + 100) for i in range(200)]
+        assert all((await node.store_many(items)).values())
+        assert node._finds.requests_sent < 0.9 * node._finds.keys_sent
 
 
 async def test_malformed_rpcs_get_errors_and_the_node_keeps_serving(

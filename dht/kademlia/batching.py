@@ -1,0 +1,71 @@
+"""Coalescing of concurrent ``find`` requests to the same peer into one batched RPC.
+
+Lookups for different keys that run at the same time (``get_many``, ``store_many``, several
+averagers) usually ask the same peers first: they start from the same routing table. Each
+lookup asks the batcher for one key; requests for one peer that arrive within the same
+scheduling tick travel as one ``find`` with many keys, and every waiter gets its own result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Hashable
+
+import trio
+import trio.lowlevel
+
+from dht.kademlia.protocol import FindResult
+from dht.kademlia.routing import Contact
+
+SendFn = Callable[[Contact, list[int], int], Awaitable[list[FindResult] | None]]
+
+MAX_KEYS_PER_BATCH = 16  # keeps batched replies far below the message size limit
+
+
+class _Batch:
+    def __init__(self, contact: Contact):
+        self.contact = contact
+        self.keys: list[int] = []
+        self.index: dict[int, int] = {}
+        self.count = 0
+        self.sealed = False
+        self.done = trio.Event()
+        self.results: list[FindResult] | None = None
+
+
+class FindBatcher:
+    def __init__(self, send: SendFn, max_keys: int = MAX_KEYS_PER_BATCH):
+        self._send = send
+        self.max_keys = max_keys
+        self._open: dict[Hashable, _Batch] = {}
+        self.requests_sent = 0
+        self.keys_sent = 0
+
+    async def find(
+        self, nursery: trio.Nursery, contact: Contact, key_id: int, count: int
+    ) -> FindResult | None:
+        """Ask ``contact`` about ``key_id``; None if the peer failed to answer."""
+        batch = self._open.get(contact.peer_id)
+        if batch is None or batch.sealed or len(batch.keys) >= self.max_keys:
+            batch = self._open[contact.peer_id] = _Batch(contact)
+            nursery.start_soon(self._flush, batch)  # in the node's nursery: waiters may leave
+        if key_id not in batch.index:
+            batch.index[key_id] = len(batch.keys)
+            batch.keys.append(key_id)
+        batch.count = max(batch.count, count)
+        await batch.done.wait()
+        return None if batch.results is None else batch.results[batch.index[key_id]]
+
+    async def _flush(self, batch: _Batch) -> None:
+        try:
+            await (
+                trio.lowlevel.checkpoint()
+            )  # let the lookups scheduled in this tick join the batch
+            batch.sealed = True
+            if self._open.get(batch.contact.peer_id) is batch:
+                del self._open[batch.contact.peer_id]
+            self.requests_sent += 1
+            self.keys_sent += len(batch.keys)
+            batch.results = await self._send(batch.contact, batch.keys, batch.count)
+        finally:
+            batch.sealed = True
+            batch.done.set()
