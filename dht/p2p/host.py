@@ -152,6 +152,8 @@ class _Connection:
         self.session = session
         self.outbound = outbound
         self.remote_addr = remote_addr
+        self.last_used = trio.current_time()  # last stream opened or accepted
+        self.identified = trio.Event()  # our identify exchange on it finished (or failed)
 
     @property
     def alive(self) -> bool:
@@ -266,7 +268,7 @@ class Host:
                 await _close_quietly(raw)
                 return
             if (
-                self._connection_count() >= self.limits.max_connections
+                not self._make_room()
                 or self._pending_handshakes >= self.limits.max_pending_handshakes
             ):
                 logger.warning(
@@ -481,10 +483,29 @@ class Host:
         return peer_id
 
     def _check_connection_limit(self) -> None:
-        if self._connection_count() + len(self._dials) >= self.limits.max_connections:
+        if not self._make_room(len(self._dials)):
             raise ResourceLimitError(
-                f"connection limit reached ({self.limits.max_connections} connections/dials)"
+                f"connection limit reached ({self.limits.max_connections} connections/dials, "
+                "all of them busy)"
             )
+
+    def _make_room(self, reserved: int = 0) -> bool:
+        """True if one more connection fits, closing the least recently used idle connection
+        (no open streams) when the limit is reached; False if every connection is busy."""
+        if self._connection_count() + reserved < self.limits.max_connections:
+            return True
+        idle = [c for group in self._conns.values() for c in group if c.session.num_streams == 0]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.last_used)
+        logger.info(
+            "closing idle connection to %s (%s) to make room (limit %d)",
+            victim.peer_id.short(),
+            victim.remote_addr,
+            self.limits.max_connections,
+        )
+        victim.session._shutdown("closed to make room for a new connection")
+        return self._connection_count() + reserved < self.limits.max_connections
 
     async def _dial_unknown(self, maddrs: list[Multiaddr], timeout: float) -> PeerID:  # noqa: ASYNC109
         self._check_connection_limit()
@@ -655,6 +676,7 @@ class Host:
         """new_stream without its own cancel scope (callers that have one use this)."""
         conn = await self._get_connection(peer_id, timeout)
         ystream = await conn.session.open_stream()
+        conn.last_used = trio.current_time()
         try:
             _, stream = await multistream.negotiate_outbound(
                 ystream, [protocol], timeout, lazy=lazy
@@ -665,6 +687,7 @@ class Host:
         return P2PStream(stream, ystream, peer_id, protocol, self.limits.max_message_size)
 
     async def _handle_stream(self, conn: _Connection, ystream: YamuxStream) -> None:
+        conn.last_used = trio.current_time()
         try:
             protocol, stream = await multistream.negotiate_inbound(
                 ystream, self._supports, self.limits.negotiation_timeout
@@ -719,6 +742,12 @@ class Host:
 
     async def _identify_peer(self, conn: _Connection) -> None:
         """Learn where a newly connected peer listens (so it can be redialed later)."""
+        try:
+            await self._identify_exchange(conn)
+        finally:
+            conn.identified.set()
+
+    async def _identify_exchange(self, conn: _Connection) -> None:
         with trio.move_on_after(self.limits.handshake_timeout):
             try:
                 ystream = await conn.session.open_stream()

@@ -329,22 +329,45 @@ async def test_hundred_hosts_in_one_loop(autojump_clock):
     assert len(results) == 2 * n and all(results)
 
 
-async def test_connection_limit_refuses_extra_peers(caplog):
+async def test_connection_limit_trims_idle_then_refuses_when_busy(caplog):
     async with Host.open(limits=HostLimits(max_connections=1)) as server:
         addrs = await server.listen(LOCAL)
         server.set_rpc_handler("/echo/1.0.0", echo_rpc)
-        async with Host.open() as first, Host.open() as second:
+        release = trio.Event()
+
+        async def hold(stream: P2PStream):
+            await stream.send_all(b"busy")
+            await release.wait()
+
+        server.set_stream_handler("/hold/1.0.0", hold)
+        async with Host.open() as first, Host.open() as second, Host.open() as third:
             await first.connect(addrs)
+            await wait_until(lambda: server.is_connected(first.peer_id))
+            # both identify exchanges are over: the connection is idle
+            await first._best_connection(server.peer_id).identified.wait()
+            conn = server._best_connection(first.peer_id)
+            await conn.identified.wait()
+            await wait_until(lambda: conn.session.num_streams == 0)
+            # an idle connection is closed to make room for a new peer
+            with caplog.at_level(logging.INFO, logger="dht.p2p.host"):
+                await second.connect(addrs)
+                assert (await second.call(server.peer_id, "/echo/1.0.0", 1))["echo"] == 1
+            assert any("closing idle connection" in r.message for r in caplog.records)
+            await wait_until(lambda: not first.is_connected(server.peer_id))
+            assert server.connected_peers() == [second.peer_id]
+            # while the only connection is busy, new peers are refused
+            busy = await second.new_stream(server.peer_id, "/hold/1.0.0")
+            assert await busy.receive_some() == b"busy"
             with caplog.at_level(logging.WARNING, logger="dht.p2p.host"):
                 with pytest.raises((DialError, P2PTimeoutError)):
-                    await second.connect(addrs, timeout=3)
-            assert any("connection limit" in r.message for r in caplog.records)
-            assert (await first.call(server.peer_id, "/echo/1.0.0", 1))["echo"] == 1
-            assert server.connected_peers() == [first.peer_id]
-            # the limit applies to our own dials too
-            (addr_second,) = await second.listen(LOCAL)
+                    await third.connect(addrs, timeout=3)
+            assert any("connection limit reached" in r.message for r in caplog.records)
+            # and the limit applies to our own dials too
+            (addr_third,) = await third.listen(LOCAL)
             with pytest.raises(ResourceLimitError):
-                await server.connect([addr_second])
+                await server.connect([addr_third])
+            release.set()
+            assert (await second.call(server.peer_id, "/echo/1.0.0", 2))["echo"] == 2
 
 
 async def test_message_size_cap_on_send():
@@ -490,6 +513,8 @@ async def test_stream_limit_per_connection_is_enforced_by_the_remote():
         async with Host.open() as client:
             pid = await client.connect(addrs)
             await wait_until(lambda: server.is_connected(client.peer_id))
+            await client._best_connection(server.peer_id).identified.wait()
+            await server._best_connection(client.peer_id).identified.wait()
             session = server._best_connection(client.peer_id).session
             await wait_until(lambda: session.num_streams == 0)  # identify streams are done
             held = []
