@@ -10,6 +10,8 @@ One JSON object per line:
   same size with the same processes, median of repeats: the baseline.
 - one warm-up ``step()`` per configuration is not counted (first-use allocations, dials).
 - ``{"kind": "averaging", ...}``: medians over rounds, ``allreduce_vs_gloo`` (ratio),
+  ``matchmaking_s`` (slowest peer: includes the skew between peers' step() calls) and
+  ``matchmaking_last_peer_s`` (the last peer to arrive: the pure matchmaking overhead),
   ``bytes_sent_per_peer`` (tensor payload bytes, mean over peers), ``peak_extra_mem_bytes``
   (max over peers of VmHWM - VmRSS measured around the rounds, /proc peak reset before) and its
   ratio to the tensor bytes. Our all-reduce always runs over Noise-encrypted connections.
@@ -248,6 +250,11 @@ def run_peers(
                 ok = all(s["ok"] and s["group"] == num_peers for rnd in per_round for s in rnd)
                 step_s = statistics.median(max(s["step_s"] for s in rnd) for rnd in per_round)
                 mm_s = statistics.median(max(s["matchmaking_s"] for s in rnd) for rnd in per_round)
+                # the last peer to call step() waits only for the group to form: pure overhead
+                mm_last_s = statistics.median(
+                    min(s["matchmaking_s"] for s in rnd) for rnd in per_round
+                )
+                ar_each = [round(max(s["allreduce_s"] for s in rnd), 3) for rnd in per_round]
                 ar_s = statistics.median(max(s["allreduce_s"] for s in rnd) for rnd in per_round)
                 sent = statistics.mean(s["bytes_sent"] for rnd in per_round for s in rnd)
                 peaks = [
@@ -263,7 +270,9 @@ def run_peers(
                     "all_ok": ok,
                     "step_s": round(step_s, 4),
                     "matchmaking_s": round(mm_s, 4),
+                    "matchmaking_last_peer_s": round(mm_last_s, 4),
                     "allreduce_s": round(ar_s, 4),
+                    "allreduce_s_per_round": ar_each,
                     "gloo_s": round(gloo, 4),
                     "allreduce_vs_gloo": round(ar_s / gloo, 2) if gloo > 0 else None,
                     "bytes_sent_per_peer": int(sent),
