@@ -40,7 +40,14 @@ CODECS = [
     (ScaledFloat16(), None, None, None, None),
     (Uniform8Bit(), "<= 4x clone, <= 8.25 bits, rel err <= 1e-2 (gaussian)", 4.0, 8.25, 1e-2),
     (
-        Uniform8Bit(clip_sigmas=4.0),
+        Uniform8Bit(range_sigmas=None),
+        "<= 4x clone, <= 8.25 bits, rel err <= 1e-2 (gaussian)",
+        4.0,
+        8.25,
+        1e-2,
+    ),
+    (
+        Uniform8Bit(outliers=False),
         "<= 4x clone, <= 8.25 bits, rel err <= 1e-2 (gaussian)",
         4.0,
         8.25,

@@ -24,8 +24,9 @@ from .base import (
     meta_float,
     meta_int,
 )
-from .errors import MalformedMessageError, PayloadValueError
+from .errors import MalformedMessageError
 from .floating import encode_scaled_fp16, validate_pow2_scale
+from .indices import pack_indices, sample_runs, sparse_nonzero, unpack_indices
 
 _MAX_SEED = 2**63 - 1
 
@@ -94,7 +95,7 @@ def dgc_select(
     if n <= exact_below:
         return _exact_topk(values, k)
     k_lo, k_hi = math.ceil(0.8 * k), max(k, math.floor(1.3 * k))
-    sample = _sample(values, min(n, max(int(n * sample_ratio), 1024)), generator).abs()
+    sample = sample_runs(values, min(n, max(int(n * sample_ratio), 1024)), generator).abs()
     m = sample.numel()
     rank = max(1, round(m * k / n))
     ranked = torch.topk(sample, min(m, 4 * rank + 8), sorted=True).values
@@ -113,23 +114,6 @@ def dgc_select(
     return _exact_topk(values, k)
 
 
-_RUN = 64
-
-
-def _sample(values: torch.Tensor, m: int, generator: torch.Generator | None) -> torch.Tensor:
-    """About ``m`` entries: runs of 64 consecutive values at uniformly random offsets.
-
-    Runs cost one cache miss per 16 values instead of one per value (random single-element
-    gathers from a large tensor dominated selection time), while still covering the tensor.
-    """
-    n = values.numel()
-    if n < 16 * _RUN:
-        return values[torch.randint(n, (m,), generator=generator).to(values.device)]
-    starts = torch.randint(n - _RUN + 1, (max(1, m // _RUN), 1), generator=generator)
-    idx = (starts + torch.arange(_RUN)).view(-1)
-    return values[idx.to(values.device)]
-
-
 def _at_least(values: torch.Tensor, threshold: float) -> torch.Tensor:
     """Sorted indices with |value| >= threshold, streaming through cache-sized slices."""
     n, device = values.numel(), values.device
@@ -141,7 +125,7 @@ def _at_least(values: torch.Tensor, threshold: float) -> torch.Tensor:
         m = stop - start
         torch.abs(values[start:stop], out=mags[:m])
         torch.ge(mags[:m], threshold, out=mask[:m])
-        hits = torch.nonzero(mask[:m]).squeeze(1)
+        hits = sparse_nonzero(mask[:m])
         if hits.numel():
             found.append(hits.add_(start))
     if not found:
@@ -151,15 +135,6 @@ def _at_least(values: torch.Tensor, threshold: float) -> torch.Tensor:
 
 def _exact_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(values.abs(), k, sorted=False).indices.sort().values
-
-
-def _pack_indices(indices: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sorted unique indices -> (bit-packed gaps, bits per gap)."""
-    if indices.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=indices.device), 0
-    gaps = torch.diff(indices, prepend=indices.new_full((1,), -1)) - 1
-    width = int(gaps.max()).bit_length()
-    return _bytes.pack_uint(gaps, width), width
 
 
 class TopK(Codec):
@@ -206,7 +181,7 @@ class TopK(Codec):
 
     def encode_selected(self, flat: torch.Tensor, indices: torch.Tensor):
         """Payload and meta sending ``flat[indices]`` (sorted, unique) and nothing else."""
-        packed, width = _pack_indices(indices)
+        packed, width = pack_indices(indices)
         k = indices.numel()
         nvalue = k * self._vbits // 8
         buf = _bytes.alloc(nvalue + packed.numel())
@@ -239,13 +214,7 @@ class TopK(Codec):
     def indices(cls, ct: CompressedTensor) -> torch.Tensor:
         """The (validated, sorted, unique) indices a message carries, as CPU int64."""
         k, width, vbits = ct.meta["k"], ct.meta["width"], ct.meta["vbits"]
-        nvalue = k * vbits // 8
-        packed = _bytes.view(ct.payload, torch.uint8, len(ct.payload) - nvalue, nvalue)
-        gaps = _bytes.unpack_uint(packed, k, width)
-        indices = torch.cumsum(gaps + 1, 0) - 1  # strictly increasing: unique by design
-        if k and int(indices[-1]) >= ct.numel:
-            raise PayloadValueError(f"TopK index {int(indices[-1])} out of range {ct.numel}")
-        return indices
+        return unpack_indices(ct, k, width, k * vbits // 8)
 
     @classmethod
     def check_content(cls, ct: CompressedTensor) -> None:

@@ -88,8 +88,9 @@ BOUNDS = [
     (Float16(), 1e-3),
     (ScaledFloat16(), 1e-3),
     (BFloat16(), 5e-3),
-    (Uniform8Bit(), 2e-2),
-    (Uniform8Bit(clip_sigmas=4.0), 1e-2),
+    (Uniform8Bit(), 1e-2),
+    (Uniform8Bit(range_sigmas=None), 2e-2),
+    (Uniform8Bit(outliers=False), 1e-2),
     (Quantile8Bit(), 1e-2),
     (Blockwise8Bit(), 1e-2),
 ]
@@ -106,9 +107,9 @@ def test_error_bounds_on_gaussian(codec, bound, dtype, device):
 def test_blockwise_beats_uniform_on_gaussian_and_heavy_tails():
     gen = torch.Generator().manual_seed(0)
     for x in [torch.randn(2**16, generator=gen), torch.randn(2**16, generator=gen) ** 3]:
-        ub = rel_err(x, decompress(Uniform8Bit().compress(x)))
         bw = rel_err(x, decompress(Blockwise8Bit().compress(x)))
-        assert bw < ub
+        for uniform in (Uniform8Bit(), Uniform8Bit(range_sigmas=None)):
+            assert bw < rel_err(x, decompress(uniform.compress(x)))
 
 
 def test_scaled_fp16_keeps_tiny_and_huge_values():
@@ -205,7 +206,8 @@ def test_codecs_are_safe_to_share_between_threads():
                 pool.map(lambda x, c=codec: decompress(c.compress(x, **_seed_for(c))), inputs)
             )
         for x, e, g in zip(inputs, expected, got, strict=True):
-            if codec.codec_id == 5:  # sampled codebook: same quality, not the same bytes
+            if codec.codec_id == 5 or getattr(codec, "range_sigmas", None):
+                # sampled codebook or range: same quality, not the same bytes
                 assert rel_err(x, g) <= 1.05 * rel_err(x, e) + 1e-3
             elif codec.codec_id == 7 and not codec.exact:  # sampled threshold: DGC bounds
                 kept = g != 0
@@ -219,11 +221,12 @@ def _seed_for(codec):
     return {"seed": 11} if codec.codec_id == 8 else {}
 
 
+@pytest.mark.parametrize("range_sigmas", [None, 4.0])
 @pytest.mark.parametrize("offset", [0.0, -3.0, 1e4])
-def test_uniform_rounds_to_nearest_level_everywhere(offset):
-    """Per element |error| <= step/2, on both the fused and the large-offset path."""
+def test_uniform_rounds_to_nearest_level_everywhere(offset, range_sigmas):
+    """Per element |error| <= step/2 (outliers exact), on the fused and large-offset paths."""
     x = torch.randn(300_001, generator=torch.Generator().manual_seed(5)) + offset
-    ct = Uniform8Bit().compress(x)
+    ct = Uniform8Bit(range_sigmas=range_sigmas).compress(x)
     step, lo = ct.meta["step"], ct.meta["lo"]
     y = decompress(ct)
     assert float((y.double() - x.double()).abs().max()) <= step / 2 * 1.001 + 1e-6 * abs(lo)
@@ -248,3 +251,20 @@ def test_non_contiguous_input_equals_contiguous(which):
     b = all_codecs()[which].compress(x.contiguous(), **_seed(which))
     assert a.shape == (25, 64) and bytes(a.payload) == bytes(b.payload) and a.meta == b.meta
     assert torch.equal(decompress(a), decompress(b))
+
+
+def test_uniform_sends_outliers_exactly_and_falls_back_on_heavy_tails():
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(300_000, generator=gen)
+    x[torch.randint(300_000, (40,), generator=gen)] = 1e3
+    ct = Uniform8Bit().compress(x)
+    assert 40 <= ct.meta["m"] <= 300 and 8 * ct.nbytes / x.numel() <= 8.02
+    y = decompress(wire(ct, x.numel()))
+    big = x.abs() > 100
+    assert torch.equal(y[big], x[big]) and rel_err(x, y) < 1e-2
+    assert ct.meta["step"] < 9.0 / 255  # the bulk kept a fine step
+    clipped = decompress(Uniform8Bit(outliers=False).compress(x))
+    assert float(clipped.max()) < 10  # clipped to mean + 4 std
+    heavy = torch.randn(300_000, generator=gen) ** 5  # far more than 1/64 beyond 4 std
+    ct = Uniform8Bit().compress(heavy)
+    assert ct.meta["m"] == 0 and ct.meta["lo"] == float(heavy.min())

@@ -135,3 +135,14 @@ def test_random_k_indices_identical_in_another_process():
     theirs = json.loads(out.stdout)
     mine = random_k_indices(10_007, 100, 2**40 + 3).tolist()
     assert theirs == mine and len(mine) == 100
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 5000), st.floats(0, 1), st.integers(0, 16), st.integers(0, 2**31))
+def test_sparse_nonzero_matches_nonzero(n, density, offset, seed):
+    from compression.indices import sparse_nonzero
+
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.rand(n + offset, generator=gen) < density * density  # mostly sparse
+    mask = base[offset:]  # also unaligned views
+    assert torch.equal(sparse_nonzero(mask), torch.nonzero(mask).squeeze(1))
