@@ -401,7 +401,12 @@ class DHTNode:
         async def find(contact: Contact) -> FindResult | None:
             assert self._nursery is not None
             count = max(2 * beam_size, self.alpha)
-            return await self._finds.find(self._nursery, contact, target_id, count)
+            if len(self._searches) > 1:  # other lookups are running: share RPCs with them
+                return await self._finds.find(self._nursery, contact, target_id, count)
+            results = await self._find_rpc(
+                contact, [target_id], count
+            )  # cancellable, no extra tick
+            return results[0] if results else None
 
         initial = self.routing_table.nearest(target_id, max(beam_size, self.bucket_size))
         lookup = Lookup(
