@@ -158,13 +158,32 @@ class GraVAC:
         return ct
 
     def compress_with_decoded(self, tensor: torch.Tensor, key: Hashable = None):
+        """Like :meth:`compress`, also returning the float32 tensor the receiver decodes."""
         g = tensor.detach().to(torch.float32, copy=True)
-        flat = g.view(-1)
         residual = self._residuals.get(key)
         if residual is not None:
             if residual.shape != g.shape:
                 raise CompressionError(f"GraVAC key {key!r} changed shape; call reset(key)")
             g += residual
+        ct, decoded = self.select(g)
+        g -= decoded
+        self._residuals[key] = g
+        return ct, decoded
+
+    def as_codec(self) -> Codec:
+        """This controller as a plain :class:`Codec` without residuals of its own.
+
+        For callers that already apply error feedback (``ErrorFeedback``,
+        ``TwoWayCompression``, the averager's ``compression=``): they pass in
+        gradient + residual, which is exactly the ``g`` GraVAC measures. The controller's
+        gains and factors are shared with this object.
+        """
+        return _GraVACCodec(self)
+
+    def select(self, g: torch.Tensor) -> tuple[CompressedTensor, torch.Tensor]:
+        """One GraVAC step on ``g`` (already error-corrected): message and decoded tensor."""
+        g = g.detach()
+        flat = g.reshape(-1).float()
         _check_finite(flat)
         n = flat.numel()
         idx_min = dgc_select(flat, density_to_k(n, 1.0 / self.theta_min), generator=self._topk._gen)
@@ -187,8 +206,6 @@ class GraVAC:
             self.last_choice = "dense"
             ct = self.dense.compress(g)
         decoded = _decode_float(ct, g.device).to(torch.float32)
-        g -= decoded
-        self._residuals[key] = g
         self.calls += 1
         if self.calls % self.window == 0:
             self._adapt()
@@ -255,3 +272,16 @@ __all__ = [
     "compression_gain",
     "exponential_factors",
 ]
+
+
+class _GraVACCodec(_Selector):
+    """A GraVAC controller seen as a codec (see :meth:`GraVAC.as_codec`)."""
+
+    def __init__(self, controller: GraVAC):
+        self.controller = controller
+
+    def compress(self, tensor: torch.Tensor, **kwargs: Any) -> CompressedTensor:
+        return self.controller.select(tensor)[0]
+
+    def roundtrip(self, tensor: torch.Tensor, **kwargs: Any):
+        return self.controller.select(tensor)

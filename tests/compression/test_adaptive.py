@@ -112,3 +112,22 @@ def test_gravac_error_feedback_invariant_and_state():
     clone = GraVAC(theta_min=4, theta_max=64, window=3, epsilon=0.5, ema=0.5)
     clone.load_state_dict(ctl.state_dict())
     assert (clone.theta_min, clone.theta_c, clone.calls) == (ctl.theta_min, ctl.theta_c, ctl.calls)
+
+
+def test_gravac_as_codec_under_outer_error_feedback():
+    """The averager applies error feedback itself: GraVAC as a plain codec inside it."""
+    from compression import TwoWayCompression
+
+    gen = torch.Generator().manual_seed(3)
+    ctl = GraVAC(theta_min=10, theta_max=1000, window=4, epsilon=0.9, ema=0.5, seed=0)
+    two_way = TwoWayCompression(ctl.as_codec(), Float16())
+    total_in = torch.zeros(10_000, dtype=torch.float64)
+    total_out = torch.zeros(10_000, dtype=torch.float64)
+    for _ in range(40):
+        x = sparse_stream(10_000, gen)
+        total_in += x.double()
+        total_out += decompress(two_way.compress_send(x, key=(0, 0))).double()
+    assert ctl.theta_c == 1000 and ctl.calls == 40  # the shared controller moved up
+    residual = two_way.sender.residual((0, 0)).double()
+    assert torch.allclose(total_out + residual, total_in, atol=1e-3)
+    assert len(ctl._residuals) == 0  # no second residual inside the codec
