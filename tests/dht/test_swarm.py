@@ -267,3 +267,22 @@ async def test_many_owner_signed_subkeys_merge(autojump_clock, virtual_dht_time)
         assert all((await writer.store_many(items)).values())
         found = await reader.get(key, latest=True)
         assert {k: v.value for k, v in found.value.items()} == {sub: i for _, sub, i, _ in items}
+
+
+async def test_cancelled_callers_do_not_break_shared_lookups(autojump_clock, virtual_dht_time):
+    async with open_swarm(64, seed=13) as swarm:
+        node = swarm.nodes[7]
+        assert await swarm.nodes[0].store("c", 1, get_dht_time() + 100)
+        results = []
+
+        async def patient() -> None:
+            results.append(await node.get("c", latest=True))
+
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(0.001):  # cancelled while its lookup is in flight
+                nursery.start_soon(patient)
+                await node.get("c", latest=True)
+                pytest.fail("the impatient caller should have been cancelled")
+        assert [r.value for r in results] == [1]
+        assert not node._searches  # finished searches are forgotten
+        assert (await node.get("c")).value == 1
