@@ -471,7 +471,9 @@ class DHTNode:
             lambda: [self.validators.validate(r) for r in records], limiter=self._cpu_limiter
         )
 
-    async def _store_incoming(self, records: list[DHTRecord]) -> list[tuple[bool, str | None]]:
+    async def _store_incoming(
+        self, records: list[DHTRecord], sender: Any
+    ) -> list[tuple[bool, str | None]]:
         if self.client_mode:
             return [(False, "client-mode peers do not store records for others")] * len(records)
         now = get_dht_time()
@@ -489,7 +491,8 @@ class DHTNode:
             if reason is not None:
                 results[i] = (False, reason)
             else:
-                results[i] = self.storage.store(id_from_bytes(records[i].key), records[i], now)
+                key_id = id_from_bytes(records[i].key)
+                results[i] = self.storage.store(key_id, records[i], now, origin=sender)
         return results
 
     def _store_local(self, record: DHTRecord) -> tuple[bool, str | None]:
@@ -646,7 +649,9 @@ class DHTNode:
             return {"from": sender_info(self._own_addrs(), self.client_mode)}
         if isinstance(request, StoreRequest):
             return {
-                "results": [list(result) for result in await self._store_incoming(request.records)]
+                "results": [
+                    list(result) for result in await self._store_incoming(request.records, peer_id)
+                ]
             }
         if isinstance(request, FindRequest):
             now = get_dht_time()

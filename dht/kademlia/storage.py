@@ -13,6 +13,7 @@ Limits are enforced before anything is stored, and refusals carry a reason.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from dht.kademlia.records import DHTRecord
@@ -27,6 +28,7 @@ class StorageLimits:
     max_total_bytes: int = 64 * 1024 * 1024
     max_subkeys_per_key: int = 4096
     max_expiration_horizon: float = 7 * 24 * 3600.0  # how far in the future a record may expire
+    max_origin_fraction: float = 0.25  # share of the record/byte limits one sending peer may use
 
 
 @dataclass
@@ -48,6 +50,8 @@ class LocalStorage:
         self.limits = limits or StorageLimits()
         self._entries: dict[int, _Entry] = {}
         self._heap: list[tuple[float, int, bytes | None]] = []
+        self._origin_of: dict[tuple[int, bytes | None], Hashable] = {}  # record -> sending peer
+        self._usage: dict[Hashable, tuple[int, int]] = {}  # sending peer -> (records, bytes)
         self.num_records = 0
         self.num_bytes = 0
 
@@ -64,10 +68,15 @@ class LocalStorage:
             return f"expiration more than {self.limits.max_expiration_horizon:.0f}s in the future"
         return None
 
-    def store(self, key_id: int, record: DHTRecord, now: float) -> tuple[bool, str | None]:
+    def store(
+        self, key_id: int, record: DHTRecord, now: float, origin: Hashable | None = None
+    ) -> tuple[bool, str | None]:
         """Store a validated record. Returns (accepted, reason-if-refused).
 
-        A record that loses to a newer one is not an error: (False, "outdated").
+        ``origin`` is the peer that sent it (None for this node's own writes); each origin may
+        hold at most ``max_origin_fraction`` of the record and byte limits, so one flooding
+        peer cannot take all the space. A record that loses to a newer one is not an error:
+        (False, "outdated: ...").
         """
         reason = self.check_limits(record, now)
         if reason is not None:
@@ -75,39 +84,52 @@ class LocalStorage:
         entry = self._entries.get(key_id)
         if entry is not None and entry.key != record.key:
             return False, "key ID collision"  # practically impossible with SHA-256
-        freed_records, freed_bytes = 0, 0
+        replaced: list[DHTRecord] = []
         if entry is not None:
             if record.subkey is None:
                 if record.expiration_time <= entry.latest_expiration():
                     return False, "outdated: a record with a later expiration is stored"
-                freed_records = 1 if entry.plain is not None else len(entry.subkeys)
-                freed_bytes = (
-                    entry.plain.size
-                    if entry.plain is not None
-                    else sum(r.size for r in entry.subkeys.values())
+                replaced = (
+                    [entry.plain] if entry.plain is not None else list(entry.subkeys.values())
                 )
             elif entry.plain is not None:
                 if record.expiration_time <= entry.plain.expiration_time:
                     return False, "outdated: a plain value with a later expiration is stored"
-                freed_records, freed_bytes = 1, entry.plain.size
+                replaced = [entry.plain]
             else:
                 old = entry.subkeys.get(record.subkey)
                 if old is not None:
                     if record.expiration_time <= old.expiration_time:
                         return False, "outdated: this subkey has a later expiration"
-                    freed_records, freed_bytes = 1, old.size
+                    replaced = [old]
                 elif len(entry.subkeys) >= self.limits.max_subkeys_per_key:
                     self.prune(now)
                     if len(entry.subkeys) >= self.limits.max_subkeys_per_key:
-                        return (
-                            False,
-                            f"too many subkeys for one key (max {self.limits.max_subkeys_per_key})",
-                        )
-        reason = self._check_capacity(1 - freed_records, record.size - freed_bytes, now)
+                        limit = self.limits.max_subkeys_per_key
+                        return False, f"too many subkeys for one key (max {limit})"
+        if origin is not None:
+            reason = self._check_origin_quota(key_id, origin, record, replaced)
+            if reason is not None:
+                return False, reason
+        freed_bytes = sum(r.size for r in replaced)
+        reason = self._check_capacity(1 - len(replaced), record.size - freed_bytes, now)
         if reason is not None:
             return False, reason
-        self._put(key_id, record)
+        self._put(key_id, record, origin)
         return True, None
+
+    def _check_origin_quota(
+        self, key_id: int, origin: Hashable, record: DHTRecord, replaced: list[DHTRecord]
+    ) -> str | None:
+        used_records, used_bytes = self._usage.get(origin, (0, 0))
+        for old in replaced:  # replacing one's own records frees one's own quota
+            if self._origin_of.get((key_id, old.subkey)) == origin:
+                used_records, used_bytes = used_records - 1, used_bytes - old.size
+        max_records = max(1, int(self.limits.max_records * self.limits.max_origin_fraction))
+        max_bytes = max(1, int(self.limits.max_total_bytes * self.limits.max_origin_fraction))
+        if used_records + 1 > max_records or used_bytes + record.size > max_bytes:
+            return f"per-peer quota exceeded ({used_records} records, {used_bytes} bytes from this peer)"
+        return None
 
     def _check_capacity(self, extra_records: int, extra_bytes: int, now: float) -> str | None:
         for attempt in range(2):
@@ -121,33 +143,48 @@ class LocalStorage:
             return f"storage full: {self.num_records} records (max {self.limits.max_records})"
         return f"storage full: {self.num_bytes} bytes (max {self.limits.max_total_bytes})"
 
-    def _put(self, key_id: int, record: DHTRecord) -> None:
+    def _put(self, key_id: int, record: DHTRecord, origin: Hashable | None) -> None:
         entry = self._entries.get(key_id)
         if entry is None:
             entry = self._entries[key_id] = _Entry(record.key)
         if record.subkey is None:
-            self._drop_all(entry)
+            self._drop_all(key_id, entry)
             entry.plain = record
         else:
             if entry.plain is not None:
-                self._account(-1, -entry.plain.size)
+                self._forget(key_id, entry.plain)
                 entry.plain = None
             old = entry.subkeys.get(record.subkey)
             if old is not None:
-                self._account(-1, -old.size)
+                self._forget(key_id, old)
             entry.subkeys[record.subkey] = record
         self._account(1, record.size)
+        if origin is not None:
+            self._origin_of[(key_id, record.subkey)] = origin
+            used_records, used_bytes = self._usage.get(origin, (0, 0))
+            self._usage[origin] = (used_records + 1, used_bytes + record.size)
         heapq.heappush(self._heap, (record.expiration_time, key_id, record.subkey))
         if len(self._heap) > 4 * max(self.num_records, 1024):
             self._rebuild_heap()
 
-    def _drop_all(self, entry: _Entry) -> None:
+    def _drop_all(self, key_id: int, entry: _Entry) -> None:
         if entry.plain is not None:
-            self._account(-1, -entry.plain.size)
+            self._forget(key_id, entry.plain)
             entry.plain = None
         for old in entry.subkeys.values():
-            self._account(-1, -old.size)
+            self._forget(key_id, old)
         entry.subkeys.clear()
+
+    def _forget(self, key_id: int, record: DHTRecord) -> None:
+        """Un-account a record that is being removed (totals and its origin's usage)."""
+        self._account(-1, -record.size)
+        origin = self._origin_of.pop((key_id, record.subkey), None)
+        if origin is not None:
+            used_records, used_bytes = self._usage[origin]
+            if used_records <= 1:
+                del self._usage[origin]
+            else:
+                self._usage[origin] = (used_records - 1, used_bytes - record.size)
 
     def _account(self, records: int, size: int) -> None:
         self.num_records += records
@@ -165,13 +202,13 @@ class LocalStorage:
                 current = entry.plain
                 if current is not None and current.expiration_time == expiration:
                     entry.plain = None
-                    self._account(-1, -current.size)
+                    self._forget(key_id, current)
                     dropped += 1
             else:
                 current = entry.subkeys.get(subkey)
                 if current is not None and current.expiration_time == expiration:
                     del entry.subkeys[subkey]
-                    self._account(-1, -current.size)
+                    self._forget(key_id, current)
                     dropped += 1
             if entry.plain is None and not entry.subkeys:
                 del self._entries[key_id]

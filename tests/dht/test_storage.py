@@ -108,3 +108,30 @@ def test_reader_merge_rules_match_storage():
     )
     assert value == ("plain", 12.0) and best.subkey is None
     assert unique_live_records(k, [entries_a], now=11.0, max_record_bytes=1024)[0].subkey is None
+
+
+def test_per_origin_quota_is_accounted_through_replace_and_prune():
+    limits = StorageLimits(max_records=20, max_origin_fraction=0.25)  # 5 records per sender
+    s = LocalStorage(limits)
+    for i in range(5):
+        assert s.store(kid(i), rec(i, i, 10.0), now=0.0, origin="mallory")[0]
+    ok, reason = s.store(kid(99), rec(99, 1, 10.0), now=0.0, origin="mallory")
+    assert not ok and reason.startswith("per-peer quota exceeded")
+    # replacing one's own record stays within the quota; others are unaffected
+    assert s.store(kid(0), rec(0, "newer", 11.0), now=0.0, origin="mallory")[0]
+    assert s.store(kid(99), rec(99, 1, 10.0), now=0.0, origin="alice")[0]
+    # dictionary subkeys count one by one; local writes (origin None) have no quota
+    for i in range(10):
+        assert s.store(kid("d"), rec("d", i, 50.0, subkey=i), now=0.0)[0]
+    assert s._usage == {
+        "mallory": (
+            5,
+            sum(r.size for r in [rec(0, "newer", 11.0)] + [rec(i, i, 10.0) for i in range(1, 5)]),
+        ),
+        "alice": (1, rec(99, 1, 10.0).size),
+    }
+    s.prune(now=10.5)  # mallory's four older records expire
+    assert s._usage["mallory"][0] == 1
+    assert s.store(kid(98), rec(98, 1, 20.0), now=10.5, origin="mallory")[0]
+    s.prune(now=100.0)
+    assert s._usage == {} and s.num_records == 0 and s.num_bytes == 0

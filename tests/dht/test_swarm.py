@@ -186,20 +186,30 @@ async def test_store_flood_and_oversized_and_forged_records_are_refused(
     async with open_swarm(8, seed=8, limits=limits) as swarm:
         target, flooder = swarm.nodes[0], swarm.nodes[1]
         now = get_dht_time()
-        reasons = set()
-        for batch in range(20):
-            records = [
-                DHTRecord(
-                    serialize(f"flood{batch}-{i}"), None, b"\xc4\x00" + b"x" * 1000, now + 100
-                ).to_wire()
-                for i in range(100)
-            ]
-            reply = await flooder.network.call(
-                target.peer_id, flooder._request("store", records=records), 1.0
-            )
-            reasons.update(r for ok, r in reply["results"] if not ok)
-            assert target.storage.num_records <= 200 and target.storage.num_bytes <= 200_000
-        assert any(r.startswith("storage full") for r in reasons)
+        reasons: dict[int, set[str]] = {}
+        for flooder_index in range(1, 7):  # six peers flood the same node
+            flooder = swarm.nodes[flooder_index]
+            for batch in range(5):
+                records = [
+                    DHTRecord(
+                        serialize(f"flood{flooder_index}-{batch}-{i}"),
+                        None,
+                        b"\xc4\x00" + b"x" * 1000,
+                        now + 100,
+                    ).to_wire()
+                    for i in range(100)
+                ]
+                reply = await flooder.network.call(
+                    target.peer_id, flooder._request("store", records=records), 1.0
+                )
+                reasons.setdefault(flooder_index, set()).update(
+                    r.split(" (")[0].split(":")[0] for ok, r in reply["results"] if not ok
+                )
+                assert target.storage.num_records <= 200 and target.storage.num_bytes <= 200_000
+        # each peer is first stopped by its own quota (25 % of the limits), later ones by a full node
+        assert reasons[1] == {"per-peer quota exceeded"}
+        assert "storage full" in set().union(*reasons.values())
+        flooder = swarm.nodes[1]
         with pytest.raises(RecordRejectedError, match="too large"):
             await flooder.store("huge", b"x" * 10_000, now + 10)
         huge = DHTRecord(serialize("huge"), None, serialize(b"x" * 10_000), now + 10).to_wire()
