@@ -403,9 +403,8 @@ class DHTNode:
             count = max(2 * beam_size, self.alpha)
             if len(self._searches) > 1:  # other lookups are running: share RPCs with them
                 return await self._finds.find(self._nursery, contact, target_id, count)
-            results = await self._find_rpc(
-                contact, [target_id], count
-            )  # cancellable, no extra tick
+            # a lone lookup calls directly: no extra scheduling tick, and cancellable
+            results = await self._find_rpc(contact, [target_id], count)
             return results[0] if results else None
 
         initial = self.routing_table.nearest(target_id, max(beam_size, self.bucket_size))
@@ -594,6 +593,11 @@ class DHTNode:
         """
         key_bytes = serialize(key)
         key_id = id_from_bytes(key_bytes)
+        stored = None if self.client_mode else self.storage.get(key_id, get_dht_time())
+        if not latest and isinstance(stored, DHTRecord):  # a replica ourselves: no lookup needed
+            value, _ = merge_records([stored])
+            if value is not None:
+                return value
         mode = "all-values" if latest else "first-value"
         result = await self._lookup(key_id, beam_size=self.beam_size, mode=mode)
         entry_lists: list[tuple[Any, list[Any]]] = [
