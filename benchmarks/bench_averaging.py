@@ -15,6 +15,7 @@ One JSON object per line:
   ``bytes_sent_per_peer`` (tensor payload bytes, mean over peers), ``peak_extra_mem_bytes``
   (max over peers of VmHWM - VmRSS measured around the rounds, /proc peak reset before) and its
   ratio to the tensor bytes. Our all-reduce always runs over Noise-encrypted connections.
+- workers run with ``OMP_NUM_THREADS=1`` (and ``torch.set_num_threads(1)``), gloo included.
 
     python benchmarks/bench_averaging.py --quick      # 4 peers, 1M floats, 2 codecs
     python benchmarks/bench_averaging.py              # 4 and 8 peers, 1M and 16M, 4 codecs
@@ -78,6 +79,10 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--gloo-port", type=int, required=True)
     args = p.parse_args(argv)
+    # P processes share the machine's cores: one OpenMP thread per torch op in every thread
+    # (torch.set_num_threads alone does not reach the DHT's trio thread, where the all-reduce
+    # runs small reductions inline; oversubscribed OpenMP teams made rounds ~6x slower)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     import torch
     import torch.distributed as dist

@@ -100,6 +100,10 @@ def worker_main(argv: list[str]) -> int:
     )
     p.add_argument("--report-parts", action="store_true", help="report the part bounds (tests)")
     args = p.parse_args(argv)
+    # many peers share a few cores: one OpenMP thread per torch op, in EVERY thread (the DHT's
+    # trio thread runs torch ops too; torch.set_num_threads only affects the calling thread's
+    # OpenMP team, and oversubscribed spinning OpenMP teams made rounds ~6x slower)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     import logging
 
