@@ -121,8 +121,11 @@ class DHT:
             **self.node_kwargs,
         ) as node:
             async with trio.open_nursery() as services:
-                self._node, self._services = node, services
-                self._token = trio.lowlevel.current_trio_token()
+                with self._lock:  # shutdown() may have been called while we were starting
+                    self._node, self._services = node, services
+                    self._token = trio.lowlevel.current_trio_token()
+                    if self._stopped:
+                        self._stop.set()
                 self._ready.set()
                 await self._stop.wait()
                 services.cancel_scope.cancel()
@@ -133,8 +136,8 @@ class DHT:
             if self._stopped:
                 return
             self._stopped = True
+            token, stop = self._token, self._stop
         _live_instances.discard(self)
-        token, stop = self._token, self._stop
         if token is not None and stop is not None:
             try:
                 token.run_sync_soon(stop.set)

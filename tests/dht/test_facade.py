@@ -145,3 +145,25 @@ def test_calls_racing_with_shutdown_fail_cleanly():
         except (RuntimeError, concurrent.futures.CancelledError):
             pass
     assert not dht_threads()
+
+
+def test_startup_timeout_then_shutdown_does_not_hang():
+    import socket
+
+    from .conftest import Identity
+
+    silent = socket.socket()  # accepts connections but never speaks: the handshake stalls
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        port = silent.getsockname()[1]
+        fake = f"/ip4/127.0.0.1/tcp/{port}/p2p/{Identity.generate().peer_id}"
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not start"):
+            DHT(
+                initial_peers=[fake], host_maddrs=LOOPBACK, startup_timeout=0.5, bootstrap_timeout=3
+            )
+        assert time.monotonic() - started < 20
+        assert not dht_threads()
+    finally:
+        silent.close()
