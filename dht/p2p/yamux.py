@@ -628,9 +628,15 @@ class YamuxSession:
                 # copying it into a joined buffer costs more than one extra write.
                 small: list[bytes | memoryview] = []
                 size = 0
-                while out and size < _RECV_CHUNK:
+                # Never stop between a Data header and its payload: control frames put in front
+                # of the queue on the next round would land inside the data frame.
+                after_header = False
+                while out and (size < _RECV_CHUNK or after_header):
                     piece = out.popleft()
                     size += len(piece)
+                    after_header = (
+                        not after_header and len(piece) == HEADER_SIZE and piece[1] == TYPE_DATA
+                    )
                     if len(piece) >= _COALESCE_LIMIT:
                         if small:
                             await self._write_small(small)
