@@ -80,6 +80,8 @@ class PartReducer:
             return
         self.active.discard(sender)
         (self.excluded if excluded else self.failed)[sender] = reason
+        if sender == self.local:
+            self._local_results.clear()  # nobody will collect them
         callback = self._on_fail.pop(sender, None)
         if callback is not None:
             callback()
@@ -175,7 +177,7 @@ class PartReducer:
             msg, local = await self._finalize_fn(k, values, dev)
             self.deviation += dev
             self._results[k] = msg
-            if self.local is not None:
+            if self.local is not None and self.local in self.active:
                 self._local_results[k] = local
             self.next_emit = k + 1
             self._prune()
