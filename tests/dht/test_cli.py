@@ -69,6 +69,7 @@ class Peer:
             return self.proc.wait(timeout=30)
         finally:
             self._reader.join(timeout=5)
+            self.proc.stdout.close()
 
 
 def run_client(initial_peers: list[str], script: str) -> dict:
@@ -134,7 +135,7 @@ def test_eight_processes_join_through_one_bootstrap_and_survive_its_death(tmp_pa
         for peer in peers:
             if peer.proc.poll() is None:
                 peer.proc.kill()
-                peer.proc.wait()
+            peer.stop()
 
 
 def test_restart_with_the_same_identity_keeps_the_peer_id(tmp_path):
@@ -155,5 +156,5 @@ def test_unreachable_initial_peer_is_a_clear_error(tmp_path):
         "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWR1a32TXaz2mo9GaQhvbrB8EBmXTG7mWo9uum7aDgTnbr",
     )
     assert peer.proc.wait(timeout=60) == 1
-    peer._reader.join(timeout=5)
+    peer.stop()
     assert "could not join the DHT" in "".join(peer.output)
