@@ -6,7 +6,9 @@ The helpers at the top are shared with test_allreduce_failures.py.
 
 from __future__ import annotations
 
+import math
 import os
+import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -178,6 +180,43 @@ async def test_tiny_and_empty_tensor_lists(spec):
         for r in results:
             assert not r.failed_peers
             assert_close(r.averaged, [w.float() for w in want])
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_random_configurations_are_exact(seed):
+    """Random group size, modes, weights, bandwidths, tensor lists and chunk sizes."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    modes = [rng.choice(["node", "node", "client", "aux"]) for _ in range(n)]
+    if all(m == "client" for m in modes) or all(m == "aux" for m in modes):
+        modes[0] = "node"
+    bandwidths = [rng.choice([None, rng.uniform(1e5, 1e7)]) for _ in range(n)]
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+    spec = [
+        (tuple(rng.randint(0, 6) for _ in range(rng.randint(1, 3))), rng.choice(dtypes))
+        for _ in range(rng.randint(1, 4))
+    ]
+    weights = [rng.choice([0.0, 0.5, 1.0, 3.0]) for _ in range(n)]
+    async with swarm(n, chunk_numel=rng.randint(1, 40), window=rng.randint(1, 4)) as services:
+        group = make_group(services, modes, bandwidths)
+        tensors = [random_tensors(seed * 10 + i, spec) for i in range(n)]
+        numel = sum(math.prod(shape) for shape, _ in spec)
+        per_member = {i: {"numel": numel} for i in range(n) if modes[i] == "aux"}
+        inputs = [None if modes[i] == "aux" else tensors[i] for i in range(n)]
+        results = await run_all(services, group, inputs, weights, per_member=per_member, timeout=20)
+        senders = [i for i in range(n) if modes[i] != "aux"]
+        positive = [i for i in senders if weights[i] > 0]
+        for i, r in enumerate(results):
+            assert not r.failed_peers, (seed, r)
+            if modes[i] == "aux":
+                assert r.averaged is None
+                continue
+            # nobody with positive weight: everyone keeps local values
+            want = weighted_mean(tensors, weights, positive) if positive else tensors[i]
+            for got, w, t in zip(r.averaged, want, tensors[i], strict=True):
+                tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(t.dtype, 1e-5)
+                assert got.dtype == t.dtype and got.shape == t.shape
+                assert torch.allclose(got.double(), w.double(), atol=tol, rtol=tol), seed
 
 
 async def test_deviation_is_the_weighted_spread():
