@@ -419,3 +419,46 @@ async def test_centered_clip_bounds_an_outlier_and_plain_mean_does_not():
     _, tensors, plain = await _outlier_round(None)
     honest_mean = torch.stack([t[0] for t in tensors[:-1]]).mean(dim=0)
     assert float((plain[0].averaged[0] - honest_mean).abs().min()) > 1e5 - 10
+
+
+async def test_reducer_quitting_mid_round_on_tcp():
+    """TCP loopback: the aux reducer's round is cancelled after it returned some chunks."""
+    async with swarm(3, tcp=True, chunk_numel=1 << 12, window=1) as services:
+        group = make_group(services, ["node", "node", "aux"])
+        total = 400_000
+        tensors = [[torch.randn(total)] for _ in range(2)] + [None]
+        results = [None] * 3
+        emitted = []
+
+        async def node(i):
+            results[i] = await services[i].run(
+                group, tensors[i], timeout=60, sender_timeout=10, reducer_timeout=10
+            )
+
+        async def aux():
+            with trio.CancelScope() as cs:
+
+                async def quit_after_first_chunks():
+                    if not services[2]._rounds:
+                        await services[2]._round_added.wait()
+                    (aux_round,) = services[2]._rounds.values()
+                    await aux_round.reducer.wait_finalized(1)  # chunks 0 and 1 are out
+                    emitted.append((aux_round.reducer.next_emit, len(aux_round.chunks[2])))
+                    cs.cancel()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(quit_after_first_chunks)
+                    await services[2].run(group, None, numel=total, timeout=60)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node, 0)
+            nursery.start_soon(node, 1)
+            nursery.start_soon(aux)
+        assert emitted and emitted[0][0] < emitted[0][1], emitted  # really mid-part
+        a2, b2 = part_bounds(group, total)[2]
+        want = weighted_mean(tensors, [1.0, 1.0, 0.0], [0, 1])[0]
+        for i in (0, 1):
+            r = results[i]
+            assert r.failed_reducers == {group.members[2]}
+            assert torch.equal(r.averaged[0][a2:b2], tensors[i][0][a2:b2])
+            assert torch.allclose(r.averaged[0][:a2].double(), want[:a2], atol=1e-5)
