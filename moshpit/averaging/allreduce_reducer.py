@@ -45,7 +45,6 @@ class PartReducer:
         window: int,
         local: int | None,
     ) -> None:
-        self.senders = list(senders)
         self.chunks = chunks
         self.aggregator = aggregator
         self._finalize_fn = finalize
@@ -57,7 +56,6 @@ class PartReducer:
         self.failed: dict[int, str] = {}
         self.excluded: dict[int, str] = {}
         self.next_emit = 0  # chunks [0, next_emit) are finalized
-        self.deviation = 0.0
         self._contributed: list[set[int]] = [set() for _ in chunks]
         self._pending: dict[int, Any] = {}  # chunk index -> ChunkAggregation
         self._results: dict[int, Any] = {}  # chunk index -> wire message (pruned when all sent)
@@ -109,10 +107,8 @@ class PartReducer:
         async with self._lock:
             if sender not in self.active:
                 raise SenderFailed(self._reason(sender))
-            if k < self._closed or sender in self._contributed[k]:
-                raise RuntimeError(
-                    f"chunk {k} from sender {sender} is late or duplicate"
-                )  # our bug
+            if k < self._closed or sender in self._contributed[k]:  # a bug of the caller
+                raise RuntimeError(f"chunk {k} from sender {sender} is late or duplicate")
             agg = self._pending.get(k)
             if agg is None:
                 agg = self._pending[k] = self.aggregator.begin(values.numel())
@@ -175,7 +171,6 @@ class PartReducer:
                 res = None if agg is None else await self._run_cpu(agg.result, numel=numel)
             values, dev = (None, 0.0) if res is None else res
             msg, local = await self._finalize_fn(k, values, dev)
-            self.deviation += dev
             self._results[k] = msg
             if self.local is not None and self.local in self.active:
                 self._local_results[k] = local
