@@ -20,7 +20,8 @@ Public API (stable; see docs/allreduce.md for the wire protocol and failure sema
 ``run`` never raises because of other peers: stalls, disconnects and bad input become entries in
 the result, and parts that could not be averaged keep this member's local values. It raises
 ``ValueError``/``TypeError``/``GroupInfoError`` for bad local arguments and propagates
-cancellation. The caller's tensors are only read, never written.
+cancellation. The caller's tensors are only read, never written, but they are read while the
+round runs (no snapshot copy), so the caller must not modify them until ``run`` returns.
 
 How a round runs on member ``me`` (part ``j`` = flat range reduced by member ``j``):
 
