@@ -31,7 +31,7 @@ from compression import (
 )
 from dht.p2p import Host, MemoryNetwork, TCPTransport
 from moshpit.averaging.allreduce import AllReduceResult, AllReduceService
-from moshpit.averaging.group_info import GroupInfo
+from moshpit.averaging.group_info import GroupInfo, GroupInfoError
 from moshpit.averaging.partition import part_bounds
 
 # ---------------------------------------------------------------- shared helpers
@@ -430,3 +430,69 @@ async def test_two_way_error_feedback_converges_over_rounds(make_codec):
         # without error feedback the one-round error would persist; with it the average converges
         assert errors[-1] < errors[0] / 4, errors
         assert errors[-1] < 0.15, errors
+
+
+async def test_late_member_is_waited_for_up_to_accept_timeout(autojump_clock):
+    """Member 1 starts its round 2 s after member 0 (matchmaking skew): streams wait for it."""
+    async with swarm(2, accept_timeout=5.0) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(8)] for _ in range(2)]
+        results = [None, None]
+
+        async def one(i, delay):
+            await trio.sleep(delay)
+            results[i] = await services[i].run(group, tensors[i], timeout=20, sender_timeout=5)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0, 0.0)
+            nursery.start_soon(one, 1, 2.0)
+        for r in results:
+            assert not r.failed_peers
+            assert_close(r.averaged, [(tensors[0][0] + tensors[1][0]) / 2])
+
+
+async def test_concurrent_rounds_of_different_groups_on_one_host():
+    async with swarm(3) as services:
+        g1 = make_group(services[:2])
+        g2 = make_group([services[0], services[2]])
+        t = [[torch.randn(20)] for _ in range(3)]
+        out = {}
+
+        async def one(name, group, i, j):
+            out[name] = await services[i].run(group, t[j], timeout=10)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "a0", g1, 0, 0)
+            nursery.start_soon(one, "a1", g1, 1, 1)
+            nursery.start_soon(one, "b0", g2, 0, 0)
+            nursery.start_soon(one, "b2", g2, 2, 2)
+        assert_close(out["a0"].averaged, [(t[0][0] + t[1][0]) / 2])
+        assert_close(out["a1"].averaged, [(t[0][0] + t[1][0]) / 2])
+        assert_close(out["b0"].averaged, [(t[0][0] + t[2][0]) / 2])
+        assert_close(out["b2"].averaged, [(t[0][0] + t[2][0]) / 2])
+
+
+async def test_bad_local_arguments_raise():
+    async with swarm(2) as services:
+        group = make_group(services)
+        with pytest.raises(ValueError, match="NaN"):
+            await services[0].run(group, [torch.tensor([float("nan")])], timeout=1)
+        with pytest.raises(ValueError, match="floating"):
+            await services[0].run(group, [torch.zeros(3, dtype=torch.int32)], timeout=1)
+        with pytest.raises(ValueError, match="weight"):
+            await services[0].run(group, [torch.zeros(3)], weight=-1.0, timeout=1)
+        with pytest.raises(TypeError, match="compression"):
+            await services[0].run(group, [torch.zeros(3)], compression="topk", timeout=1)
+        outsider = make_group([services[1]])
+        with pytest.raises(GroupInfoError, match="not a member"):
+            await services[0].run(outsider, [torch.zeros(3)], timeout=1)
+        assert not services[0]._rounds
+
+
+async def test_close_unregisters_the_protocol(autojump_clock):
+    async with swarm(2) as services:
+        services[1].close()
+        group = make_group(services)
+        r = await services[0].run(group, [torch.ones(4)], timeout=5)
+        assert r.failed_reducers == {group.members[1]}
+        assert torch.equal(r.averaged[0], torch.ones(4))
