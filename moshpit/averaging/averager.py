@@ -160,6 +160,8 @@ class Averager:
             raise ValueError("Averager needs at least one tensor")
         if any(not isinstance(t, torch.Tensor) for t in self._tensors):
             raise TypeError("tensors must be torch.Tensor objects")
+        if any(not t.is_floating_point() for t in self._tensors):
+            raise TypeError("only floating-point tensors can be averaged")
         if client_mode and auxiliary:
             raise ValueError("a peer cannot be both client_mode and auxiliary")
         for name, value in (
@@ -266,7 +268,7 @@ class Averager:
         self._closed = True
         if not self._started:
             return
-        if self._facade is not None:
+        if self._facade is not None and not _in_trio():
 
             async def detach(_dht: Any, _node: Any) -> None:
                 self._detach()
@@ -485,3 +487,12 @@ class Averager:
             await trio.to_thread.run_sync(copy)
         else:
             copy()
+
+
+def _in_trio() -> bool:
+    """True on a thread running a trio loop (e.g. shutdown() called from the DHT's thread)."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return False
+    return True

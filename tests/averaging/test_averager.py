@@ -103,6 +103,8 @@ def test_invalid_arguments(two_dhts):
     dht = two_dhts[0]
     with pytest.raises(ValueError):
         Averager([], dht, "p", 2)
+    with pytest.raises(TypeError):
+        Averager([torch.zeros(2, dtype=torch.int64)], dht, "p", 2)
     with pytest.raises(ValueError):
         Averager([torch.zeros(1)], dht, "p", 2, min_group_size=3)
     with pytest.raises(ValueError):
@@ -141,3 +143,17 @@ async def test_repeat_offenders_are_avoided_for_a_while(autojump_clock):
     av._record_round([me, bad], set(), me)  # a good round resets the count
     av._record_round([me, bad], {bad}, me)
     assert not av._is_banned(bad)
+
+
+def test_shutdown_from_the_dht_thread_does_not_deadlock(two_dhts):
+    av = Averager([torch.ones(2)], two_dhts[0], "self-stop", target_group_size=2, **FAST)
+    future = av.step(wait=False)
+
+    async def stop(_dht, _node):
+        av.shutdown()  # on the DHT's own trio thread
+
+    two_dhts[0].run_coroutine(stop)
+    result = future.result(timeout=10)
+    assert not result.succeeded and "shut down" in result.reason
+    with pytest.raises(RuntimeError):
+        av.step()
