@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import math
 import os
@@ -309,6 +310,7 @@ def grid_bits(index: int, num_peers: int, group_size: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.live import Live
     from rich.table import Table
 
     from dht import DHT
@@ -352,52 +354,59 @@ def run(args: argparse.Namespace) -> int:
         ):
             table.add_column(col, justify="right")
         table.add_row("start", str(args.peers), "-", f"{spreads[0]:.3g}", "-", "-")
-        console.print(f"round start: spread {spreads[0]:.4g}")
+        # a terminal gets a live table; pipes/logs get one line per round and the table at the end
+        live = Live(table, console=console, refresh_per_second=8) if console.is_terminal else None
+        if live is None:
+            console.print(f"round start: spread {spreads[0]:.4g}")
         killed: int | None = None
         alive = set(range(args.peers))
-        for r in range(args.rounds):
-            # rounds are aligned by the parent (a "go" line per round) so each row of the table
-            # compares every peer after the same number of rounds
-            for i in alive:
-                workers[i].send_go()
-            if args.kill and r == min(1, args.rounds - 1) and killed is None:
-                killed = args.peers - 1
-                time.sleep(0.3)  # mid-round: groups are forming / averaging
-                workers[killed].proc.kill()
-                alive.discard(killed)
-                console.print(
-                    f"[yellow]killed peer {killed} (SIGKILL) during round {r + 1}[/yellow]"
+        with live or contextlib.nullcontext():
+            for r in range(args.rounds):
+                # rounds are aligned by the parent (a "go" line per round) so each row of the
+                # table compares every peer after the same number of rounds
+                for i in alive:
+                    workers[i].send_go()
+                if args.kill and r == min(1, args.rounds - 1) and killed is None:
+                    killed = args.peers - 1
+                    time.sleep(0.3)  # mid-round: groups are forming / averaging
+                    workers[killed].proc.kill()
+                    alive.discard(killed)
+                    console.print(
+                        f"[yellow]killed peer {killed} (SIGKILL) during round {r + 1}[/yellow]"
+                    )
+                reports = []
+                for i in sorted(alive):
+                    rep = workers[i].wait_for(
+                        lambda o, r=r: o["event"] == "round" and o["round"] == r, timeout=60.0
+                    )
+                    if rep is None:
+                        alive.discard(i)
+                        console.print(f"[yellow]peer {i} stopped reporting[/yellow]")
+                        continue
+                    reports.append(rep)
+                if not reports:
+                    console.print("[red]no peer reported; giving up")
+                    return 1
+                spread = _spread([decode_tensor(rep["tensor"]) for rep in reports])
+                spreads.append(spread)
+                groups = len({rep["group_id"] for rep in reports if rep["group_id"]})
+                mm = max(rep["matchmaking_s"] for rep in reports)
+                ar = max(rep["allreduce_s"] for rep in reports)
+                table.add_row(
+                    str(r + 1),
+                    str(len(reports)),
+                    str(groups),
+                    f"{spread:.3g}",
+                    f"{mm:.2f}",
+                    f"{ar:.2f}",
                 )
-            reports = []
-            for i in sorted(alive):
-                rep = workers[i].wait_for(
-                    lambda o, r=r: o["event"] == "round" and o["round"] == r, timeout=60.0
-                )
-                if rep is None:
-                    alive.discard(i)
-                    console.print(f"[yellow]peer {i} stopped reporting[/yellow]")
-                    continue
-                reports.append(rep)
-            if not reports:
-                console.print("[red]no peer reported; giving up")
-                return 1
-            spread = _spread([decode_tensor(rep["tensor"]) for rep in reports])
-            spreads.append(spread)
-            groups = len({rep["group_id"] for rep in reports if rep["group_id"]})
-            mm = max(rep["matchmaking_s"] for rep in reports)
-            ar = max(rep["allreduce_s"] for rep in reports)
-            table.add_row(
-                str(r + 1),
-                str(len(reports)),
-                str(groups),
-                f"{spread:.3g}",
-                f"{mm:.2f}",
-                f"{ar:.2f}",
-            )
-            console.print(
-                f"round {r + 1}: {len(reports)} peers in {groups} groups, spread {spread:.4g}"
-            )
-        console.print(table)
+                if live is None:
+                    console.print(
+                        f"round {r + 1}: {len(reports)} peers in {groups} groups, "
+                        f"spread {spread:.4g}"
+                    )
+        if live is None:
+            console.print(table)
         ratio = spreads[-1] / spreads[0] if spreads[0] > 0 else 0.0
         # a full grid reaches the exact mean; with a peer killed the grid has a hole, so we
         # only ask for a clear geometric decrease
