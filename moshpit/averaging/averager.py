@@ -246,6 +246,10 @@ class Averager:
         self._host = node.host
         if self._host is None:
             raise ValueError("the DHT node has no Host (a loopback-fabric node cannot average)")
+        if getattr(node, "client_mode", False) and self.mode == MODE_NODE:
+            # a client-mode DHT peer cannot accept connections, so it cannot lead or reduce
+            logger.info("the DHT runs in client mode: averaging in client mode too")
+            self.mode = MODE_CLIENT
         self._step_lock = trio.Lock()
         self.matchmaker = Matchmaker(
             DHTMatchmakingBackend(node),

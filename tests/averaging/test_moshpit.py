@@ -241,3 +241,21 @@ async def test_churn_converges_geometrically(autojump_clock, virtual_dht_time):
         geometric_mean_ratio = (spreads[-1] / spreads[0]) ** (1 / (len(spreads) - 1))
         assert geometric_mean_ratio < 0.6, ratios
         assert spreads[-1] < spreads[0] * 0.1, spreads
+
+
+async def test_client_mode_dht_node_averages_as_a_client(autojump_clock, virtual_dht_time):
+    net = MemoryNetwork(latency=0.002)
+    async with open_swarm(2, memory_network=net, seed=5, rpc_timeout=1.0) as swarm:
+        client_node = await swarm.add(initial=[swarm.nodes[0]], client_mode=True)
+        common = dict(prefix="cm", target_group_size=3, min_matchmaking_time=2.0,
+                      request_timeout=1.0, initial_group_bits="")  # fmt: skip
+        averagers = [Averager(make_tensors(i), dht=n, **common) for i, n in enumerate(swarm.nodes)]
+        assert averagers[2].mode == "client" and averagers[0].mode == "node"
+        want, _, _ = stats(averagers)
+        results = await step_all(averagers)
+        assert all(r.succeeded and r.group_size == 3 for r in results), [r.reason for r in results]
+        assert sorted(results[0].modes) == ["client", "node", "node"]
+        for a in averagers:
+            assert torch.allclose(flat(a._tensors), want, atol=1e-4)
+            a.shutdown()
+        assert client_node.client_mode
