@@ -60,7 +60,9 @@ def test_clipped_mean_stays_within_tau_of_the_honest_range(outlier, tau, seed):
     honest = [torch.randn(16, generator=g) for _ in range(4)]
     got, _ = aggregate(ClippedMean(tau), [*honest, torch.full((16,), outlier)], [1.0] * 5)
     h = torch.stack(honest)
-    assert bool((got >= h.min(0).values - tau - 1e-4).all() and (got <= h.max(0).values + tau + 1e-4).all())
+    assert bool(
+        (got >= h.min(0).values - tau - 1e-4).all() and (got <= h.max(0).values + tau + 1e-4).all()
+    )
 
 
 @given(outlier=st.floats(-1e12, 1e12), weight=st.floats(0.1, 1e6), seed=st.integers(0, 100))
