@@ -496,3 +496,27 @@ async def test_close_unregisters_the_protocol(autojump_clock):
         r = await services[0].run(group, [torch.ones(4)], timeout=5)
         assert r.failed_reducers == {group.members[1]}
         assert torch.equal(r.averaged[0], torch.ones(4))
+
+
+async def test_pipeline_keeps_a_slow_link_busy(autojump_clock, monkeypatch):
+    """Member 0 has 1 MB/s links, the others 10 MB/s (simulated time). Link 0-1 must carry
+    p1 (member 0's chunks) + p0 (its results to member 1) = 2/3 of the 1.2 MB vector each way,
+    so 0.8 s is the lower bound; chunks are pipelined, so the round should not take longer."""
+    import moshpit.averaging.allreduce as allreduce_module
+
+    # worker threads would let the autojump clock skip ahead while they run
+    monkeypatch.setattr(allreduce_module, "THREAD_MIN_NUMEL", 1 << 40)
+    net = MemoryNetwork(bandwidth=10e6)
+    async with swarm(3, net=net, chunk_numel=1 << 14) as services:
+        a = [s.host.listen_addrs[0] for s in services]
+        net.set_link(a[0], a[1], bandwidth=1e6)
+        net.set_link(a[0], a[2], bandwidth=1e6)
+        # open the connections first so that only the averaging is timed
+        await run_all(services, make_group(services), [[torch.zeros(3)]] * 3, timeout=30)
+        group = make_group(services)
+        tensors = [[torch.randn(300_000)] for _ in range(3)]
+        start = trio.current_time()
+        results = await run_all(services, group, tensors, timeout=60)
+        elapsed = trio.current_time() - start
+        assert not any(r.failed_peers for r in results)
+        assert 0.8 <= elapsed < 0.8 * 1.1, elapsed
