@@ -103,6 +103,8 @@ class AllReduceResult:
     ``deviation``: sum over parts of ``sum_i w_i ||x_i - mean||^2 / sum_i w_i`` (the spread of
     the group before averaging, for adaptive averaging periods); ``None`` if a part is missing.
     ``bytes_sent``/``bytes_received``: compressed tensor payload bytes (framing not counted).
+    ``failure_reasons``: why each failed sender/reducer failed (for logs; a reducer that left
+    *us* out, e.g. because we were slow, also appears here, with its reason).
     """
 
     averaged: list[torch.Tensor] | None
@@ -114,6 +116,7 @@ class AllReduceResult:
     seconds: float = 0.0
     deviation: float | None = None
     timed_out: bool = False
+    failure_reasons: dict[PeerID, str] = field(default_factory=dict)
 
     @property
     def failed_peers(self) -> set[PeerID]:
@@ -500,18 +503,26 @@ class _Round:
                     await self.service._run_cpu(
                         copy_range, self.tensors, self.outputs, self.layout, a, b, numel=b - a
                     )
-        failed_senders: set[PeerID] = set()
+        reasons: dict[PeerID, str] = {}
         excluded: dict[PeerID, str] = {}
         if reducer is not None:
-            for s in reducer.failed:
-                if s != self.me:
-                    failed_senders.add(group.members[s])
+            for s, reason in reducer.failed.items():
+                reasons[group.members[s]] = f"as sender: {reason}"
             for s, reason in reducer.excluded.items():
                 excluded[group.members[s]] = reason
             if not reducer.all_sent():
                 for s in reducer.active:
-                    if s != self.me:
-                        failed_senders.add(group.members[s])
+                    reasons[group.members[s]] = "as sender: round ended before its exchange"
+        reasons.pop(group.members[self.me], None)
+        failed_senders = set(reasons)
+        for j, reason in self.failed_reducers.items():
+            if j != self.me:
+                peer = group.members[j]
+                reasons[peer] = (
+                    f"{reasons[peer]}; as reducer: {reason}"
+                    if peer in reasons
+                    else f"as reducer: {reason}"
+                )
         for j, reason in self.bad_reducers.items():
             excluded[group.members[j]] = f"as reducer: {reason}"
         failed_reducers = {group.members[j] for j in self.failed_reducers if j != self.me}
@@ -531,6 +542,7 @@ class _Round:
             seconds=seconds,
             deviation=deviation,
             timed_out=timed_out,
+            failure_reasons=reasons,
         )
 
 

@@ -85,6 +85,7 @@ async def test_stalled_client_is_left_out_and_weights_renormalize(autojump_clock
             assert torch.allclose(r.averaged[0].double(), want[0], atol=1e-5)
             assert r.failed_senders == {group.members[3]}
             assert not r.failed_reducers and not r.timed_out
+            assert "stalled: chunk 0 not received" in r.failure_reasons[group.members[3]]
 
 
 async def test_sender_stalling_mid_part_is_left_out_of_later_chunks(autojump_clock):
@@ -138,6 +139,8 @@ async def test_absent_node_keeps_its_part_local_and_nobody_hangs(autojump_clock)
             assert torch.allclose(out[:a3].double(), want[:a3], atol=1e-5)
             assert r.failed_reducers == {group.members[3]}
             assert group.members[3] in r.failed_senders
+            reason = r.failure_reasons[group.members[3]]
+            assert "as sender: stalled" in reason and "as reducer:" in reason, reason
 
 
 async def test_reducer_killed_mid_round(autojump_clock):
