@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import pytest
 import torch
@@ -148,6 +149,10 @@ async def test_repeat_offenders_are_avoided_for_a_while(autojump_clock):
 def test_shutdown_from_the_dht_thread_does_not_deadlock(two_dhts):
     av = Averager([torch.ones(2)], two_dhts[0], "self-stop", target_group_size=2, **FAST)
     future = av.step(wait=False)
+    deadline = time.monotonic() + 10
+    while av.matchmaker._round is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the step is looking for a group
+    assert av.matchmaker._round is not None
 
     async def stop(_dht, _node):
         av.shutdown()  # on the DHT's own trio thread
