@@ -17,7 +17,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moshpit", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -35,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     level = logging.WARNING - 10 * args.verbose
-    logging.basicConfig(level=max(level, logging.DEBUG), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=max(level, logging.DEBUG), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     module_name, _ = SUBCOMMANDS[args.command]
     return int(importlib.import_module(module_name).run(args) or 0)
 
