@@ -490,3 +490,68 @@ async def read_all_quietly(stream) -> None:
             pass
     except (StreamResetError, trio.ClosedResourceError):
         pass
+
+
+class InterruptingStream(GatedStream):
+    """Like GatedStream, but every write makes the session queue an urgent control frame.
+
+    That is what a busy connection does: window updates and pings are produced while the
+    writer is in the middle of a batch, and they overtake queued data at its next round.
+    """
+
+    def __init__(self, on_write) -> None:
+        super().__init__()
+        self.on_write = on_write
+
+    async def send_all(self, data) -> None:
+        await self.gate.wait()
+        self.writes.append(bytes(data))
+        self.on_write()
+
+
+def parse_frames(data: bytes) -> list[tuple[tuple, bytes]]:
+    """Strict parse of a yamux byte stream: every header must be valid (version 0, known type)."""
+    out = []
+    pos = 0
+    while pos < len(data):
+        assert len(data) - pos >= 12, f"truncated header at byte {pos}"
+        fields = HEADER.unpack_from(data, pos)
+        assert fields[0] == 0 and fields[1] <= 3, f"garbage header {fields} at byte {pos}"
+        pos += 12
+        payload = b""
+        if fields[1] == TYPE_DATA:
+            payload = data[pos : pos + fields[4]]
+            assert len(payload) == fields[4], "truncated payload"
+            pos += fields[4]
+        out.append((fields, payload))
+    return out
+
+
+# Regression (commit 32290d2): the writer's batch could end right after a Data header, and the
+# control frames queued meanwhile were written before that header's payload. The sweep moves the
+# batch boundary across every byte of the second frame's header.
+@pytest.mark.parametrize("first", range(INITIAL_WINDOW - 160, INITIAL_WINDOW, 5))
+async def test_control_frames_never_land_between_a_data_header_and_its_payload(first):
+    spares: list = []
+
+    def reset_a_spare_stream() -> None:  # queues an urgent RST frame
+        if spares:
+            spares.pop().reset()
+
+    conn = InterruptingStream(reset_a_spare_stream)
+    session = YamuxSession(conn, is_client=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.run)
+        await trio.testing.wait_all_tasks_blocked()  # the writer waits at the gate (RTT ping)
+        spares.extend([await session.open_stream() for _ in range(3)])
+        stream = await session.open_stream()
+        payload = bytes(range(256)) * (INITIAL_WINDOW // 256)
+        await stream.send_all(payload[:first])  # one frame: the whole initial window but a bit
+        await stream.send_all(payload[first:])  # then a small frame whose header may end a batch
+        conn.gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        frames = parse_frames(b"".join(conn.writes))
+        data = b"".join(p for f, p in frames if f[1] == TYPE_DATA and f[3] == stream.stream_id)
+        assert data == payload
+        assert sum(1 for f, _ in frames if f[2] & FLAG_RST) >= 2  # control frames were mixed in
+        nursery.cancel_scope.cancel()
