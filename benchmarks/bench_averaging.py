@@ -141,8 +141,10 @@ def worker(argv: list[str]) -> int:
             before = _mem()
             peak_ok = _reset_peak()
             t0 = time.perf_counter()
+            c0 = time.process_time()
             res = averager.step()
             step_s = time.perf_counter() - t0
+            cpu_s = time.process_time() - c0
             after = _mem()
             emit(
                 {
@@ -150,6 +152,7 @@ def worker(argv: list[str]) -> int:
                     "ok": res.succeeded and not res.failed,
                     "group": res.group_size,
                     "step_s": step_s,
+                    "cpu_s": cpu_s,
                     "matchmaking_s": res.matchmaking_seconds,
                     "allreduce_s": res.allreduce_seconds,
                     "bytes_sent": res.bytes_sent,
@@ -261,6 +264,9 @@ def run_peers(
                 )
                 ar_each = [round(max(s["allreduce_s"] for s in rnd), 3) for rnd in per_round]
                 ar_s = statistics.median(max(s["allreduce_s"] for s in rnd) for rnd in per_round)
+                cpu_s = statistics.median(
+                    statistics.mean(s["cpu_s"] for s in rnd) for rnd in per_round
+                )
                 sent = statistics.mean(s["bytes_sent"] for rnd in per_round for s in rnd)
                 peaks = [
                     s["peak_extra"] for rnd in per_round for s in rnd if s["peak_extra"] is not None
@@ -278,6 +284,7 @@ def run_peers(
                     "matchmaking_last_peer_s": round(mm_last_s, 4),
                     "allreduce_s": round(ar_s, 4),
                     "allreduce_s_per_round": ar_each,
+                    "step_cpu_s_per_peer": round(cpu_s, 4),
                     "gloo_s": round(gloo, 4),
                     "allreduce_vs_gloo": round(ar_s / gloo, 2) if gloo > 0 else None,
                     "bytes_sent_per_peer": int(sent),

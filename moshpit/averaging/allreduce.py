@@ -55,6 +55,7 @@ from moshpit.averaging.allreduce_protocol import (
     MAX_WEIGHT,
     ProtocolError,
     RemoteAbort,
+    all_finite,
     chunk_msg,
     decode_chunk,
     error_msg,
@@ -728,4 +729,5 @@ class AllReduceService:
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+    """True if no element is NaN or +-Inf (see :func:`all_finite`)."""
+    return all(all_finite(t) for t in tensors)
