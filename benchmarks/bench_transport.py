@@ -230,6 +230,8 @@ def main() -> None:
     parser.add_argument("--rpc-calls", type=int, default=3000)
     parser.add_argument("--connects", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3, help="bulk runs; the best is reported")
+    parser.add_argument("--bulk-only", action="store_true", help="skip the RPC and connect runs")
+    parser.add_argument("--host-only", action="store_true", help="bulk via Host only (profiling)")
     args = parser.parse_args()
     if args.serve == "host":
         trio.run(serve_host)
@@ -243,6 +245,17 @@ def main() -> None:
     host_proc, addr = start_server("host")
     port = int(port_text)
     try:
+        if args.host_only:
+            for _ in range(args.repeats):
+                wall, sender_cpu, receiver_cpu = trio.run(bulk_host, addr, size)
+                emit(
+                    bench="bulk_host_only",
+                    bytes=size,
+                    host_MBps=round(size / wall / 1e6, 1),
+                    host_sender_cpu_s=round(sender_cpu, 3),
+                    host_receiver_cpu_s=round(receiver_cpu, 3),
+                )
+            return
         raw_runs = [trio.run(bulk_raw, port, size) for _ in range(args.repeats)]
         host_runs = [trio.run(bulk_host, addr, size) for _ in range(args.repeats)]
         raw_best = min(raw_runs)
@@ -271,6 +284,8 @@ def main() -> None:
             runs_raw_s=[round(r[0], 3) for r in raw_runs],
             load_average=round(os.getloadavg()[0], 2),
         )
+        if args.bulk_only:
+            return
 
         raw_rtt = trio.run(rpc_raw, port, args.rpc_calls)
         host_rtt = trio.run(rpc_host, addr, args.rpc_calls)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+from collections.abc import Sequence
 
 import trio
 from cryptography.exceptions import InvalidTag
@@ -42,7 +43,10 @@ PROTOCOL_ID = "/noise"
 SIGNATURE_PREFIX = b"noise-libp2p-static-key:"
 MAX_FRAME = 0xFFFF  # 2-byte length prefix
 MAX_PLAINTEXT = MAX_FRAME - TAGLEN  # 65519
-SEND_BATCH = 1 << 20  # plaintext bytes encrypted and written per raw send_all
+SEND_BATCH = 1 << 20  # bytes of frames written per raw send_all (bulk)
+_FRAME_ROOM = 2 * (2 + MAX_FRAME)  # the send buffer may pass SEND_BATCH by up to two frames
+_SMALL_SEND = 64 * 1024  # sends up to this size use a fresh exact-size buffer
+_DIRECT_MIN = 4096  # slices at least this large are encrypted in place; smaller ones packed
 RECEIVE_CHUNK = 256 * 1024  # bytes asked from the raw stream per read
 _LEN = struct.Struct(">H")
 # cryptography >= 45 can encrypt/decrypt straight into our frame buffers (no extra copy).
@@ -226,6 +230,8 @@ class SecureSession(trio.abc.HalfCloseableStream):
         self._error: Exception | None = None
         self._sending = False
         self._receiving = False
+        self._sbuf: bytearray | None = None  # reused frame buffer for bulk sends (lazy)
+        self._stage = bytearray()  # small parts packed into one frame (lazy, bulk only)
 
     # -- sending -------------------------------------------------------------------------------
     def _encrypt_batch(self, view: memoryview) -> bytearray:
@@ -249,21 +255,81 @@ class SecureSession(trio.abc.HalfCloseableStream):
         return out
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.send_parts((data,))
+
+    async def send_parts(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Send the concatenation of ``parts`` (like ``send_all(b"".join(parts))``, minus the join).
+
+        The yamux writer hands over a whole batch (headers, control frames and large payloads):
+        small parts are packed together into shared Noise frames, large parts are encrypted
+        straight from the caller's memory, and up to ``SEND_BATCH`` bytes of frames leave in
+        one raw write from a buffer reused across calls (no allocation or page faults per batch).
+        """
         if self._sending:
             raise trio.BusyResourceError("another task is already sending on this SecureSession")
         self._sending = True
         try:
-            # Views are released on exit so the caller may resize a bytearray it passed us.
-            with memoryview(data) as whole, whole.cast("B") as view:
-                if not view:
+            views = [memoryview(p).cast("B") for p in parts]
+            try:
+                total = sum(len(v) for v in views)
+                if total == 0:
                     await trio.lowlevel.checkpoint()
-                    return
-                for start in range(0, len(view), SEND_BATCH):
-                    with view[start : start + SEND_BATCH] as batch:
-                        frames = self._encrypt_batch(batch)
-                    await self.raw.send_all(frames)
+                elif total <= _SMALL_SEND:
+                    # Small writes (RPCs): one exact-size buffer, nothing kept per connection.
+                    joined = views[0] if len(views) == 1 else b"".join(views)
+                    await self.raw.send_all(self._encrypt_batch(memoryview(joined)))
+                else:
+                    await self._send_large(views)
+            finally:
+                for v in views:
+                    v.release()  # so the caller may resize a bytearray it passed us
         finally:
             self._sending = False
+
+    async def _send_large(self, views: list[memoryview]) -> None:
+        if self._sbuf is None:
+            self._sbuf = bytearray(SEND_BATCH + _FRAME_ROOM)
+            self._stage = bytearray(MAX_PLAINTEXT)
+        out = self._sbuf
+        stage = self._stage
+        staged = 0  # bytes of small parts waiting in ``stage`` for a shared frame
+        pos = 0  # bytes of frames in ``out``
+        with memoryview(out) as out_view, memoryview(stage) as stage_view:
+            for view in views:
+                n = len(view)
+                start = 0
+                while start < n:
+                    size = min(n - start, MAX_PLAINTEXT)
+                    if size < _DIRECT_MIN:  # a small part or a large part's tail: pack it
+                        if staged + size > MAX_PLAINTEXT:
+                            pos = self._seal(stage_view[:staged], out, out_view, pos)
+                            staged = 0
+                        stage_view[staged : staged + size] = view[start : start + size]
+                        staged += size
+                    else:
+                        if staged:
+                            pos = self._seal(stage_view[:staged], out, out_view, pos)
+                            staged = 0
+                        pos = self._seal(view[start : start + size], out, out_view, pos)
+                    start += size
+                    if pos > SEND_BATCH:
+                        await self.raw.send_all(out_view[:pos])
+                        pos = 0
+            if staged:
+                pos = self._seal(stage_view[:staged], out, out_view, pos)
+            if pos:
+                await self.raw.send_all(out_view[:pos])
+
+    def _seal(self, chunk: memoryview, out: bytearray, out_view: memoryview, pos: int) -> int:
+        """Encrypt ``chunk`` (<= MAX_PLAINTEXT bytes) as one frame at ``out[pos:]``; new end."""
+        size = len(chunk) + TAGLEN
+        _LEN.pack_into(out, pos, size)
+        nonce = self._send.next_nonce()
+        if _HAS_INTO:
+            self._send.aead.encrypt_into(nonce, chunk, None, out_view[pos + 2 : pos + 2 + size])  # type: ignore[union-attr]
+        else:  # cryptography < 45
+            out_view[pos + 2 : pos + 2 + size] = self._send.aead.encrypt(nonce, bytes(chunk), None)  # type: ignore[union-attr]
+        return pos + 2 + size
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.raw.wait_send_all_might_not_block()

@@ -607,6 +607,10 @@ class YamuxSession:
     async def _writer(self) -> None:
         out = self._out
         urgent = self._urgent
+        # A SecureSession takes a list of buffers and encrypts them into one write: then the
+        # writer hands over up to a whole outgoing queue at once.
+        send_parts = getattr(self.conn, "send_parts", None)
+        batch_limit = _OUT_LIMIT if send_parts is not None else _RECV_CHUNK
         try:
             while True:
                 while not out and not urgent:
@@ -623,29 +627,22 @@ class YamuxSession:
                         continue
                     # let the control frames lead the next write of data
                     out.appendleft(frames)
-                # Take what is queued. Small pieces (headers, control frames, small payloads)
-                # are joined into one write; a large payload is written as it is, because
-                # copying it into a joined buffer costs more than one extra write.
-                small: list[bytes | memoryview] = []
-                size = 0
                 # Never stop between a Data header and its payload: control frames put in front
                 # of the queue on the next round would land inside the data frame.
+                batch: list[bytes | memoryview] = []
+                size = 0
                 after_header = False
-                while out and (size < _RECV_CHUNK or after_header):
+                while out and (size < batch_limit or after_header):
                     piece = out.popleft()
                     size += len(piece)
                     after_header = (
                         not after_header and len(piece) == HEADER_SIZE and piece[1] == TYPE_DATA
                     )
-                    if len(piece) >= _COALESCE_LIMIT:
-                        if small:
-                            await self._write_small(small)
-                            small = []
-                        await self.conn.send_all(piece)
-                    else:
-                        small.append(piece)
-                if small:
-                    await self._write_small(small)
+                    batch.append(piece)
+                if send_parts is not None:
+                    await send_parts(batch)  # one encrypted write, no joining of payloads
+                else:
+                    await self._write_pieces(batch)
                 self._out_bytes -= size
                 self._space_lot.unpark_all()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
@@ -654,6 +651,21 @@ class YamuxSession:
             # The security layer raises its own errors (e.g. the remote vanished mid-write).
             logger.debug("yamux %s: writer stopped: %r", self.name, e)
             self._shutdown(f"write failed: {e!r}")
+
+    async def _write_pieces(self, pieces: list[bytes | memoryview]) -> None:
+        """Plain streams: small pieces (headers, control frames) are joined into one write; a
+        large payload is written as it is (copying it into a joined buffer costs more)."""
+        small: list[bytes | memoryview] = []
+        for piece in pieces:
+            if len(piece) >= _COALESCE_LIMIT:
+                if small:
+                    await self._write_small(small)
+                    small = []
+                await self.conn.send_all(piece)
+            else:
+                small.append(piece)
+        if small:
+            await self._write_small(small)
 
     async def _write_small(self, pieces: list[bytes | memoryview]) -> None:
         await self.conn.send_all(pieces[0] if len(pieces) == 1 else b"".join(pieces))
