@@ -15,6 +15,7 @@ the responder's identity *before* revealing its own in message 3.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import struct
@@ -48,6 +49,9 @@ _FRAME_ROOM = 2 * (2 + MAX_FRAME)  # the send buffer may pass SEND_BATCH by up t
 _SMALL_SEND = 64 * 1024  # sends up to this size use a fresh exact-size buffer
 _DIRECT_MIN = 4096  # slices at least this large are encrypted in place; smaller ones packed
 RECEIVE_CHUNK = 256 * 1024  # bytes asked from the raw stream per read
+BULK_BUFFER = 1 << 20  # reused receive buffers once reads come back this large:
+_BULK_READ = 128 * 1024
+_IDLE_READ = 4096  # ... and dropped again after a read smaller than this
 _LEN = struct.Struct(">H")
 # cryptography >= 45 can encrypt/decrypt straight into our frame buffers (no extra copy).
 _HAS_INTO = hasattr(ChaCha20Poly1305, "encrypt_into")
@@ -230,6 +234,11 @@ class SecureSession(trio.abc.HalfCloseableStream):
         self._error: Exception | None = None
         self._sending = False
         self._receiving = False
+        self._plain_borrowed = False  # ``_plain`` lies in the reused bulk buffer
+        self._cbuf: bytearray | None = None  # bulk mode: reused ciphertext buffer
+        self._cview = memoryview(b"")
+        self._pview = memoryview(b"")  # bulk mode: reused plaintext buffer
+        self._cfill = 0  # bytes of a split frame at the start of ``_cbuf``
         self._sbuf: bytearray | None = None  # reused frame buffer for bulk sends (lazy)
         self._stage = bytearray()  # small parts packed into one frame (lazy, bulk only)
 
@@ -396,6 +405,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
                 )
             )
         self._plain = out_view
+        self._plain_borrowed = False
 
     def _check_frame_length(self, length: int) -> None:
         if length < TAGLEN:
@@ -419,10 +429,13 @@ class SecureSession(trio.abc.HalfCloseableStream):
         self._error = error
         raise error
 
-    def _take(self, max_bytes: int | None) -> bytes | bytearray:
+    def _take(self, max_bytes: int | None, borrow: bool) -> bytes | bytearray | memoryview:
         plain = self._plain
         if max_bytes is None or max_bytes >= len(plain):
             self._plain = memoryview(b"")
+            if self._plain_borrowed:
+                # ``plain`` lies in the bulk buffer that the next read overwrites
+                return plain if borrow else bytes(plain)
             obj = plain.obj
             if isinstance(obj, bytearray) and len(plain) == len(obj):
                 plain.release()  # so the caller may resize the bytearray
@@ -435,6 +448,20 @@ class SecureSession(trio.abc.HalfCloseableStream):
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         if max_bytes is not None and max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
+        return await self._receive_plain(max_bytes, borrow=False)  # type: ignore[return-value]
+
+    async def receive_view(self) -> bytes | bytearray | memoryview:
+        """``receive_some()`` for the yamux reader, which copies out what it keeps anyway.
+
+        A ``memoryview`` result is *borrowed*: it points into the bulk receive buffer and is
+        only valid until the next receive call (bytes/bytearray results are the caller's).
+        Saves one allocation and copy of every byte on bulk transfers.
+        """
+        return await self._receive_plain(None, borrow=True)
+
+    async def _receive_plain(
+        self, max_bytes: int | None, borrow: bool
+    ) -> bytes | bytearray | memoryview:
         if self._receiving:
             raise trio.BusyResourceError("another task is already receiving on this SecureSession")
         self._receiving = True
@@ -443,31 +470,96 @@ class SecureSession(trio.abc.HalfCloseableStream):
                 raise self._error
             if self._plain:
                 await trio.lowlevel.checkpoint()
-                return self._take(max_bytes)
+                return self._take(max_bytes, borrow)
             if self._initial:
                 initial, self._initial = self._initial, b""
                 self._ingest(initial)
                 if self._plain:
                     await trio.lowlevel.checkpoint()
-                    return self._take(max_bytes)
+                    return self._take(max_bytes, borrow)
             while not self._plain:
                 if self._eof:
-                    if self._rbuf:
+                    partial = len(self._rbuf) + self._cfill
+                    if partial:
                         self._fail(
                             StreamResetError(
                                 f"connection to {self.remote_peer.short()} ended in the middle "
-                                f"of a Noise frame ({len(self._rbuf)} bytes of it received)"
+                                f"of a Noise frame ({partial} bytes of it received)"
                             )
                         )
                     return b""
+                if self._cbuf is not None:
+                    await self._read_bulk()
+                    continue
                 data = await self.raw.receive_some(RECEIVE_CHUNK)
                 if data:
                     self._ingest(data)
+                    if len(data) >= _BULK_READ and isinstance(self.raw, trio.SocketStream):
+                        self._enter_bulk_mode()
                 else:
                     self._eof = True
-            return self._take(max_bytes)
+            return self._take(max_bytes, borrow)
         finally:
             self._receiving = False
+
+    # -- bulk receiving: reused buffers, recv_into ----------------------------------------------
+    # Allocating fresh multi-100-KiB buffers per read costs a page fault on every page (glibc
+    # returns freed large blocks to the OS); with two reused buffers a bulk transfer's bytes are
+    # written once by the kernel, once by the AEAD and once more into what yamux delivers.
+    def _enter_bulk_mode(self) -> None:
+        self._cbuf = bytearray(BULK_BUFFER)
+        self._cview = memoryview(self._cbuf)
+        self._pview = memoryview(bytearray(BULK_BUFFER))
+        self._cfill = len(self._rbuf)  # a split frame moves to the front of the new buffer
+        self._cbuf[: self._cfill] = self._rbuf
+        self._rbuf = bytearray()
+
+    def _leave_bulk_mode(self) -> None:
+        """Back to per-read buffers once traffic is small (idle connections keep no buffers)."""
+        self._rbuf = bytearray(self._cview[: self._cfill])
+        self._cview.release()
+        self._cbuf = None
+        self._cview = self._pview = memoryview(b"")  # ``_plain`` keeps its own buffer alive
+        self._cfill = 0
+
+    async def _read_bulk(self) -> None:
+        cbuf, cview, pview = self._cbuf, self._cview, self._pview
+        assert cbuf is not None and isinstance(self.raw, trio.SocketStream)
+        try:
+            got = await self.raw.socket.recv_into(cview[self._cfill :])
+        except OSError as e:  # what trio.SocketStream.receive_some would raise
+            if e.errno == errno.EBADF:
+                raise trio.ClosedResourceError("the raw socket was closed") from None
+            raise trio.BrokenResourceError(f"socket error while receiving: {e!r}") from e
+        if not got:
+            self._eof = True
+            return
+        n = self._cfill + got
+        pos = 0
+        o = 0
+        try:
+            while n - pos >= 2:
+                (length,) = _LEN.unpack_from(cbuf, pos)
+                self._check_frame_length(length)
+                if n - pos - 2 < length:
+                    break
+                o = self._decrypt_frame(cview, pos, pview, o)
+                pos += 2 + length
+        except InvalidTag:
+            self._fail(
+                ProtocolViolationError(
+                    f"Noise frame from {self.remote_peer.short()} failed authentication "
+                    "(tampered or corrupted); the session is unusable"
+                )
+            )
+        tail = n - pos
+        if tail and pos:
+            cbuf[:tail] = bytes(cview[pos:n])  # the split frame's start (< 64 KiB) to the front
+        self._cfill = tail
+        self._plain = pview[:o]
+        self._plain_borrowed = True
+        if got < _IDLE_READ and not tail:
+            self._leave_bulk_mode()
 
     async def aclose(self) -> None:
         await self.raw.aclose()

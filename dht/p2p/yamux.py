@@ -88,7 +88,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
     def __init__(self, session: YamuxSession, stream_id: int, max_window: int) -> None:
         self.session = session
         self.stream_id = stream_id
-        self._chunks: deque[bytes] = deque()
+        self._chunks: deque[bytes | bytearray] = deque()
         self._buffered = 0
         # How many bytes the remote may still send before we grant more.
         self._recv_remaining = INITIAL_WINDOW
@@ -312,7 +312,8 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         self.session._forget(self)
 
     # -- called by the session's reader --------------------------------------------------
-    def _deliver(self, data: bytes) -> None:
+    def _deliver(self, data: bytes | bytearray | memoryview) -> None:
+        """Buffer a payload; a memoryview (borrowed from the layer below) is copied here."""
         if self._read_closed or self._reset:
             # Nobody will read it: return the credit immediately.
             if not self._reset and not self._remote_eof:
@@ -321,7 +322,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                     TYPE_WINDOW_UPDATE, self._flags(0), self.stream_id, len(data)
                 )
             return
-        self._chunks.append(data)
+        self._chunks.append(bytes(data) if isinstance(data, memoryview) else data)
         self._buffered += len(data)
         self.session._buffered += len(data)
         self._recv_lot.unpark_all()
@@ -689,13 +690,17 @@ class YamuxSession:
         pending = 0  # payload bytes of the current Data frame still to come
         pending_stream: YamuxStream | None = None
         pending_fin = False
+        # A SecureSession lends its bulk receive buffer (a memoryview valid until its next
+        # read): payloads are then copied out once, straight into what the streams deliver.
+        receive = getattr(conn, "receive_view", None) or conn.receive_some
         while True:
             # No max_bytes: the layer below may then hand over its whole buffer uncopied
             # (its chunks are bounded by its own read size).
-            data = await conn.receive_some()
+            data = await receive()
             if not data:
                 self._shutdown("remote closed the connection")
                 return
+            borrowed = isinstance(data, memoryview)
             n = len(data)
             off = 0
             while off < n:
@@ -703,7 +708,9 @@ class YamuxSession:
                     take = min(pending, n - off)
                     if pending_stream is not None:
                         pending_stream._deliver(
-                            data if (off == 0 and take == n) else data[off : off + take]
+                            data
+                            if (off == 0 and take == n and not borrowed)
+                            else data[off : off + take]
                         )
                     off += take
                     pending -= take
