@@ -58,6 +58,7 @@ from moshpit.averaging.allreduce_protocol import (
     all_finite,
     chunk_msg,
     decode_chunk,
+    decode_cost,
     error_msg,
     hello_group_id,
     hello_msg,
@@ -65,6 +66,7 @@ from moshpit.averaging.allreduce_protocol import (
     parse_chunk,
     parse_hello,
     parse_result,
+    raw_float32,
     result_msg,
 )
 from moshpit.averaging.allreduce_reducer import PartReducer, SenderFailed
@@ -76,6 +78,7 @@ from moshpit.averaging.partition import (
     copy_range,
     empty_like_all,
     gather,
+    gather_copies,
     part_bounds,
     scatter,
 )
@@ -136,11 +139,20 @@ class _Codecs:
                 f"compression must be a TwoWayCompression, Codec or None, not {type(compression).__name__}"
             )
         self.spec = compression
+        # Uncompressed float32 needs no codec call: the payload is a view of the values
+        self.raw = type(compression) is NoCompression
         # Codecs and error-feedback state are not promised to be thread-safe (RNG state, the
         # residual dict), and chunks are compressed in several worker threads at once.
         self._lock = threading.Lock()
 
+    def cost(self, numel: int) -> int:
+        """Rough work of compressing ``numel`` elements (0: no copy, run inline)."""
+        return 0 if self.raw else numel
+
     def send(self, values: torch.Tensor, key: tuple[int, int]) -> CompressedTensor:
+        """Compress a chunk to send; ``values`` must stay unmodified until it is sent."""
+        if self.raw and values.dtype == torch.float32 and values.device.type == "cpu":
+            return raw_float32(values)
         with self._lock:
             if isinstance(self.spec, TwoWayCompression):
                 return self.spec.compress_send(values, key)
@@ -149,6 +161,9 @@ class _Codecs:
     def reduced(
         self, values: torch.Tensor, key: tuple[int, int]
     ) -> tuple[CompressedTensor, torch.Tensor]:
+        """The result message of a reduced chunk and the float32 values receivers decode."""
+        if self.raw:  # lossless: receivers decode exactly ``values`` (float32 from the aggregator)
+            return raw_float32(values), values
         with self._lock:
             if isinstance(self.spec, TwoWayCompression):
                 ct, decoded = self.spec.reducer.compress_with_decoded(values, key)
@@ -266,7 +281,10 @@ class _Round:
         if values is None:
             return result_msg(k, None, 0.0), None
         ct, decoded = await self.service._run_cpu(
-            self.codecs.reduced, values, self.chunks[self.me][k], numel=values.numel()
+            self.codecs.reduced,
+            values,
+            self.chunks[self.me][k],
+            numel=self.codecs.cost(values.numel()),
         )
         return result_msg(k, ct, dev), decoded
 
@@ -331,7 +349,7 @@ class _Round:
             await self.reducer.wait_turn(s, k)
             msg = await stream.receive_msg(max_size=max_chunk_message(b - a))
             ct = parse_chunk(msg, k, b - a)
-            values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=b - a)
+            values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=decode_cost(ct))
             self.bytes_received += ct.nbytes
             await self.reducer.contribute(s, k, values, weight)
 
@@ -367,8 +385,9 @@ class _Round:
         assert self.reducer is not None and self.tensors is not None and self.layout is not None
         for k, (a, b) in enumerate(self.chunks[self.me]):
             await self.reducer.wait_turn(self.me, k)
+            cost = b - a if gather_copies(self.tensors, self.layout, a, b) else 0
             values = await self.service._run_cpu(
-                gather, self.tensors, self.layout, a, b, numel=b - a
+                gather, self.tensors, self.layout, a, b, numel=cost
             )
             await self.reducer.contribute(self.me, k, values, self.weight)
 
@@ -447,7 +466,10 @@ class _Round:
             def compress(a: int = a, b: int = b) -> CompressedTensor:
                 return self.codecs.send(gather(self.tensors, self.layout, a, b), (a, b))
 
-            ct = await self.service._run_cpu(compress, numel=b - a)
+            cost = self.codecs.cost(b - a)
+            if gather_copies(self.tensors, self.layout, a, b):
+                cost += b - a
+            ct = await self.service._run_cpu(compress, numel=cost)
             with trio.fail_after(self.reducer_timeout):
                 await stream.send_msg(chunk_msg(k, ct))
             self.bytes_sent += ct.nbytes
@@ -462,7 +484,7 @@ class _Round:
             if ct is None:
                 self._write((a, b), None)
             else:
-                values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=b - a)
+                values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=decode_cost(ct))
                 self.bytes_received += ct.nbytes
                 self._write((a, b), values)
             self.part_dev[j] += dev

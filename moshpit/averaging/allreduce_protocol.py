@@ -16,12 +16,13 @@ was wrong; the caller turns it into an exclusion of that peer.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from compression import CompressedTensor, CompressionError, decompress
+from compression import CompressedTensor, CompressionError, NoCompression, decompress
 
 PROTOCOL_VERSION = 1
 MAX_WEIGHT = 1e9  # a sender's weight is its own claim; cap it so it cannot dwarf everyone
@@ -31,6 +32,15 @@ ERROR_MAX_BYTES = 1024
 # Largest encoding of a chunk: a sparse codec sending every element as (value, int64 index).
 MAX_BYTES_PER_ELEMENT = 12
 MESSAGE_OVERHEAD = 4096
+RAW_CODEC_ID = NoCompression.codec_id
+
+# Received payloads are immutable ``bytes``; float32 chunks are read through a view of them
+# (never written), so torch's warning about non-writable buffers does not apply. torch
+# issues it once per process: trigger it here, silenced (imports run before any worker
+# thread of ours, so the non-thread-safe catch_warnings is fine here).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(4), dtype=torch.float32)
 
 
 class ProtocolError(Exception):
@@ -164,13 +174,25 @@ def parse_result(msg: Any, k: int, numel: int) -> tuple[CompressedTensor | None,
 def decode_chunk(ct: CompressedTensor, numel: int) -> torch.Tensor:
     """Decompress a validated chunk into a flat float32 tensor; reject NaN/Inf.
 
-    CPU-heavy for big chunks: call it in a worker thread.
+    Uncompressed float32 is a read-only view of the payload (cheap: one read pass for the
+    NaN/Inf check); other codecs decode into a new tensor (CPU-heavy for big chunks: call it
+    in a worker thread, see :func:`decode_cost`).
     """
-    try:
-        values = decompress(ct)
-    except CompressionError as e:
-        raise ProtocolError(f"cannot decode chunk: {e}") from e
-    values = values.reshape(-1).to(torch.float32)
+    if is_raw_float32(ct):
+        if len(ct.payload) != 4 * numel:
+            raise ProtocolError(f"float32 payload of {len(ct.payload)} bytes for {numel} elements")
+        # read-only view of the received bytes: no copy (callers only read chunks)
+        values = (
+            torch.frombuffer(ct.payload, dtype=torch.float32, count=numel)
+            if numel
+            else torch.empty(0)
+        )
+    else:
+        try:
+            values = decompress(ct)
+        except CompressionError as e:
+            raise ProtocolError(f"cannot decode chunk: {e}") from e
+        values = values.reshape(-1).to(torch.float32)
     if values.numel() != numel:
         raise ProtocolError(f"chunk decoded to {values.numel()} elements, expected {numel}")
     if not all_finite(values):
@@ -190,3 +212,24 @@ def all_finite(values: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(values.reshape(-1))
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def is_raw_float32(ct: CompressedTensor) -> bool:
+    """Uncompressed float32: the payload is the values themselves."""
+    return ct.codec_id == RAW_CODEC_ID and ct.dtype == "float32"
+
+
+def decode_cost(ct: CompressedTensor) -> int:
+    """Rough work of :func:`decode_chunk` in element-passes (0 for a zero-copy view)."""
+    return ct.numel // 8 if is_raw_float32(ct) else ct.numel
+
+
+def raw_float32(values: torch.Tensor) -> CompressedTensor:
+    """The :class:`NoCompression` message for a contiguous float32 CPU tensor, without a copy.
+
+    The payload aliases ``values``: it must stay unmodified until the message is sent (true
+    for the caller's tensors during a round and for finalized chunk results).
+    """
+    flat = values.reshape(-1)
+    payload = memoryview(flat.view(torch.uint8).numpy())
+    return CompressedTensor(RAW_CODEC_ID, "float32", (flat.numel(),), payload, {})

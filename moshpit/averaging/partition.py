@@ -1,8 +1,8 @@
 """Splitting a list of tensors into one contiguous part per reducing member, and back.
 
 The tensors are treated as one flat float32 vector (the concatenation of their flattened
-values, in order) without ever materialising that vector: :func:`gather` copies any range of
-it into a small float32 buffer, and :func:`scatter` writes a float32 range back into output
+values, in order) without ever materialising that vector: :func:`gather` returns any range of
+it as float32 (a view when the range lies in one float32 tensor, else a small copy), and :func:`scatter` writes a float32 range back into output
 tensors of the original dtypes. So a round needs one output copy of the tensors, not three.
 
 Part sizes come only from :class:`GroupInfo`, so every member computes the same split.
@@ -65,10 +65,38 @@ class TensorLayout:
             i += 1
 
 
+def _single_view(
+    tensors: Sequence[torch.Tensor], layout: TensorLayout, start: int, end: int
+) -> torch.Tensor | None:
+    """A view of flat range [start, end) if it lies inside one contiguous float32 CPU tensor."""
+    pieces = list(layout._pieces(start, end))
+    if len(pieces) != 1:
+        return None
+    i, lo, hi, _ = pieces[0]
+    t = tensors[i]
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return t.detach().view(-1)[lo:hi]
+
+
+def gather_copies(
+    tensors: Sequence[torch.Tensor], layout: TensorLayout, start: int, end: int
+) -> bool:
+    """Whether :func:`gather` of this range copies (False: it returns a view, no work)."""
+    return end > start and _single_view(tensors, layout, start, end) is None
+
+
 def gather(
     tensors: Sequence[torch.Tensor], layout: TensorLayout, start: int, end: int
 ) -> torch.Tensor:
-    """A new float32 CPU tensor holding flat elements [start, end) of ``tensors``."""
+    """Flat elements [start, end) of ``tensors`` as one float32 CPU tensor, to be read only.
+
+    A view of the caller's tensor when the range lies inside one contiguous float32 CPU tensor
+    (the common case: no copy), else a new tensor. Callers must never write into the result.
+    """
+    view = _single_view(tensors, layout, start, end) if end > start else None
+    if view is not None:
+        return view
     out = torch.empty(end - start, dtype=torch.float32)
     for i, lo, hi, flat in layout._pieces(start, end):
         src = tensors[i].detach().reshape(-1)[lo:hi]

@@ -304,18 +304,25 @@ async def test_single_member_group_returns_its_own_values():
         assert torch.equal(r.averaged[0], t[0])
 
 
-async def test_worker_threads_and_pipelining(monkeypatch):
-    """Every chunk's CPU work in worker threads, several chunks per part in flight."""
+@pytest.mark.parametrize("codec", [None, Float16()], ids=["none", "float16"])
+async def test_worker_threads_and_pipelining(monkeypatch, codec):
+    """Every chunk's CPU work that copies in worker threads, several chunks per part in
+    flight; the callers' tensors (sent as zero-copy views with codec none) are never written."""
     import moshpit.averaging.allreduce as allreduce_module
 
     monkeypatch.setattr(allreduce_module, "THREAD_MIN_NUMEL", 1)
     async with swarm(3, chunk_numel=1 << 12, window=2) as services:
         group = make_group(services)
-        tensors = [[torch.randn(100_000)] for _ in range(3)]
-        results = await run_all(services, group, tensors, timeout=60)
+        tensors = [[torch.randn(100_000), torch.randn(7, 3)] for _ in range(3)]
+        originals = [[t.clone() for t in ts] for ts in tensors]
+        results = await run_all(services, group, tensors, timeout=60, compression=codec)
         want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])
         for r in results:
-            assert_close(r.averaged, [w.float() for w in want])
+            assert_close(
+                r.averaged, [w.float() for w in want], atol=1e-5 if codec is None else 1e-2
+            )
+        for ts, orig in zip(tensors, originals, strict=True):
+            assert all(torch.equal(t, o) for t, o in zip(ts, orig, strict=True))
 
 
 async def test_tcp_loopback_basic_round():

@@ -17,6 +17,7 @@ from moshpit.averaging.partition import (
     copy_range,
     empty_like_all,
     gather,
+    gather_copies,
     part_bounds,
     part_sizes,
     scatter,
@@ -56,6 +57,11 @@ def test_gather_scatter_any_range(sizes, data):
     got = gather(tensors, layout, start, end)
     assert got.dtype == torch.float32
     assert torch.equal(got, flat(tensors)[start:end])
+    pieces = list(layout._pieces(start, end))
+    in_one_float32 = len(pieces) == 1 and tensors[pieces[0][0]].dtype == torch.float32
+    assert gather_copies(tensors, layout, start, end) == (end > start and not in_one_float32)
+    if end > start and in_one_float32:  # a view of the caller's tensor, not a copy
+        assert got.data_ptr() == tensors[pieces[0][0]].reshape(-1)[pieces[0][1] :].data_ptr()
     outputs = empty_like_all(tensors)
     copy_range(tensors, outputs, layout, 0, total)
     scatter(torch.full((end - start,), 0.5), outputs, layout, start)
