@@ -365,6 +365,39 @@ async def test_consecutive_rounds_on_one_service():
         assert not services[0]._rounds and not services[1]._rounds
 
 
+async def test_out_tensors_are_written_and_reused_across_rounds():
+    async with swarm(3) as services:
+        outs = [[torch.full(s, math.nan, dtype=d) for s, d in MIXED] for _ in range(3)]
+        for seed in range(2):
+            group = make_group(services)
+            tensors = [random_tensors(100 * seed + i, MIXED) for i in range(3)]
+            per_member = {i: {"out": outs[i]} for i in range(3)}
+            results = await run_all(services, group, tensors, per_member=per_member, timeout=10)
+            want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])
+            for r, out in zip(results, outs, strict=True):
+                assert r.averaged is not None
+                assert all(a is o for a, o in zip(r.averaged, out, strict=True))
+                assert_close(r.averaged, want, atol=2e-2)  # float16/bfloat16 members of MIXED
+
+
+async def test_bad_out_tensors_raise():
+    async with swarm(2) as services:
+        group = make_group(services)
+        t = [torch.zeros(3), torch.zeros(2, 2)]
+        bad_outs = {
+            "expected 2": [torch.zeros(3)],
+            "float16": [torch.zeros(3, dtype=torch.float16), torch.zeros(2, 2)],
+            r"\(4,\)": [torch.zeros(3), torch.zeros(4)],
+            "contiguous": [torch.zeros(3), torch.zeros(2, 2).t()],
+            "share memory": [t[0], torch.zeros(2, 2)],
+            "not a torch.Tensor": [torch.zeros(3), [0.0] * 4],
+        }
+        for match, out in bad_outs.items():
+            with pytest.raises((ValueError, TypeError), match=match):
+                await services[0].run(group, t, out=out, timeout=1)
+        assert not services[0]._rounds
+
+
 # ---------------------------------------------------------------- compression
 
 CODECS = [
