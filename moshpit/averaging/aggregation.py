@@ -43,6 +43,14 @@ class ChunkAggregation(ABC):
     def result(self) -> tuple[torch.Tensor, float] | None:
         """(aggregate, weighted deviation), or None if no contribution had positive weight."""
 
+    def add_cost(self) -> int:
+        """Rough work of one :meth:`add` in element-passes (decides thread vs inline)."""
+        return 2 * self.numel
+
+    def result_cost(self) -> int:
+        """Rough work of :meth:`result` in element-passes."""
+        return 2 * self.numel
+
 
 class Aggregator(ABC):
     """A strategy for combining senders' chunks; stateless, shared by all chunks of a round."""
@@ -54,19 +62,22 @@ class Aggregator(ABC):
 class _MeanChunk(ChunkAggregation):
     def __init__(self, numel: int) -> None:
         super().__init__(numel)
-        self.acc = torch.zeros(numel, dtype=torch.float32)
+        self.acc: torch.Tensor | None = None  # made by the first add (no zero-fill pass)
         self.sq = 0.0  # sum_i w_i ||x_i||^2, for the deviation without keeping the x_i
 
     def add(self, values: torch.Tensor, weight: float) -> None:
         self.count += 1
         if weight <= 0:
             return
-        self.acc.add_(values, alpha=weight)
+        if self.acc is None:  # a new buffer: ``values`` may be a read-only view
+            self.acc = torch.mul(values, weight)
+        else:
+            self.acc.add_(values, alpha=weight)
         self.sq += weight * float(torch.dot(values, values))
         self.total_weight += weight
 
     def result(self) -> tuple[torch.Tensor, float] | None:
-        if self.total_weight <= 0:
+        if self.total_weight <= 0 or self.acc is None:
             return None
         mean = self.acc.div_(self.total_weight)
         # sum w||x - m||^2 = sum w||x||^2 - W||m||^2; rounding can make it slightly negative
@@ -89,6 +100,13 @@ class _StoredChunk(ChunkAggregation):
         self.values: list[torch.Tensor] = []
         self.weights: list[float] = []
         self.combine = combine
+
+    def add_cost(self) -> int:
+        return 0  # keeps a reference
+
+    def result_cost(self) -> int:
+        # stack, median (a sort per coordinate), clipping iterations: many passes per sender
+        return 16 * self.numel * max(1, len(self.values))
 
     def add(self, values: torch.Tensor, weight: float) -> None:
         self.count += 1

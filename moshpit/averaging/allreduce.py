@@ -92,7 +92,12 @@ logger = logging.getLogger(__name__)
 ALLREDUCE_PROTOCOL = "/moshpit/averaging/1.0.0"
 DEFAULT_CHUNK_NUMEL = 1 << 18  # 1 MiB of float32 per chunk message
 DEFAULT_WINDOW = 4  # chunks a sender may be ahead of the results it received
-THREAD_MIN_NUMEL = 1 << 17  # smaller chunks run inline (< ~1 ms): a thread hand-off costs more
+# CPU work is estimated in element-passes (one read or write pass over one float32 element);
+# below this (~0.5-1 ms of memory-bound work) it runs inline on the event loop, because a
+# worker-thread hand-off (wake-up + GIL ping-pong, worse on busy cores) costs more than it
+# saves. With codec none and the default 1 MiB chunks every per-chunk step stays inline.
+THREAD_MIN_NUMEL = 1 << 20
+CODEC_PASSES = 4  # rough passes of a codec's compress (cast/scale/pack) per element
 MAX_PENDING_STREAMS = 256  # incoming streams waiting for their round to start
 CLOSE_TIMEOUT = 2.0  # best-effort goodbye (error message / EOF) to a peer
 
@@ -147,8 +152,8 @@ class _Codecs:
         self._lock = threading.Lock()
 
     def cost(self, numel: int) -> int:
-        """Rough work of compressing ``numel`` elements (0: no copy, run inline)."""
-        return 0 if self.raw else numel
+        """Rough work of compressing ``numel`` elements in element-passes (0: a view)."""
+        return 0 if self.raw else CODEC_PASSES * numel
 
     def send(self, values: torch.Tensor, key: tuple[int, int]) -> CompressedTensor:
         """Compress a chunk to send; ``values`` must stay unmodified until it is sent."""
@@ -630,7 +635,10 @@ class AllReduceService:
                     logger.info("ignoring bad addresses of member %s: %s", group.members[j], e)
 
     async def _run_cpu(self, fn: Callable[..., Any], *args: Any, numel: int) -> Any:
-        """Run CPU work inline when small, in a worker thread (bounded) when large."""
+        """Run CPU work inline when small, in a worker thread (bounded) when large.
+
+        ``numel``: the estimated work in element-passes (see ``THREAD_MIN_NUMEL``).
+        """
         if numel >= THREAD_MIN_NUMEL:
             return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         return fn(*args)

@@ -220,8 +220,10 @@ def is_raw_float32(ct: CompressedTensor) -> bool:
 
 
 def decode_cost(ct: CompressedTensor) -> int:
-    """Rough work of :func:`decode_chunk` in element-passes (0 for a zero-copy view)."""
-    return ct.numel // 8 if is_raw_float32(ct) else ct.numel
+    """Rough work of :func:`decode_chunk` in element-passes: a view plus one vectorised
+    read-only pass (aminmax, several times faster than a copy) for uncompressed float32,
+    a decode into a new tensor plus the check for other codecs."""
+    return ct.numel // 4 if is_raw_float32(ct) else 3 * ct.numel
 
 
 def raw_float32(values: torch.Tensor) -> CompressedTensor:

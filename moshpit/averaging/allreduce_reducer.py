@@ -112,7 +112,7 @@ class PartReducer:
             agg = self._pending.get(k)
             if agg is None:
                 agg = self._pending[k] = self.aggregator.begin(values.numel())
-            await self._run_cpu(agg.add, values, weight, numel=values.numel())
+            await self._run_cpu(agg.add, values, weight, numel=agg.add_cost())
             self._contributed[k].add(sender)
         self._notify()
 
@@ -157,7 +157,6 @@ class PartReducer:
             with trio.move_on_after(self.sender_timeout):
                 while not self.active <= self._contributed[k]:
                     await self._changed.wait()
-            numel = self.chunks[k][1] - self.chunks[k][0]
             async with self._lock:  # nobody adds to chunk k while we decide who is in it
                 for s in sorted(self.active - self._contributed[k]):
                     logger.info(
@@ -168,7 +167,11 @@ class PartReducer:
                     )
                 agg = self._pending.pop(k, None)
                 self._closed = k + 1
-                res = None if agg is None else await self._run_cpu(agg.result, numel=numel)
+                res = (
+                    None
+                    if agg is None
+                    else await self._run_cpu(agg.result, numel=agg.result_cost())
+                )
             values, dev = (None, 0.0) if res is None else res
             msg, local = await self._finalize_fn(k, values, dev)
             self._results[k] = msg

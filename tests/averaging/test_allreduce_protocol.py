@@ -82,7 +82,7 @@ def test_decode_raw_float32_views_the_payload_and_still_validates():
 def test_other_codecs_still_decode_into_new_tensors():
     values = torch.randn(500)
     ct = CompressedTensor.from_msg(_wire(Float16().compress(values)), max_numel=500)
-    assert not is_raw_float32(ct) and decode_cost(ct) == 500
+    assert not is_raw_float32(ct) and decode_cost(ct) >= 500
     got = decode_chunk(ct, 500)
     assert got.dtype == torch.float32 and torch.allclose(got, values, atol=1e-2)
     ct64 = CompressedTensor.from_msg(_wire(NoCompression().compress(values.double())), 500)
