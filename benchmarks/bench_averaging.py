@@ -15,6 +15,9 @@ One JSON object per line:
   ``bytes_sent_per_peer`` (tensor payload bytes, mean over peers), ``peak_extra_mem_bytes``
   (max over peers of VmHWM - VmRSS measured around the rounds, /proc peak reset before) and its
   ratio to the tensor bytes. Our all-reduce always runs over Noise-encrypted connections.
+- CPU seconds per peer (``time.process_time``, all threads of the worker): ``step_cpu_s_per_peer``
+  (median over rounds of the mean over peers, whole ``step()``) and the gloo all-reduce's
+  (``gloo_cpu_s_per_peer``): less sensitive than wall time to other load on a shared machine.
 - workers run with ``OMP_NUM_THREADS=1`` (and ``torch.set_num_threads(1)``), gloo included.
 
     python benchmarks/bench_averaging.py --quick      # 4 peers, 1M floats, 2 codecs
@@ -113,14 +116,22 @@ def worker(argv: list[str]) -> int:
         if cmd["cmd"] == "gloo":
             t = torch.randn(cmd["numel"])
             dist.all_reduce(t)  # warm-up
-            times = []
+            times, cpu = [], []
             for _ in range(cmd["reps"]):
                 dist.barrier()
                 t0 = time.perf_counter()
+                c0 = time.process_time()
                 dist.all_reduce(t)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             del t
-            emit({"event": "gloo", "seconds": statistics.median(times)})
+            emit(
+                {
+                    "event": "gloo",
+                    "seconds": statistics.median(times),
+                    "cpu_s": statistics.median(cpu),
+                }
+            )
         elif cmd["cmd"] == "setup":
             tensor = torch.randn(cmd["numel"])
             averager = Averager(
@@ -235,14 +246,16 @@ def run_peers(
         for p in procs:
             p.recv("ready")
         for numel in sizes:
-            gloo = statistics.median(
-                r["seconds"]
-                for r in _all(procs, {"cmd": "gloo", "numel": numel, "reps": gloo_reps}, "gloo")
-            )
+            gloo_rows = _all(procs, {"cmd": "gloo", "numel": numel, "reps": gloo_reps}, "gloo")
+            gloo = statistics.median(r["seconds"] for r in gloo_rows)
+            gloo_cpu = statistics.mean(r["cpu_s"] for r in gloo_rows)
             print(
-                json.dumps({"kind": "gloo", "peers": num_peers, "numel": numel, "seconds": gloo}),
+                json.dumps(
+                    {"kind": "gloo", "peers": num_peers, "numel": numel, "seconds": gloo,
+                     "cpu_s_per_peer": round(gloo_cpu, 4)}
+                ),
                 flush=True,
-            )
+            )  # fmt: skip
             for codec in codecs:
                 prefix = f"bench-{num_peers}-{numel}-{codec}"
                 _all(
@@ -285,6 +298,8 @@ def run_peers(
                     "allreduce_s": round(ar_s, 4),
                     "allreduce_s_per_round": ar_each,
                     "step_cpu_s_per_peer": round(cpu_s, 4),
+                    "gloo_cpu_s_per_peer": round(gloo_cpu, 4),
+                    "step_cpu_vs_gloo_cpu": round(cpu_s / gloo_cpu, 2) if gloo_cpu > 0 else None,
                     "gloo_s": round(gloo, 4),
                     "allreduce_vs_gloo": round(ar_s / gloo, 2) if gloo > 0 else None,
                     "bytes_sent_per_peer": int(sent),
