@@ -217,7 +217,14 @@ async def test_shutdown_cancels_a_running_step(autojump_clock, virtual_dht_time)
 
 
 async def test_churn_converges_geometrically(autojump_clock, virtual_dht_time):
-    """64 peers, groups of 4, ~8% of the peers failing each round: spread still shrinks."""
+    """64 peers, groups of 4, ~8% of the peers failing each round: the error still shrinks
+    geometrically.
+
+    The error is the variance around the mean (what the Moshpit paper bounds). Not the largest
+    deviation: under churn a key can hold a single live peer, which then keeps its value for
+    that round, so the max deviation stalls whenever the worst peer is alone twice in a row
+    (random group IDs and peer IDs make that happen in about one run in four).
+    """
     rng = random.Random(7)
     n = 64
     bits = [format(i % 16, "04b") for i in range(n)]  # 4x4x4 grid
@@ -225,8 +232,8 @@ async def test_churn_converges_geometrically(autojump_clock, virtual_dht_time):
         n, bits, target_group_size=4, min_matchmaking_time=1.0, allreduce_timeout=5.0
     ) as (averagers, swarm):
         alive = list(range(n))
-        _, _, spread0 = stats(averagers)
-        spreads = [spread0]
+        _, variance0, spread0 = stats(averagers)
+        variances, spreads = [variance0], [spread0]
         for _ in range(5):
             # ~8% of the live peers drop out for good this round
             victims = rng.sample(alive, max(1, round(0.08 * len(alive))))
@@ -235,12 +242,16 @@ async def test_churn_converges_geometrically(autojump_clock, virtual_dht_time):
                 swarm.kill(swarm.nodes[v])
                 alive.remove(v)
             await step_all([averagers[i] if i in alive else None for i in range(n)])
-            _, _, spread = stats([averagers[i] for i in alive])
+            _, variance, spread = stats([averagers[i] for i in alive])
+            variances.append(variance)
             spreads.append(spread)
-        ratios = [b / a for a, b in zip(spreads, spreads[1:], strict=False)]
-        geometric_mean_ratio = (spreads[-1] / spreads[0]) ** (1 / (len(spreads) - 1))
-        assert geometric_mean_ratio < 0.6, ratios
-        assert spreads[-1] < spreads[0] * 0.1, spreads
+        # random groups of 4 would give ~0.25 per round; measured 0.13-0.39 per round, ~0.19 mean
+        ratios = [b / a for a, b in zip(variances, variances[1:], strict=False)]
+        geometric_mean_ratio = (variances[-1] / variances[0]) ** (1 / (len(variances) - 1))
+        assert geometric_mean_ratio < 0.35, ratios
+        assert max(ratios) < 0.7, ratios
+        # every live peer moved towards the mean (measured: 0.02x-0.12x after 5 rounds)
+        assert spreads[-1] < spreads[0] * 0.5, spreads
 
 
 async def test_client_mode_dht_node_averages_as_a_client(autojump_clock, virtual_dht_time):
