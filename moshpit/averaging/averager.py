@@ -293,6 +293,7 @@ class Averager:
         if self._host is not None and self._allreduce is not None:
             _allreduce_services.release(self._host)
             self._allreduce = None
+        self._out = None  # free the output buffer (a cancelled round keeps its own reference)
 
     async def aclose(self) -> None:
         """Async :meth:`shutdown` for trio code (same effect)."""

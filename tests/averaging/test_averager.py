@@ -58,6 +58,23 @@ def test_sync_step_future_and_get_tensors(two_dhts):
                 assert torch.allclose(ts[1], torch.full((2, 2), 2.0))
         # the caller's tensor objects are the ones updated in place
         assert torch.allclose(a[0], torch.full((5,), 2.0))
+        # a second round writes into the same output buffers and averages the new values
+        outputs = [list(av._out) for av in (av_a, av_b)]
+        with av_a.get_tensors() as ts:
+            ts[0].fill_(10.0)
+        t = threading.Thread(target=lambda: out.__setitem__("a2", av_a.step()))
+        t.start()
+        res_b2 = av_b.step()
+        t.join(timeout=30)
+        assert out["a2"].succeeded and res_b2.succeeded and not res_b2.failed
+        for ts in (a, b):
+            assert torch.allclose(ts[0], torch.full((5,), 6.0))
+            assert torch.allclose(ts[1], torch.full((2, 2), 2.0))
+        for av, before in zip((av_a, av_b), outputs, strict=True):
+            assert all(x is y for x, y in zip(av._out, before, strict=True))
+            assert all(
+                x.data_ptr() != t.data_ptr() for x, t in zip(av._out, av._tensors, strict=True)
+            )
     finally:
         av_a.shutdown()
         av_b.shutdown()
