@@ -36,6 +36,7 @@ How a round runs on member ``me`` (part ``j`` = flat range reduced by member ``j
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -155,6 +156,10 @@ class _Codecs:
         """Rough work of compressing ``numel`` elements in element-passes (0: a view)."""
         return 0 if self.raw else CODEC_PASSES * numel
 
+    def reduced_cost(self, numel: int) -> int:
+        """Rough work of :meth:`reduced`: the codec's, plus one copy of the payload."""
+        return self.cost(numel) + numel
+
     def send(self, values: torch.Tensor, key: tuple[int, int]) -> CompressedTensor:
         """Compress a chunk to send; ``values`` must stay unmodified until it is sent."""
         if self.raw and values.dtype == torch.float32 and values.device.type == "cpu":
@@ -167,15 +172,24 @@ class _Codecs:
     def reduced(
         self, values: torch.Tensor, key: tuple[int, int]
     ) -> tuple[CompressedTensor, torch.Tensor]:
-        """The result message of a reduced chunk and the float32 values receivers decode."""
+        """The result message of a reduced chunk and the float32 values receivers decode.
+
+        The payload is made immutable ``bytes`` once: the same result goes to every sender, and
+        the transport copies a mutable buffer (memoryview) on every send but sends ``bytes``
+        as they are, so this is one copy instead of one per remote sender.
+        """
         if self.raw:  # lossless: receivers decode exactly ``values`` (float32 from the aggregator)
-            return raw_float32(values), values
-        with self._lock:
-            if isinstance(self.spec, TwoWayCompression):
-                ct, decoded = self.spec.reducer.compress_with_decoded(values, key)
-            else:
-                ct, decoded = self.spec.roundtrip(values)
-        return ct, decoded.reshape(-1).to(torch.float32)
+            ct, decoded = raw_float32(values), values
+        else:
+            with self._lock:
+                if isinstance(self.spec, TwoWayCompression):
+                    ct, decoded = self.spec.reducer.compress_with_decoded(values, key)
+                else:
+                    ct, decoded = self.spec.roundtrip(values)
+            decoded = decoded.reshape(-1).to(torch.float32)
+        if not isinstance(ct.payload, bytes):
+            ct = dataclasses.replace(ct, payload=bytes(ct.payload))
+        return ct, decoded
 
 
 async def _first_error(*fns: Callable[[], Awaitable[None]]) -> Exception | None:
@@ -295,7 +309,7 @@ class _Round:
             self.codecs.reduced,
             values,
             self.chunks[self.me][k],
-            numel=self.codecs.cost(values.numel()),
+            numel=self.codecs.reduced_cost(values.numel()),
         )
         return result_msg(k, ct, dev), decoded
 
