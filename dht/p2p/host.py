@@ -343,6 +343,11 @@ class Host:
         except ProtocolNegotiationError as e:
             await _close_quietly(secure)
             raise HandshakeError(f"muxer negotiation with {peer_id.short()} failed: {e}") from e
+        if isinstance(muxed, multistream.PrefixedStream) and muxed.inner is secure:
+            # The remote's first yamux frames came with its answer. Give them back to the
+            # SecureSession so yamux runs on it directly, with its bulk fast paths.
+            secure.unread(await muxed.receive_some())  # a PrefixedStream's prefix is non-empty
+            muxed = secure
         limits = self.limits
         session = YamuxSession(
             muxed,

@@ -445,6 +445,15 @@ class SecureSession(trio.abc.HalfCloseableStream):
         self._plain = plain[max_bytes:]
         return out
 
+    def unread(self, data: bytes) -> None:
+        """Put plaintext back in front of what receive_some returns next.
+
+        For a layer that read ahead (multistream negotiation) and hands the session on.
+        """
+        if data:
+            self._plain = memoryview(bytes(data) + bytes(self._plain))
+            self._plain_borrowed = False
+
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         if max_bytes is not None and max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")

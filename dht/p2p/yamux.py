@@ -74,6 +74,16 @@ _OUT_HARD_LIMIT = (
 _COALESCE_LIMIT = 64 * 1024  # senders yield to the writer once this much is queued
 
 
+def _own_method(conn: object, name: str) -> Callable[..., Any] | None:
+    """``conn.name`` if ``conn``'s class defines it, not a wrapper's attribute passthrough.
+
+    A wrapper (e.g. multistream's PrefixedStream, which replays over-read bytes) forwards
+    unknown attributes to the stream inside; calling the inner fast path would bypass the
+    wrapper's own receive_some/send_all and lose or skip bytes.
+    """
+    return getattr(conn, name) if getattr(type(conn), name, None) is not None else None
+
+
 def pack_header(ftype: int, flags: int, stream_id: int, length: int) -> bytes:
     return HEADER.pack(VERSION, ftype, flags, stream_id, length)
 
@@ -610,7 +620,7 @@ class YamuxSession:
         urgent = self._urgent
         # A SecureSession takes a list of buffers and encrypts them into one write: then the
         # writer hands over up to a whole outgoing queue at once.
-        send_parts = getattr(self.conn, "send_parts", None)
+        send_parts = _own_method(self.conn, "send_parts")
         batch_limit = _OUT_LIMIT if send_parts is not None else _RECV_CHUNK
         try:
             while True:
@@ -692,7 +702,7 @@ class YamuxSession:
         pending_fin = False
         # A SecureSession lends its bulk receive buffer (a memoryview valid until its next
         # read): payloads are then copied out once, straight into what the streams deliver.
-        receive = getattr(conn, "receive_view", None) or conn.receive_some
+        receive = _own_method(conn, "receive_view") or conn.receive_some
         while True:
             # No max_bytes: the layer below may then hand over its whole buffer uncopied
             # (its chunks are bounded by its own read size).

@@ -493,3 +493,62 @@ async def test_fallback_without_encrypt_into(monkeypatch):
     await sb.send_all(payload)
     monkeypatch.setattr(noise_mod, "_HAS_INTO", False)
     assert await _receive_exactly(sa, len(payload)) == payload
+
+
+async def test_bulk_mode_send_parts_and_borrowed_views_over_tcp(tcp_sessions, monkeypatch):
+    """The bulk paths: send_parts packs small parts and encrypts large ones in place; the
+    receiver switches to reused buffers (receive_view lends them) and back to per-read ones."""
+    sa, sb = tcp_sessions
+    entered = []
+    original_enter = sb._enter_bulk_mode
+    monkeypatch.setattr(sb, "_enter_bulk_mode", lambda: (entered.append(1), original_enter()))
+    rng = __import__("random").Random(7)
+    parts = []
+    for _ in range(300):  # headers, payloads, tails around MAX_PLAINTEXT and the batch size
+        size = rng.choice([0, 1, 12, 100, 4095, 4096, MAX_PLAINTEXT, MAX_PLAINTEXT + 1, 262144])
+        parts.append(os.urandom(size))
+    parts.append(bytearray(os.urandom(70_000)))  # mutable parts work too
+    expected = b"".join(parts)
+    received = bytearray()
+
+    async def receive():
+        while len(received) < len(expected):
+            view = await sb.receive_view()
+            assert view, "stream ended early"
+            received.extend(view)  # a borrowed view is valid until the next receive
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        for start in range(0, len(parts), 40):
+            await sa.send_parts(parts[start : start + 40])
+    assert received == expected
+    assert entered, "the receiver never switched to its bulk buffers"
+    # small traffic afterwards: the receiver drops its bulk buffers and still reads correctly
+    for i in range(5):
+        await sa.send_all(b"small %d" % i)
+        assert await _receive_exactly(sb, len(b"small %d" % i)) == b"small %d" % i
+    assert sb._cbuf is None
+
+
+async def test_tampered_frame_in_bulk_mode_is_detected(tcp_sessions):
+    sa, sb = tcp_sessions
+    payload = os.urandom(512 * 1024)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sa.send_all, payload)
+        assert await _receive_exactly(sb, len(payload)) == payload
+        if sb._cbuf is None:  # reads came back small: switch as a large read would
+            sb._enter_bulk_mode()
+        frame = bytearray(sa._encrypt_batch(memoryview(os.urandom(300_000))))
+        frame[70_000] ^= 1  # a bit flip in the second frame
+        nursery.start_soon(sa.raw.send_all, bytes(frame))
+        with pytest.raises(ProtocolViolationError, match="authentication"):
+            await _receive_exactly(sb, 300_000)
+        with pytest.raises(ProtocolViolationError):  # permanent
+            await sb.receive_some()
+
+
+async def test_unread_puts_plaintext_back_in_front(tcp_sessions):
+    sa, sb = tcp_sessions
+    await sa.send_all(b"world")
+    sb.unread(b"hello ")
+    assert await _receive_exactly(sb, 11) == b"hello world"

@@ -555,3 +555,36 @@ async def test_control_frames_never_land_between_a_data_header_and_its_payload(f
         assert data == payload
         assert sum(1 for f, _ in frames if f[2] & FLAG_RST) >= 2  # control frames were mixed in
         nursery.cancel_scope.cancel()
+
+
+async def test_yamux_over_a_prefixed_secure_session_reads_the_prefix_first(nursery):
+    """multistream hands yamux a PrefixedStream when the remote's first frames came with its
+    answer. yamux must read through the wrapper, not through the SecureSession's fast path
+    that the wrapper's attribute passthrough exposes (that lost the listener's RTT ping)."""
+    from dht.p2p.identity import Identity
+    from dht.p2p.multistream import PrefixedStream
+    from dht.p2p.noise import noise_handshake
+
+    a_raw, b_raw = socket_stream_pair()
+    ids = Identity.generate(), Identity.generate()
+    sessions = {}
+
+    async def handshake(name, raw, ident, initiator):
+        sessions[name] = await noise_handshake(raw, ident, initiator=initiator)
+
+    async with trio.open_nursery() as hs:
+        hs.start_soon(handshake, "a", a_raw, ids[0], True)
+        hs.start_soon(handshake, "b", b_raw, ids[1], False)
+    remote, local = sessions["a"], sessions["b"]
+    wrapped = PrefixedStream(local, pack_header(TYPE_PING, FLAG_SYN, 0, 4242))
+    session = YamuxSession(wrapped, is_client=False)
+    nursery.start_soon(session.run)
+    buf = bytearray()
+    with trio.fail_after(10):
+        while True:
+            (_, ftype, flags, _, length), _ = await read_frame(remote, buf)
+            if ftype == TYPE_PING and flags == FLAG_ACK:
+                break
+    assert length == 4242  # the ping in the prefix was answered
+    await session.aclose()
+    await remote.aclose()
