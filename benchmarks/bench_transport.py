@@ -7,6 +7,7 @@ Prints one JSON object per result line:
   (c) connection setup (TCP + Noise + yamux) p50, with a raw TCP connect as the baseline
 
 Usage: python benchmarks/bench_transport.py [--bulk-mib 512] [--rpc-calls 3000] [--connects 100]
+       [--repeats 3] [--bulk-only] [--host-only (our bulk runs only, e.g. under py-spy/perf)]
 The server side of every measurement runs in a child process (this script with --serve).
 """
 
