@@ -226,7 +226,11 @@ class DHTNode:
                 f"({'; '.join(errors[:3]) or 'they are this node itself'}); check the addresses "
                 "and that at least one of those peers is running"
             )
-        await self.find_nearest_peers(self.node_id, self.beam_size)
+        # Kademlia's join: look up our own ID for the k (not beam) nearest peers. Every peer
+        # asked learns us (and hands over the records we are now closer to), and we learn our
+        # whole neighbourhood; with only beam_size, neighbours ranked 5-10 from a key often
+        # never met, so later lookups could stop short of the nearest replicas (issue 3).
+        await self.find_nearest_peers(self.node_id, self.bucket_size)
         logger.info(
             "joined the DHT through %d initial peer(s); %d contacts",
             len(joined),

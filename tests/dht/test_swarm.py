@@ -90,14 +90,30 @@ async def test_expiration_is_exact_under_the_mock_clock(autojump_clock, virtual_
             await writer.store("ttl", "too late", expiration)
 
 
+async def test_joined_peers_know_their_neighbourhood(autojump_clock, virtual_dht_time):
+    """Joining looks up our own ID for k peers, so neighbours know each other (issue 3).
+
+    With a beam-wide (5) join lookup only ~89% of each peer's 10 nearest were in its routing
+    table, and lookups after churn could stop short of the nearest live replicas.
+    """
+    async with open_swarm(160, seed=11) as swarm:
+        nodes = swarm.nodes
+        known = 0
+        for node in nodes:
+            nearest = brute_force_nearest([n for n in nodes if n is not node], node.node_id, 10)
+            known += sum(peer in node.routing_table for peer in nearest)
+        assert known / (10 * len(nodes)) >= 0.99
+
+
 @pytest.mark.slow
 async def test_churn_30_percent(autojump_clock, virtual_dht_time):
     """After 30% of the peers die, 99% of the keys that still have a live replica can be read,
     by survivors and by peers that join later.
 
     Which keys lose all 5 replicas is luck (peer IDs are random): 0.2% of them on average but
-    in clusters, since neighbouring keys share replicas (0-34 of 1000 measured), so the old
-    "99% of all keys" bound failed now and then. Those keys are now counted separately.
+    in clusters, since neighbouring keys share replicas (0-34 of 1000 measured), so the issue's
+    "99% of all gets" bound fails now and then however good the lookups are (1 run in 40 after
+    the issue-3 fix: 8 keys lost, 7 of the 525 survivor gets). Those keys are counted apart.
     """
     rng = random.Random(4)
     async with open_swarm(256, seed=4) as swarm:
@@ -128,8 +144,9 @@ async def test_churn_30_percent(autojump_clock, virtual_dht_time):
             asked = sum(1 for key in results if key in surviving)
             return 1 - len(unreadable(results)) / asked
 
-        # Survivors still miss a few (up to 5 of ~525 keys in ~1 run of 15): the lookup can stop
-        # at the 5 nearest peers it knows of without hearing of the nearer live replicas.
+        # Before the issue-3 fix (join looked up only 5 neighbours, so neighbourhoods were
+        # incomplete) survivors missed 1-3 keys with a live replica in 3 of 20 runs; after it,
+        # 1 key in 1 of 55 runs (lost keys excluded).
         readers = rng.sample(alive, 20)
         results = await readers[0].get_many([f"churn{i}" for i in range(0, 1000, 2)])
         for reader in readers[1:]:
