@@ -8,6 +8,7 @@ ScaledFloat16 rejects non-finite input with NonFiniteInputError (its scale would
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
@@ -103,10 +104,25 @@ class NoCompression(Codec):
         return fresh_on(_bytes.view(ct.payload, dtype, ct.numel), device, dtype)
 
 
-class Float16(Codec):
+class _HalfPrecision(Codec):
+    """Two bytes a value in ``half_dtype``; decodes to float32."""
+
+    half_dtype: ClassVar[torch.dtype]
+
+    @classmethod
+    def validate(cls, ct: CompressedTensor) -> None:
+        expect_len(ct, 2 * ct.numel)
+
+    @classmethod
+    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+        return fresh_on(_bytes.view(ct.payload, cls.half_dtype, ct.numel), device, torch.float32)
+
+
+class Float16(_HalfPrecision):
     """IEEE half precision; values beyond +-65504 (and +-Inf) saturate, NaN stays NaN."""
 
     codec_id = 1
+    half_dtype = torch.float16
 
     def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
         flat = tensor.reshape(-1)
@@ -121,19 +137,12 @@ class Float16(Codec):
                     dst.clamp_(-FP16_MAX, FP16_MAX)
         return buf, {}
 
-    @classmethod
-    def validate(cls, ct: CompressedTensor) -> None:
-        expect_len(ct, 2 * ct.numel)
 
-    @classmethod
-    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
-        return fresh_on(_bytes.view(ct.payload, torch.float16, ct.numel), device, torch.float32)
-
-
-class BFloat16(Codec):
+class BFloat16(_HalfPrecision):
     """bfloat16 (float32's exponent range, 8-bit mantissa); NaN and +-Inf pass through."""
 
     codec_id = 2
+    half_dtype = torch.bfloat16
 
     def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
         flat = tensor.reshape(-1)
@@ -141,14 +150,6 @@ class BFloat16(Codec):
         if flat.numel():
             _bytes.typed(buf, torch.bfloat16, flat.numel()).copy_(flat)
         return buf, {}
-
-    @classmethod
-    def validate(cls, ct: CompressedTensor) -> None:
-        expect_len(ct, 2 * ct.numel)
-
-    @classmethod
-    def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
-        return fresh_on(_bytes.view(ct.payload, torch.bfloat16, ct.numel), device, torch.float32)
 
 
 class ScaledFloat16(Codec):
