@@ -298,11 +298,6 @@ def decompress(ct: CompressedTensor, device: torch.device | str | None = None) -
     return out.to(EXACT_DTYPES[ct.dtype])
 
 
-def float32_flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous flat float32 version of ``tensor`` (no copy when already so)."""
-    return tensor.reshape(-1).to(torch.float32).contiguous()
-
-
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
