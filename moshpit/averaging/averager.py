@@ -33,6 +33,7 @@ from moshpit.averaging.allreduce import AllReduceService
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE
 from moshpit.averaging.group_keys import GroupKeyManager
 from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, DHTMatchmakingBackend, Matchmaker
+from moshpit.averaging.partition import empty_like_all
 
 logger = logging.getLogger(__name__)
 
@@ -491,9 +492,7 @@ class Averager:
         if self.mode == MODE_AUX:
             return None
         if self._out is None:
-            self._out = [
-                torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self._tensors
-            ]
+            self._out = empty_like_all(self._tensors)
         return self._out
 
     async def _write(self, averaged: list[torch.Tensor]) -> None:
