@@ -48,12 +48,6 @@ def id_to_bytes(value: int) -> bytes:
     return value.to_bytes(ID_BYTES, "big")
 
 
-def id_from_wire(data: Any) -> int:
-    if not isinstance(data, bytes) or len(data) != ID_BYTES:
-        raise ValueError(f"a DHT ID must be {ID_BYTES} bytes")
-    return int.from_bytes(data, "big")
-
-
 def random_id(lower: int = 0, upper: int = MAX_ID) -> int:
     """Uniform random ID in ``[lower, upper)`` (used to refresh a bucket's range)."""
     return lower + secrets.randbelow(upper - lower)
