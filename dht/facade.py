@@ -215,7 +215,6 @@ class DHT:
         self, async_fn: Callable[[DHT, DHTNode], Awaitable[Any]], return_future: bool = False
     ) -> Any:
         """Run ``await async_fn(self, node)`` on the DHT's loop (for custom async work)."""
-        _, _ = self._require_running()
         future = self._submit(async_fn, self, self._node)
         return future if return_future else future.result()
 
