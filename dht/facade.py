@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from dht.kademlia.node import DHTNode, StoreItem
+from dht.kademlia.node import DHTNode, StoreItem, check_address_args
 from dht.kademlia.records import ValueWithExpiration
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ class DHT:
 
     ``identity_path`` keeps the PeerID across restarts (created if missing). Extra keyword
     arguments go to :meth:`DHTNode.open` (``num_replicas``, ``limits``, ``validators``, ...).
+    Without ``host_maddrs`` it listens on every IPv4 interface; a malformed address raises
+    ``MultiaddrError`` (a single string instead of a list, ``TypeError``) before starting.
     """
 
     def __init__(
@@ -51,9 +53,13 @@ class DHT:
         startup_timeout: float = 60.0,
         **node_kwargs: Any,
     ):
-        self.initial_peers = list(initial_peers)
-        self.host_maddrs = host_maddrs
-        self.announce_maddrs = announce_maddrs
+        # malformed addresses fail here, in the caller's thread, as one specific error
+        self.initial_peers, self.host_maddrs, self.announce_maddrs = check_address_args(
+            initial_peers,
+            host_maddrs,
+            announce_maddrs,
+            by_peer_id=node_kwargs.get("network") is not None,
+        )
         self.identity_path = identity_path
         self.client_mode = client_mode
         self.startup_timeout = startup_timeout

@@ -8,15 +8,15 @@ large simulations. Every transport failure surfaces as :class:`PeerUnreachableEr
 
 from __future__ import annotations
 
+import ipaddress
 import logging
-import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import trio
 
 from dht.kademlia.errors import DHTError
-from dht.kademlia.protocol import PROTOCOL_ID
+from dht.kademlia.protocol import MAX_ADDRS_PER_PEER, PROTOCOL_ID
 
 logger = logging.getLogger(__name__)
 
@@ -118,45 +118,35 @@ class HostNetwork:
     def visible_maddrs(self) -> list[Any]:
         """Full multiaddrs (with ``/p2p/<PeerID>``) others can use to reach this peer.
 
-        Announced addresses if given; else the listen addresses, where a wildcard
-        (``0.0.0.0`` / ``::``) is replaced by this machine's concrete addresses.
+        The announced addresses if given, else the listen addresses (the TCP transport has
+        already replaced a wildcard ``0.0.0.0`` / ``::`` by this machine's interface
+        addresses; an unexpanded wildcard is never announced, nobody can dial it).
         """
         if self._announce is not None:
             addrs = self._announce
         else:
-            addrs = []
-            for addr in self.host.listen_addrs:
-                text = str(addr.without_peer_id())
-                if text.startswith("/ip4/0.0.0.0/"):
-                    addrs += [
-                        self._Multiaddr(text.replace("0.0.0.0", ip, 1)) for ip in _local_ipv4s()
-                    ]
-                elif text.startswith("/ip6/::/"):
-                    addrs.append(self._Multiaddr(text.replace("/ip6/::/", "/ip6/::1/", 1)))
-                else:
-                    addrs.append(addr)
+            addrs = [a for a in self.host.listen_addrs if not _is_wildcard(a)]
         return [a if a.peer_id is not None else a.with_peer_id(self.peer_id) for a in addrs]
 
     def own_addrs(self) -> list[bytes]:
-        return [a.without_peer_id().to_bytes() for a in self.visible_maddrs()]
+        """The addresses sent with every request: at most what peers accept from one peer."""
+        addrs = [a.without_peer_id().to_bytes() for a in self.visible_maddrs()]
+        if len(addrs) > MAX_ADDRS_PER_PEER:
+            logger.warning(
+                "announcing only the first %d of %d addresses (the DHT's per-peer limit)",
+                MAX_ADDRS_PER_PEER,
+                len(addrs),
+            )
+        return addrs[:MAX_ADDRS_PER_PEER]
 
     def peer_from_bytes(self, data: bytes) -> Any:
         return self._PeerID.from_bytes(data)
 
 
-_local_ips_cache: list[str] | None = None
-
-
-def _local_ipv4s() -> list[str]:
-    """This machine's outbound IPv4 address (if any) and loopback; computed once."""
-    global _local_ips_cache
-    if _local_ips_cache is None:
-        ips = []
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect(("192.0.2.1", 9))  # TEST-NET-1: selects a route, sends nothing
-                ips.append(probe.getsockname()[0])
-        except OSError:
-            pass
-        _local_ips_cache = [ip for ip in ips if ip != "127.0.0.1"] + ["127.0.0.1"]
-    return _local_ips_cache
+def _is_wildcard(maddr: Any) -> bool:
+    if not maddr.is_tcp():
+        return False
+    try:
+        return ipaddress.ip_address(maddr.tcp_endpoint()[0]).is_unspecified
+    except ValueError:  # a DNS name
+        return False

@@ -26,6 +26,7 @@ from dht.kademlia.ids import (
 from dht.kademlia.merge import merge_records, unique_live_records
 from dht.kademlia.network import HostNetwork, PeerUnreachableError, RPCNetwork
 from dht.kademlia.protocol import (
+    MAX_ADDRS_PER_PEER,
     MAX_RECORDS_PER_STORE,
     MAX_VALUE_RESPONSE_BYTES,
     FindRequest,
@@ -50,7 +51,9 @@ if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backpor
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+# every IPv4 interface, a free port: peers on other machines can reach us at the interface
+# addresses announced for it (pass /ip4/127.0.0.1/tcp/0 to stay local to this machine)
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 SIGNATURES_ON_LOOP = 16  # default: more signed records than this are verified in a worker thread
 StoreItem = tuple[Any, Any, Any, float]  # (key, subkey or None, value, expiration_time)
 
@@ -60,6 +63,49 @@ class LookupStats:
     hops: int
     rounds: int
     messages: int
+
+
+def check_address_args(
+    initial_peers: Iterable[Any],
+    host_maddrs: Sequence[Any] | None,
+    announce_maddrs: Sequence[Any] | None,
+    *,
+    by_peer_id: bool = False,
+) -> tuple[list[Any], list[Any] | None, list[Any] | None]:
+    """Parse address arguments before anything starts, so a typo is one specific error.
+
+    Raises ``TypeError`` for a single string where a list belongs and ``MultiaddrError``
+    naming the bad entry. ``by_peer_id``: a custom ``network`` addresses initial peers by
+    whatever it likes (e.g. PeerIDs on the loopback fabric); only the container is checked.
+    """
+    from dht.p2p.multiaddr import EXAMPLE_LISTEN_MADDR, MultiaddrError, parse_multiaddr_list
+
+    if by_peer_id:
+        if isinstance(initial_peers, str | bytes):
+            raise TypeError("initial_peers must be a list, not a single str")
+        peers: list[Any] = list(initial_peers)
+    else:
+        peers = parse_multiaddr_list(initial_peers, "initial_peers")
+    listen = None
+    if host_maddrs is not None:
+        listen = parse_multiaddr_list(host_maddrs, "host_maddrs", example=EXAMPLE_LISTEN_MADDR)
+    announce = None
+    if announce_maddrs is not None:
+        announce = parse_multiaddr_list(
+            announce_maddrs, "announce_maddrs", example="/ip4/203.0.113.7/tcp/31337"
+        )
+        for maddr in announce:
+            if maddr.is_tcp() and maddr.tcp_endpoint()[0] in ("0.0.0.0", "::"):
+                raise MultiaddrError(
+                    f"bad announce_maddrs: {str(maddr)!r} is a wildcard nobody can dial; "
+                    "announce the public or interface address, e.g. /ip4/203.0.113.7/tcp/31337"
+                )
+        if len(announce) > MAX_ADDRS_PER_PEER:
+            raise ValueError(
+                f"announce_maddrs has {len(announce)} addresses; peers accept at most "
+                f"{MAX_ADDRS_PER_PEER} per peer"
+            )
+    return peers, listen, announce
 
 
 def _single_exception(group: BaseExceptionGroup) -> BaseException:
@@ -161,6 +207,9 @@ class DHTNode:
         ``host_maddrs``; client-mode nodes listen only if ``host_maddrs`` is given.
         Raises :class:`BootstrapError` if initial peers were given and none answered.
         """
+        initial_peers, host_maddrs, announce_maddrs = check_address_args(
+            initial_peers, host_maddrs, announce_maddrs, by_peer_id=network is not None
+        )
         try:
             async with AsyncExitStack() as stack:
                 if network is None:
@@ -180,11 +229,16 @@ class DHTNode:
                         identity = getattr(host, "identity", None)
                     network = HostNetwork(host, announce_maddrs)
                 node = cls(network, identity=identity, client_mode=client_mode, **kwargs)
+                visible = [] if client_mode else node.get_visible_maddrs()
+                if visible:
+                    logger.info(
+                        "announcing %d address(es): %s", len(visible), " ".join(map(str, visible))
+                    )
                 async with trio.open_nursery() as nursery:
                     node._nursery = nursery
                     network.set_handler(node._handle_rpc)
                     try:
-                        await node._bootstrap(list(initial_peers), bootstrap_timeout)
+                        await node._bootstrap(initial_peers, bootstrap_timeout)
                         nursery.start_soon(node._maintenance_loop)
                         yield node
                     finally:

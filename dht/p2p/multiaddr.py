@@ -76,7 +76,7 @@ def _parse_value(proto: _Protocol, text: str, where: str) -> Value:
         try:
             return PeerID.from_string(text)
         except IdentityError as e:
-            raise MultiaddrError(f"invalid PeerID {text!r} in {where!r}: {e}") from None
+            raise MultiaddrError(f"{e} (in {where!r})") from None  # e names the bad PeerID
     raise AssertionError(name)  # pragma: no cover - table and parser out of sync
 
 
@@ -326,3 +326,49 @@ def _parse_text(text: str) -> tuple[tuple[str, Value], ...]:
         components.append((proto.name, _parse_value(proto, parts[i + 1], text)))
         i += 2
     return tuple(components)
+
+
+EXAMPLE_PEER_MADDR = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
+EXAMPLE_LISTEN_MADDR = "/ip4/0.0.0.0/tcp/31337"
+
+
+def parse_multiaddr_list(
+    values: Any, what: str, *, example: str = EXAMPLE_PEER_MADDR, dialable: bool = True
+) -> list[Multiaddr]:
+    """Parse a user-supplied list of addresses up front, with errors that name the bad one.
+
+    ``what`` names the setting in messages (``"initial_peers"``, ``"--initial-peers"``).
+    A single ``str``/``Multiaddr`` is refused with ``TypeError`` (iterating it would try each
+    character as an address). Each entry must parse and, when ``dialable``, name a transport
+    (``/ip4|ip6|dns*/<host>/tcp/<port>`` or ``/memory/<id>``, optionally ``/p2p/<PeerID>``);
+    otherwise ``MultiaddrError("bad <what> '<entry>': <why>; expected e.g. <example>")``.
+    """
+    if isinstance(values, str | bytes | Multiaddr):
+        raise TypeError(
+            f"{what} must be a list of multiaddrs, not a single {type(values).__name__}; "
+            f"write {what}=[{str(values)!r}]"
+        )
+    try:
+        entries = list(values)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a list of multiaddrs, not {type(values).__name__}"
+        ) from None
+    parsed = []
+    for entry in entries:
+        if not isinstance(entry, str | Multiaddr):
+            raise TypeError(
+                f"each {what} entry must be a str or Multiaddr, not {type(entry).__name__} "
+                f"({entry!r})"
+            )
+        try:
+            maddr = Multiaddr(entry)
+            if dialable and not (maddr.is_tcp() or maddr.is_memory()):
+                raise MultiaddrError(
+                    f"{str(maddr)!r} names no transport "
+                    "(/ip4|ip6|dns/<host>/tcp/<port> or /memory/<id>)"
+                )
+        except MultiaddrError as e:  # e quotes the entry
+            raise MultiaddrError(f"bad {what}: {e}; expected e.g. {example}") from None
+        parsed.append(maddr)
+    return parsed

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import struct
 
 import trio
 
@@ -37,21 +38,163 @@ def sockaddr_to_multiaddr(sockaddr: tuple) -> Multiaddr:
     return Multiaddr(f"/{proto}/{ip}/tcp/{port}")
 
 
-async def _local_addresses(family: int) -> list[str]:
-    """Loopback plus the addresses this host's name resolves to (no interface enumeration
-    exists in the standard library; this finds the primary address on typical machines)."""
-    found = ["127.0.0.1" if family == socket.AF_INET else "::1"]
+# Linux netlink (rtnetlink) constants for an RTM_GETADDR dump; see rtnetlink(7).
+_NLMSG_HDR = struct.Struct("=LHHLL")  # length, type, flags, sequence, port id
+_IFADDRMSG = struct.Struct("=BBBBI")  # family, prefix length, flags, scope, interface index
+_RTATTR = struct.Struct("=HH")  # length, type
+_NLMSG_ERROR, _NLMSG_DONE, _RTM_NEWADDR, _RTM_GETADDR = 2, 3, 20, 22
+_NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
+_IFA_ADDRESS, _IFA_LOCAL = 1, 2
+_IFA_F_DADFAILED = 0x08
+_SIOCGIFFLAGS, _SIOCGIFADDR, _IFF_UP = 0x8913, 0x8915, 0x1
+_NETLINK_MAX_BYTES = 1 << 22  # stop reading a (local, but still bounded) dump after 4 MiB
+MAX_ANNOUNCED_PER_LISTENER = 8  # the DHT carries at most 16 addresses per peer
+# documentation-only addresses (RFC 5737 / RFC 3849): a UDP connect picks a route, sends nothing
+_ROUTE_PROBES = {socket.AF_INET: "198.51.100.1", socket.AF_INET6: "2001:db8::1"}
+
+
+def _interface_is_up(index: int) -> bool:
+    """True unless the kernel says the interface is administratively down (or is unknown)."""
     try:
-        infos = await trio.socket.getaddrinfo(
-            socket.gethostname(), None, family, socket.SOCK_STREAM
-        )
+        import fcntl
+
+        name = socket.if_indextoname(index).encode()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            reply = fcntl.ioctl(sock.fileno(), _SIOCGIFFLAGS, struct.pack("16sH14x", name, 0))
+    except (OSError, ImportError, ValueError):
+        return True  # cannot tell: keep the address rather than hide a usable one
+    return bool(struct.unpack_from("H", reply, 16)[0] & _IFF_UP)
+
+
+def _netlink_addresses(family: int) -> list[str]:
+    """Every address of ``family`` on an up interface, from the kernel's rtnetlink dump (Linux)."""
+    af_netlink = getattr(socket, "AF_NETLINK", None)
+    if af_netlink is None:
+        raise OSError("no AF_NETLINK on this platform")
+    seq = 1
+    request = _NLMSG_HDR.pack(
+        _NLMSG_HDR.size + _IFADDRMSG.size, _RTM_GETADDR, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0
+    ) + _IFADDRMSG.pack(family, 0, 0, 0, 0)
+    found: list[tuple[str, int]] = []
+    with socket.socket(af_netlink, socket.SOCK_RAW, 0) as sock:  # 0 = NETLINK_ROUTE
+        sock.settimeout(1.0)
+        sock.bind((0, 0))
+        sock.send(request)
+        received = 0
+        while received < _NETLINK_MAX_BYTES:
+            data = sock.recv(65536)
+            if not data:
+                raise OSError("netlink socket closed during the address dump")
+            received += len(data)
+            pos = 0
+            while pos + _NLMSG_HDR.size <= len(data):
+                length, kind, _, msg_seq, _ = _NLMSG_HDR.unpack_from(data, pos)
+                if length < _NLMSG_HDR.size or pos + length > len(data):
+                    raise OSError("malformed netlink message in the address dump")
+                if kind == _NLMSG_DONE:
+                    return [addr for addr, index in found if _interface_is_up(index)]
+                if kind == _NLMSG_ERROR:
+                    raise OSError("the kernel refused the netlink address dump")
+                if kind == _RTM_NEWADDR and msg_seq == seq:
+                    item = _parse_newaddr(data[pos + _NLMSG_HDR.size : pos + length], family)
+                    if item is not None:
+                        found.append(item)
+                pos += (length + 3) & ~3
+    raise OSError("netlink address dump too large")
+
+
+def _parse_newaddr(body: bytes, family: int) -> tuple[str, int] | None:
+    """``(address, interface index)`` of one RTM_NEWADDR message, or None to skip it."""
+    if len(body) < _IFADDRMSG.size:
+        return None
+    msg_family, _, flags, _, index = _IFADDRMSG.unpack_from(body)
+    if msg_family != family or flags & _IFA_F_DADFAILED:
+        return None
+    attrs: dict[int, bytes] = {}
+    pos = _IFADDRMSG.size
+    while pos + _RTATTR.size <= len(body):
+        length, kind = _RTATTR.unpack_from(body, pos)
+        if length < _RTATTR.size or pos + length > len(body):
+            break
+        attrs.setdefault(kind, body[pos + _RTATTR.size : pos + length])
+        pos += (length + 3) & ~3
+    # IFA_LOCAL is this host's side of a point-to-point link; IFA_ADDRESS otherwise
+    raw = attrs.get(_IFA_LOCAL) or attrs.get(_IFA_ADDRESS)
+    if raw is None or len(raw) != (4 if family == socket.AF_INET else 16):
+        return None
+    return socket.inet_ntop(family, raw), index
+
+
+def _ioctl_ipv4_addresses() -> list[str]:
+    """The primary IPv4 address of each up interface (Linux ioctls; no aliases)."""
+    import fcntl
+
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for index, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(
+                    sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                )
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if _interface_is_up(index):
+                found.append(socket.inet_ntoa(reply[20:24]))
+    return found
+
+
+def _route_source_address(family: int) -> str | None:
+    """The source address the kernel picks for an outbound route (None without a route)."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((_ROUTE_PROBES[family], 9))  # UDP connect: selects a route, sends nothing
+            return probe.getsockname()[0]
     except OSError:
-        infos = []
-    for *_, sockaddr in infos:
-        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
-        if not ip.is_unspecified and not ip.is_link_local and str(ip) not in found:
-            found.append(str(ip))
-    return found[:MAX_RESOLVED_ADDRESSES]
+        return None
+
+
+def local_ip_addresses(family: int) -> list[str]:
+    """Addresses other machines may reach this one at, best first, loopback last.
+
+    The standard library has no interface enumeration, so on Linux this asks the kernel
+    (rtnetlink, then per-interface ioctls) and everywhere the source address of the default
+    route. Unspecified, link-local and multicast addresses are dropped. Fast (local syscalls
+    only), but call it off the event loop.
+    """
+    candidates: list[str] = []
+    source = _route_source_address(family)
+    if source is not None:
+        candidates.append(source)
+    enumerated = True
+    try:
+        candidates += _netlink_addresses(family)
+    except OSError as e:
+        logger.debug("netlink address dump failed (%s); trying ioctls", e)
+        try:
+            candidates += _ioctl_ipv4_addresses() if family == socket.AF_INET else []
+        except (OSError, ImportError) as e2:
+            logger.debug("interface ioctls failed (%s); using the route source only", e2)
+            enumerated = False
+    usable: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+    for text in candidates:
+        try:
+            ip = ipaddress.ip_address(text.split("%")[0])
+        except ValueError:
+            continue
+        if ip.is_unspecified or ip.is_link_local or ip.is_multicast or ip in usable:
+            continue
+        usable.append(ip)
+    loopback = ipaddress.ip_address("127.0.0.1" if family == socket.AF_INET else "::1")
+    if (not enumerated or not usable) and loopback not in usable:
+        usable.append(loopback)  # interfaces unknown: local peers can still use loopback
+    # the route's source first, then public, then private addresses; loopback last
+    usable.sort(key=lambda ip: (ip.is_loopback, str(ip) != source, not ip.is_global))
+    ordered = [str(ip) for ip in usable]
+    if len(ordered) > MAX_ANNOUNCED_PER_LISTENER:  # keep loopback for local peers
+        tail = [a for a in ordered if ipaddress.ip_address(a).is_loopback][:1]
+        ordered = [a for a in ordered if a not in tail][: MAX_ANNOUNCED_PER_LISTENER - len(tail)]
+        ordered += tail
+    return ordered
 
 
 class TCPListener:
@@ -69,9 +212,8 @@ class TCPListener:
         if ip.is_unspecified:
             family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
             proto = "ip4" if ip.version == 4 else "ip6"
-            self.multiaddrs = [
-                Multiaddr(f"/{proto}/{a}/tcp/{port}") for a in await _local_addresses(family)
-            ]
+            found = await trio.to_thread.run_sync(local_ip_addresses, family)
+            self.multiaddrs = [Multiaddr(f"/{proto}/{a}/tcp/{port}") for a in found]
 
     async def accept(self) -> tuple[trio.SocketStream, str]:
         stream = await self._listener.accept()
