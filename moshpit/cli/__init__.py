@@ -1,4 +1,8 @@
-"""The ``moshpit`` console script: one subcommand per module, imported only when used."""
+"""The ``moshpit`` console script: one subcommand per module, imported only when used.
+
+Each subcommand module defines ``configure_parser(parser)`` and ``run(args) -> int``; the
+user-facing text of ``moshpit --help`` is ``DESCRIPTION``/``EPILOG`` below.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +11,64 @@ import importlib
 import logging
 import sys
 
-# subcommand -> (module, one-line help). Each module defines
-# ``configure_parser(parser: argparse.ArgumentParser) -> None`` and ``run(args) -> int``.
+DESCRIPTION = """\
+moshpit: train one PyTorch model together on many machines that come and go.
+
+Peers find each other through a DHT and average their parameters in small groups
+(Moshpit averaging). Start a DHT peer that others can join, then point your training
+script (moshpit.DHT(initial_peers=[...])) or more peers at the address it prints."""
+
+EPILOG = """\
+examples:
+  start the first peer of a swarm (prints the --initial-peers line others copy):
+    moshpit dht --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity peer.key
+  join that swarm from another machine (paste the printed line):
+    moshpit dht --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+  behind NAT / port forwarding, tell others your public address:
+    moshpit dht --host-maddrs /ip4/0.0.0.0/tcp/31337 --announce-maddrs /ip4/203.0.113.7/tcp/31337
+  watch 8 local peers average to consensus:
+    moshpit demo --peers 8
+
+Run 'moshpit COMMAND --help' for the options of a command."""
+
+# subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "dht": ("moshpit.cli.dht_cmd", "run a DHT peer (bootstrap/relay node); needs no torch"),
+    "dht": (
+        "moshpit.cli.dht_cmd",
+        "run a DHT peer that others join (bootstrap/relay node); needs no GPU or torch",
+    ),
     "demo": ("moshpit.cli.demo_cmd", "start a local swarm and watch Moshpit averaging converge"),
 }
 
 
+def version() -> str:
+    """The installed distribution's version (``moshpit.__version__`` when run from a checkout)."""
+    try:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        return dist_version("moshpit-train")
+    except PackageNotFoundError:
+        from moshpit import __version__
+
+        return __version__
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moshpit", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="moshpit",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"moshpit {version()}")
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:  # import only the module that will run
             importlib.import_module(module_name).configure_parser(sub_parser)
     return parser

@@ -15,6 +15,14 @@ from typing import Any
 
 import trio
 
+from dht.kademlia.node import DEFAULT_HOST_MADDRS
+from dht.p2p.multiaddr import (
+    EXAMPLE_LISTEN_MADDR,
+    Multiaddr,
+    MultiaddrError,
+    parse_multiaddr_list,
+)
+
 logger = logging.getLogger(__name__)
 
 
@@ -22,16 +30,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-maddrs",
         nargs="+",
-        default=["/ip4/0.0.0.0/tcp/0"],
+        default=None,
         metavar="MADDR",
-        help="multiaddrs to listen on (default: all IPv4 interfaces, random port)",
+        help="multiaddrs to listen on (default: /ip4/0.0.0.0/tcp/0, every IPv4 interface on a "
+        "random port; e.g. /ip4/0.0.0.0/tcp/31337 for a fixed port)",
     )
     parser.add_argument(
         "--announce-maddrs",
         nargs="+",
         default=None,
         metavar="MADDR",
-        help="multiaddrs to advertise instead of the listen addresses (e.g. a public IP behind NAT)",
+        help="addresses to tell other peers instead of this machine's interface addresses: "
+        "behind NAT or port forwarding give the public IP and port, "
+        "e.g. /ip4/203.0.113.7/tcp/31337",
     )
     parser.add_argument(
         "--initial-peers",
@@ -69,30 +80,69 @@ def run(args: argparse.Namespace) -> int:
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)  # joins/leaves are this command's output
     try:
-        return trio.run(_main, args)
+        addresses = _parse_addresses(args)
+    except MultiaddrError as e:
+        print(f"moshpit dht: {e}", file=sys.stderr)
+        return 2
+    try:
+        return trio.run(_main, args, *addresses)
     except KeyboardInterrupt:
         return 0
 
 
-async def _main(args: argparse.Namespace) -> int:
+def _parse_addresses(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, Any]:
+    """Check every address before starting, so a typo costs one line, not a traceback."""
+    initial = parse_multiaddr_list(args.initial_peers, "--initial-peers")
+    listen = None
+    if args.host_maddrs is not None:
+        listen = parse_multiaddr_list(
+            args.host_maddrs, "--host-maddrs", example=EXAMPLE_LISTEN_MADDR
+        )
+    elif not args.client_mode:
+        listen = [Multiaddr(a) for a in DEFAULT_HOST_MADDRS]
+    announce = None
+    if args.announce_maddrs is not None:
+        announce = parse_multiaddr_list(
+            args.announce_maddrs, "--announce-maddrs", example="/ip4/203.0.113.7/tcp/31337"
+        )
+        wildcard = [m for m in announce if m.is_tcp() and m.tcp_endpoint()[0] in ("0.0.0.0", "::")]
+        if wildcard:
+            raise MultiaddrError(
+                f"bad --announce-maddrs: {str(wildcard[0])!r} is a wildcard nobody can dial; "
+                "give the public or interface address, e.g. /ip4/203.0.113.7/tcp/31337"
+            )
+    return initial, listen, announce
+
+
+async def _main(
+    args: argparse.Namespace,
+    initial_peers: list[Any],
+    host_maddrs: list[Any] | None,
+    announce_maddrs: list[Any] | None,
+) -> int:
     from dht.kademlia.errors import BootstrapError
     from dht.kademlia.node import DHTNode
-    from dht.p2p import Identity
+    from dht.p2p import Identity, IdentityError
 
-    identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
-    host_maddrs = args.host_maddrs if not args.client_mode or "--host-maddrs" in sys.argv else None
+    try:
+        identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
+    except IdentityError as e:
+        print(f"moshpit dht: {e}", file=sys.stderr)
+        return 1
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         try:
             async with DHTNode.open(
-                initial_peers=args.initial_peers,
+                initial_peers=initial_peers,
                 host_maddrs=host_maddrs,
-                announce_maddrs=args.announce_maddrs,
+                announce_maddrs=announce_maddrs,
                 identity=identity,
                 client_mode=args.client_mode,
                 refresh_period=args.refresh_period,
                 num_replicas=args.num_replicas,
             ) as node:
                 _announce(node, args.client_mode)
+                if initial_peers:
+                    _say(f"Joined the swarm: this peer sees {_peer_count(node)} other peer(s)")
                 node.host.add_connection_observer(
                     lambda peer: logger.info("peer connected: %s", peer),
                     lambda peer: logger.info("peer disconnected: %s", peer),
@@ -104,19 +154,33 @@ async def _main(args: argparse.Namespace) -> int:
                         nursery.cancel_scope.cancel()
                         break
         except BootstrapError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"moshpit dht: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:  # e.g. the port is taken or the address is not on this machine
+            where = " ".join(map(str, host_maddrs or ()))
+            print(f"moshpit dht: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
             return 1
     return 0
 
 
+def _say(line: str) -> None:
+    """One whole line on stdout, flushed at once: never wrapped, so it can be copy-pasted."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _peer_count(node: Any) -> int:
+    return len(node.routing_table)
+
+
 def _announce(node: Any, client_mode: bool) -> None:
-    print(f"PeerID: {node.peer_id}", flush=True)
+    _say(f"PeerID: {node.peer_id}")
     maddrs = node.get_visible_maddrs()
     if client_mode or not maddrs:
-        print("running in client mode: this peer cannot be used as an initial peer", flush=True)
+        _say("running in client mode: this peer cannot be used as an initial peer")
         return
-    print("To join this swarm, run peers with:", flush=True)
-    print("--initial-peers " + " ".join(str(m) for m in maddrs), flush=True)
+    _say("To join this swarm, run peers with:")
+    _say("--initial-peers " + " ".join(str(m) for m in maddrs))
 
 
 async def _status_loop(node: Any, period: float) -> None:
