@@ -6,6 +6,10 @@ reads one JSON line per round from each worker's stdout. From those it computes 
 mean and the spread (max |x_i - mean| over every peer and coordinate) per round and shows it
 shrinking. ``--kill`` SIGKILLs one peer in the middle of a round to show the others carry on.
 
+Ctrl-C stops every peer, prints the table so far and a one-line summary, and exits with
+status 130 (the shell convention for SIGINT). Workers ignore SIGINT (a terminal's Ctrl-C reaches
+the whole process group); the parent stops them with SIGTERM.
+
 Workers get grid coordinates as their initial group bits (peer i -> bits of ``i``), so a full
 swarm of ``group_size ** d`` peers reaches the exact mean in ``d`` rounds.
 """
@@ -101,6 +105,9 @@ def worker_main(argv: list[str]) -> int:
     )
     p.add_argument("--report-parts", action="store_true", help="report the part bounds (tests)")
     args = p.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides when peers stop
+    # (it sends SIGTERM), so a peer must not die mid-round with a KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # many peers share a few cores: one OpenMP thread per torch op, in EVERY thread (the DHT's
     # trio thread runs torch ops too; torch.set_num_threads only affects the calling thread's
     # OpenMP team, and oversubscribed spinning OpenMP teams made rounds ~6x slower)
@@ -276,16 +283,24 @@ class Worker:
         except (BrokenPipeError, OSError):
             pass
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """Ask the peer to leave (its SIGTERM handler shuts the averager and DHT down)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def finish(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the exit after :meth:`terminate`, then SIGKILL."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         if self._err_file is not None:
             self._err_file.close()
+
+    def stop(self) -> None:
+        self.terminate()
+        self.finish(5.0)
 
 
 def worker_command(
@@ -308,23 +323,59 @@ def grid_bits(index: int, num_peers: int, group_size: int) -> str:
     return format(index % (1 << nbits), f"0{nbits}b") if nbits else ""
 
 
+class _Progress:
+    """What the parent has shown so far, for the summary after Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.table: Any = None
+        self.live_used = False
+        self.spreads: list[float] = []
+        self.alive: set[int] = set()
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.live import Live
-    from rich.table import Table
-
-    from dht import DHT
 
     console = Console()
     if args.peers < 2 or args.group_size < 2 or args.rounds < 1 or args.size < 1:
         console.print("[red]need --peers >= 2, --group-size >= 2, --rounds >= 1, --size >= 1")
         return 2
+    progress = _Progress()
+    try:
+        return _run(args, console, progress)
+    except KeyboardInterrupt:
+        # Ctrl-C: the peers are already stopped (see _run's finally); show what we have
+        if progress.table is not None and not progress.live_used:
+            console.print(progress.table)
+        if len(progress.spreads) > 1:
+            done = len(progress.spreads) - 1
+            summary = (
+                f"interrupted (Ctrl-C) after {done} of {args.rounds} rounds: spread "
+                f"{progress.spreads[0]:.4g} -> {progress.spreads[-1]:.4g} with "
+                f"{len(progress.alive)}/{args.peers} peers; all peers stopped"
+            )
+        elif progress.spreads:
+            summary = f"interrupted (Ctrl-C) before round 1 of {args.rounds}; all peers stopped"
+        else:
+            summary = "interrupted (Ctrl-C) while starting the peers; all peers stopped"
+        console.print(f"[bold]{summary}[/bold]", soft_wrap=True, highlight=False)
+        return 130
+
+
+def _run(args: argparse.Namespace, console: Any, progress: _Progress) -> int:
+    from rich.live import Live
+    from rich.table import Table
+
+    from dht import DHT
+
     started = time.monotonic()
-    bootstrap = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    bootstrap: DHT | None = None
     workers: list[Worker] = []
     try:
+        bootstrap = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         maddr = str(bootstrap.get_visible_maddrs()[0])
-        console.print(f"bootstrap peer: [bold]{maddr}[/bold]")
+        # an address the user may copy: one unwrapped line, whatever the terminal width
+        console.print(f"bootstrap peer: [bold]{maddr}[/bold]", soft_wrap=True, highlight=False)
         for i in range(args.peers):
             workers.append(
                 Worker(i, worker_command(i, maddr, grid_bits(i, args.peers, args.group_size), args))
@@ -342,7 +393,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(
             f"{args.peers} peers up after {time.monotonic() - started:.1f}s; averaging..."
         )
-        spreads = [_spread(list(initial.values()))]
+        spreads = progress.spreads
+        spreads.append(_spread(list(initial.values())))
         table = Table(title=f"Moshpit averaging: {args.peers} peers, groups of {args.group_size}")
         for col in (
             "round",
@@ -354,12 +406,15 @@ def run(args: argparse.Namespace) -> int:
         ):
             table.add_column(col, justify="right")
         table.add_row("start", str(args.peers), "-", f"{spreads[0]:.3g}", "-", "-")
+        progress.table = table
         # a terminal gets a live table; pipes/logs get one line per round and the table at the end
         live = Live(table, console=console, refresh_per_second=8) if console.is_terminal else None
+        progress.live_used = live is not None
         if live is None:
             console.print(f"round start: spread {spreads[0]:.4g}")
         killed: int | None = None
-        alive = set(range(args.peers))
+        alive = progress.alive
+        alive.update(range(args.peers))
         with live or contextlib.nullcontext():
             for r in range(args.rounds):
                 # rounds are aligned by the parent (a "go" line per round) so each row of the
@@ -420,9 +475,32 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0 if converged else 1
     finally:
-        for w in workers:
-            w.stop()
-        bootstrap.shutdown()
+        # a second Ctrl-C must not leave peers running: finish the clean-up first
+        with _sigint_ignored():
+            _stop_workers(workers)
+            if bootstrap is not None:
+                bootstrap.shutdown()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Any:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop_workers(workers: list[Worker], grace: float = 5.0) -> None:
+    """SIGTERM every peer at once, give them ``grace`` seconds together, then SIGKILL."""
+    for w in workers:
+        w.terminate()
+    deadline = time.monotonic() + grace
+    for w in workers:
+        w.finish(max(0.0, deadline - time.monotonic()))
 
 
 def _spread(tensors: list[Any]) -> float:
