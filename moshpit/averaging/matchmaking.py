@@ -3,25 +3,31 @@
 Protocol (``/moshpit/matchmaking/1.0.0``, one stream per join attempt, msgpack messages):
 
 1. A peer looking for a group declares itself in the DHT under its group key (dictionary
-   value, subkey = its PeerID, value = ``{"x": order, "a": [multiaddrs], "m": mode}``,
-   expiring at its matchmaking deadline). ``(order, PeerID)`` totally orders the peers
-   looking under a key: earlier arrivals come first.
-2. It reads the key and asks the first peer *before it in that order* to lead it:
-   ``{"prefix", "key", "x": order, "dl": seconds left, "m": mode, "bw", "g": gathered, "n": size}``.
+   value, subkey = its PeerID, value = ``{"x": order, "a": [multiaddrs], "m": mode,
+   "s": schema}``, expiring at its matchmaking deadline; ``schema`` hashes the shapes of its
+   tensors). ``(order, PeerID)`` totally orders the peers looking under a key: earlier
+   arrivals come first.
+2. It reads the key and asks the first peer *before it in that order* with the same schema to
+   lead it: ``{"prefix", "key", "x": order, "dl": seconds left, "m": mode, "bw",
+   "g": gathered, "n": size, "s": schema}``.
    The leader answers ``{"t": "accepted"}``, ``{"t": "redirect", "to": PeerID bytes, "a": addrs}``
-   (it is itself following someone: ask them) or ``{"t": "reject", "why": reason}``; an accepted
+   (it is itself following someone: ask them) or ``{"t": "reject", "why": reason}`` (another
+   schema is refused first, with a reason starting "tensor schema mismatch"); an accepted
    follower keeps the stream open and later receives ``{"t": "group", "group": GroupInfo}``,
    a redirect (the leader merged into a better group) or a reject (the leader gave up).
-3. A leader finalizes as soon as it has ``target_group_size`` members, or once
-   ``min_matchmaking_time`` has passed with at least ``min_group_size`` members, or at the
-   earliest deadline of its members if it has enough by then.
+3. A leader finalizes as soon as it has ``target_group_size`` members; or as soon as every
+   peer declared under the key (same schema, not banned) follows it, as seen by a complete
+   read of the key made after its newest follower joined; or once ``min_matchmaking_time``
+   has passed with at least ``min_group_size`` members; or at the earliest deadline of its
+   members if it has enough by then.
 
 No deadlock: requests only ever go from later to earlier peers in the total order (a leader
 rejects a request from a peer ordered before itself), a peer that follows someone redirects
 requests instead of accepting them, and a leader that finds an earlier leader merges its
 whole group into it (join with ``n`` = its group size, then redirect its followers). The
 earliest peer under a key never waits on anyone, so every wait chain ends. Client-mode peers
-(no inbound connections) never lead, so they may join anyone. Every wait has a deadline.
+(no inbound connections) declare (so leaders wait for them) but never lead, so they may join
+anyone. Every wait has a deadline.
 
 The network and the DHT sit behind :class:`MatchmakingBackend`, so this module is pure trio
 logic; :class:`DHTMatchmakingBackend` is the real one (a ``DHTNode`` and its ``Host``).
@@ -61,8 +67,11 @@ MAX_ADDRS = MAX_ADDRS_PER_MEMBER
 MAX_DEADLINE_SECONDS = 24 * 3600.0
 MAX_CANDIDATES = 1024  # declarations considered per lookup
 MAX_TRIES = 3  # join attempts per declaration that answered "busy"/timed out/redirected
+MAX_SCHEMA_BYTES = 64  # a tensor-schema hash (the averager sends 16 bytes)
+MAX_WHY_CHARS = 512  # a reject reason we keep from another peer
 RETRY = "retry"  # outcome of a join attempt worth repeating later in the round
 BUSY = "busy: asking another leader, retry shortly"
+SCHEMA_MISMATCH = "tensor schema mismatch"  # prefix of the reject reason for other tensors
 
 
 class MatchmakingError(Exception):
@@ -89,6 +98,7 @@ class Declaration:
     order: float
     addrs: tuple[str, ...]
     mode: str
+    schema: bytes | None = None  # hash of the declarer's tensor shapes (None: not declared)
 
 
 class MatchmakingBackend(Protocol):
@@ -101,7 +111,11 @@ class MatchmakingBackend(Protocol):
 
     def dht_time(self) -> float: ...
 
-    async def declare(self, key: str, order: float, expiration: float, mode: str) -> bool: ...
+    async def declare(
+        self, key: str, order: float, expiration: float, mode: str, **extra: Any
+    ) -> bool:
+        """Store our declaration; ``extra`` may hold ``schema`` (bytes) when we have one."""
+        ...
 
     async def list_candidates(self, key: str) -> list[Declaration]: ...
 
@@ -134,6 +148,14 @@ def _finite(x: Any, name: str, lo: float = -math.inf, hi: float = math.inf) -> f
     return float(x)
 
 
+def _schema(x: Any) -> bytes | None:
+    if x is None:
+        return None
+    if not isinstance(x, bytes) or not 0 < len(x) <= MAX_SCHEMA_BYTES:
+        raise MatchmakingError(f"schema must be 1..{MAX_SCHEMA_BYTES} bytes")
+    return x
+
+
 def _addrs(x: Any) -> tuple[str, ...]:
     if not isinstance(x, (list, tuple)) or len(x) > MAX_ADDRS:
         raise MatchmakingError(f"addrs must be a list of at most {MAX_ADDRS} strings")
@@ -154,9 +176,10 @@ class JoinRequest:
     gathered: Any
     size: int
     addrs: tuple[str, ...] = ()
+    schema: bytes | None = None
 
     def to_msg(self, prefix: str) -> dict[str, Any]:
-        return {
+        msg = {
             "prefix": prefix,
             "key": self.key,
             "x": self.order,
@@ -167,6 +190,9 @@ class JoinRequest:
             "n": self.size,
             "a": list(self.addrs),
         }
+        if self.schema is not None:
+            msg["s"] = self.schema
+        return msg
 
     @classmethod
     def from_msg(cls, msg: Mapping) -> JoinRequest:
@@ -186,7 +212,17 @@ class JoinRequest:
                 raise MatchmakingError("bandwidth must be positive")
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_GROUP_SIZE:
             raise MatchmakingError(f"group size must be an int in 1..{MAX_GROUP_SIZE}")
-        return cls(key, order, seconds_left, mode, bw, msg.get("g"), size, _addrs(msg.get("a", [])))
+        return cls(
+            key,
+            order,
+            seconds_left,
+            mode,
+            bw,
+            msg.get("g"),
+            size,
+            _addrs(msg.get("a", [])),
+            _schema(msg.get("s")),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,6 +266,16 @@ class _Round:
     probing: bool = False  # asking someone to lead us (not accepted yet)
     finished: bool = False
     changed: trio.Event = field(default_factory=trio.Event)
+    # peers declared under the key at the last read that began after the newest follower
+    # joined (None: no such read yet); when all of them follow us we need not wait longer
+    declared: frozenset | None = None
+    joins: int = 0  # followers accepted so far (a read that overlaps a join is not trusted)
+    # peers that average tensors of another schema: never grouped with, reported if alone
+    schema_conflicts: dict[Any, str] = field(default_factory=dict)
+
+    def note_schema_conflict(self, peer: Any, why: str) -> None:
+        if len(self.schema_conflicts) < MAX_CANDIDATES:
+            self.schema_conflicts[peer] = why[:MAX_WHY_CHARS]
 
     def notify(self) -> None:
         self.changed.set()
@@ -260,6 +306,8 @@ class Matchmaker:
         bandwidth: float | None = None,
         is_banned: Callable[[Any], bool] = lambda peer: False,
         poll_interval: float | None = None,
+        schema: bytes | None = None,
+        schema_description: str = "",
     ):
         self._check_config(target_group_size, min_group_size, mode)
         for name, v in (
@@ -277,6 +325,11 @@ class Matchmaker:
         self.mode = mode
         self.bandwidth = bandwidth
         self.is_banned = is_banned
+        # peers with another (or no) schema hash are never grouped with us (None: no check)
+        self.schema = _schema(schema) if schema is not None else None
+        self.schema_description = schema_description[:MAX_WHY_CHARS]
+        # {peer: why} for the peers with another tensor schema met in the last round
+        self.last_schema_conflicts: dict[Any, str] = {}
         self.poll_interval = poll_interval or min(0.25, max(0.02, min_matchmaking_time / 10))
         self._round: _Round | None = None
         self._lock = trio.Lock()
@@ -334,22 +387,27 @@ class Matchmaker:
                 ),
             )
             self._round = rnd
+            self.last_schema_conflicts = {}
             try:
                 return await self._search(rnd)
             finally:
                 rnd.finished = True
                 rnd.lead.conclude({"t": "reject", "why": "leader stopped looking"})
                 self._round = None
+                self.last_schema_conflicts = dict(rnd.schema_conflicts)
 
     async def _search(self, rnd: _Round) -> GroupInfo | None:
         me = rnd.me.peer
         client = self.mode == MODE_CLIENT
-        if not client:
-            expiration = rnd.order + max(0.0, rnd.deadline - trio.current_time())
-            with trio.move_on_after(self.request_timeout):
-                await self.backend.declare(rnd.key, rnd.order, expiration, self.mode)
+        # client-mode peers declare too (nobody dials them: they are never asked to lead),
+        # so that a leader knows they are on the way and waits for them
+        expiration = rnd.order + max(0.0, rnd.deadline - trio.current_time())
+        extra = {} if self.schema is None else {"schema": self.schema}
+        with trio.move_on_after(self.request_timeout):
+            await self.backend.declare(rnd.key, rnd.order, expiration, self.mode, **extra)
         attempts: dict[tuple[Any, float], int] = {}  # declaration -> tries (MAX_TRIES: done)
         next_poll = trio.current_time()
+        read_joins = -1  # rnd.joins when the last read of the key began
         while True:
             now = trio.current_time()
             group = self._maybe_finalize(rnd, now)
@@ -358,25 +416,17 @@ class Matchmaker:
             if now >= rnd.deadline or rnd.finished:
                 logger.debug("matchmaking under %s timed out with %d member(s)", rnd.key, rnd.size)
                 return None
-            if now >= next_poll and rnd.size < self.target_group_size:
-                candidates: list[Declaration] = []
-                with trio.move_on_after(self.request_timeout):
-                    candidates = await self.backend.list_candidates(rnd.key)
-                logger.debug(
-                    "under %s (me %s, order %.3f): %d declared: %s",
-                    rnd.key,
-                    _short(me),
-                    rnd.order,
-                    len(candidates),
-                    ", ".join(f"{_short(c.peer)}@{c.order:.3f}" for c in candidates[:8]),
-                )
+            # read the key every poll_interval, and at once after a follower joined (to see
+            # whether anyone else is still on the way)
+            if (now >= next_poll or rnd.joins != read_joins) and (
+                rnd.size < self.target_group_size
+            ):
+                read_joins = rnd.joins
+                candidates = await self._read_declarations(rnd)
                 candidates = [
                     c
                     for c in candidates
-                    if c.peer != me
-                    and c.mode != MODE_CLIENT
-                    and attempts.get((c.peer, c.order), 0) < MAX_TRIES
-                    and not self.is_banned(c.peer)
+                    if attempts.get((c.peer, c.order), 0) < MAX_TRIES
                     and (client or self._before(c.order, c.peer, rnd.order, me))
                 ]
                 candidates.sort(key=lambda c: (c.order, self.backend.peer_to_bytes(c.peer)))
@@ -393,10 +443,62 @@ class Matchmaker:
             with trio.move_on_at(max(wake, trio.current_time())):
                 await rnd.changed.wait()
 
+    async def _read_declarations(self, rnd: _Round) -> list[Declaration]:
+        """Read the key; return the declarations we may ask to lead us (not us, not banned,
+        not client-mode, same tensor schema). Updates ``rnd.declared`` when the read is
+        trusted (it then also counts client-mode peers: they join us too)."""
+        me = rnd.me.peer
+        joins_before = rnd.joins
+        # followers that declared before joining us: a read that misses one of them (or our
+        # own declaration) is incomplete, so it cannot show that nobody else is coming
+        expected = {p for p, m in rnd.followers.items() if m.mode != MODE_CLIENT}
+        found: list[Declaration] = []
+        with trio.move_on_after(self.request_timeout) as cs:
+            found = await self.backend.list_candidates(rnd.key)
+        logger.debug(
+            "under %s (me %s, order %.3f): %d declared: %s",
+            rnd.key,
+            _short(me),
+            rnd.order,
+            len(found),
+            ", ".join(f"{_short(c.peer)}@{c.order:.3f}" for c in found[:8]),
+        )
+        seen = {c.peer for c in found}
+        complete = (
+            not cs.cancelled_caught
+            and any(c.peer == me and c.order == rnd.order for c in found)
+            and expected <= seen
+        )
+        usable = []
+        for c in found:
+            if c.peer == me or self.is_banned(c.peer):
+                continue
+            if self.schema is not None and c.schema != self.schema:
+                theirs = c.schema.hex()[:12] if c.schema is not None else "none"
+                rnd.note_schema_conflict(
+                    c.peer,
+                    f"{SCHEMA_MISMATCH}: {_short(c.peer)} declared schema {theirs}, "
+                    f"ours is {self.schema.hex()[:12]}",
+                )
+                continue
+            usable.append(c)
+        if complete and rnd.joins == joins_before:
+            rnd.declared = frozenset(c.peer for c in usable)
+        elif rnd.joins == joins_before:
+            rnd.declared = None  # untrusted read (timed out or missing records): keep waiting
+        return [c for c in usable if c.mode != MODE_CLIENT]
+
+    def _everyone_joined(self, rnd: _Round) -> bool:
+        """Every peer declared under our key (by a trusted read after the newest join)
+        follows us: nobody else is coming, so there is no reason to wait any longer."""
+        return rnd.declared is not None and rnd.declared.issubset(rnd.followers)
+
     def _finalize_time(self, rnd: _Round) -> float:
         """Earliest time at which a group of the current size may proceed (deadline if never)."""
         if not self._can_lead_now(rnd):
             return rnd.deadline
+        if self._everyone_joined(rnd):
+            return rnd.started
         return min(rnd.started + self.min_matchmaking_time, self._member_deadline(rnd))
 
     def _can_lead_now(self, rnd: _Round) -> bool:
@@ -469,6 +571,7 @@ class Matchmaker:
             gathered=rnd.me.gathered,
             size=rnd.size,
             addrs=rnd.me.addrs,
+            schema=self.schema,
         )
         rnd.probing = True
         stream = None
@@ -482,6 +585,9 @@ class Matchmaker:
             if cs.cancelled_caught:
                 logger.debug("join request to %s timed out", peer)
                 return RETRY
+            why = reply.get("why") if isinstance(reply, Mapping) else None
+            if isinstance(why, str) and why.startswith(SCHEMA_MISMATCH):
+                rnd.note_schema_conflict(peer, f"{_short(peer)} refused us: {why}")
             outcome = self._parse_reply(reply)
             if outcome[0] != "accepted":
                 return outcome[1]
@@ -584,6 +690,8 @@ class Matchmaker:
         )
         lead = rnd.lead
         lead.followers[peer] = member
+        rnd.joins += 1
+        rnd.declared = None  # someone else may be on the way: read the key again first
         rnd.notify()
         try:
             await stream.send_msg({"t": "accepted"})
@@ -619,6 +727,17 @@ class Matchmaker:
 
     def _refusal(self, rnd: _Round | None, peer: Any, request: JoinRequest) -> str | None:
         """Why we cannot accept ``peer`` now ("redirect": ask whom we follow), or None."""
+        if self.schema is not None and request.schema != self.schema:
+            # checked first: it is final whatever we are doing, and the joiner must learn it
+            theirs = request.schema.hex()[:12] if request.schema is not None else "none"
+            why = (
+                f"{SCHEMA_MISMATCH}: you sent schema {theirs}, ours is {self.schema.hex()[:12]}"
+                f" ({self.schema_description or 'different tensors'}); peers average only"
+                " tensors of identical shapes"
+            )
+            if rnd is not None and not rnd.finished:
+                rnd.note_schema_conflict(peer, why)
+            return why
         if rnd is None or rnd.finished:
             return "not looking for a group"
         if request.key != rnd.key:
@@ -751,8 +870,17 @@ class DHTMatchmakingBackend:
 
         return get_dht_time()
 
-    async def declare(self, key: str, order: float, expiration: float, mode: str) -> bool:
-        value = {"x": order, "a": self.own_addrs(), "m": mode}
+    async def declare(
+        self,
+        key: str,
+        order: float,
+        expiration: float,
+        mode: str,
+        schema: bytes | None = None,
+    ) -> bool:
+        value: dict[str, Any] = {"x": order, "a": self.own_addrs(), "m": mode}
+        if schema is not None:
+            value["s"] = schema
         return bool(
             await self.node.store(key, value, expiration, subkey=self.local_peer.to_base58())
         )
@@ -774,6 +902,7 @@ class DHTMatchmakingBackend:
                         _finite(value.get("x"), "order"),
                         _addrs(value.get("a", [])),
                         value["m"],
+                        _schema(value.get("s")),
                     )
                 )
             except Exception as e:  # a bad record from someone: ignore it, keep the rest
