@@ -17,6 +17,10 @@ _LAZY = {
     "DHTNode": "dht.kademlia.node",
     "Averager": "moshpit.averaging.averager",
     "StepResult": "moshpit.averaging.averager",
+    "TrainingStateAverager": "moshpit.training.state_averager",
+    "ProgressTracker": "moshpit.training.progress",
+    "handle_preemption": "moshpit.training.preemption",
+    "Preempted": "moshpit.training.preemption",
 }
 
 __all__ = ["__version__", *_LAZY]

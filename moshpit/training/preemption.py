@@ -1,0 +1,199 @@
+"""Leaving cleanly on SIGTERM, the notice a cloud VM gets before it is preempted.
+
+One line in a training script::
+
+    with moshpit.handle_preemption(state_averager, tracker, dht, deadline=25.0):
+        for batch in loader: ...
+
+On SIGTERM the handler (running on the main thread, between two Python bytecodes of the
+training loop) waits for the end of a moshpit critical section if one is running (a state
+update must not be cut in half), then lets every component leave in order — finish or abandon
+the current averaging round, write a checkpoint, withdraw DHT declarations, shut down — and
+raises :class:`Preempted` (a ``SystemExit`` with code 0) so the script unwinds and exits 0. A
+watchdog thread ends the process if leaving takes longer than ``deadline``: the VM would be
+killed soon anyway, and a hung exit must not outlive the notice.
+
+Without the handler SIGTERM keeps its default action (the process dies at once); the swarm
+copes with that like with any crash: rounds time out on the dead peer and its DHT records
+expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PreemptionHandler", "Preempted", "critical_section", "handle_preemption"]
+
+DEFAULT_DEADLINE = 25.0
+WATCHDOG_EXIT_CODE = 3  # leaving took longer than the deadline
+
+
+class Preempted(SystemExit):
+    """Raised on the main thread after a graceful exit on SIGTERM (exit status 0)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(0)
+        self.signum = signum
+
+
+_local = threading.local()
+_active: PreemptionHandler | None = None
+
+
+@contextmanager
+def critical_section() -> Iterator[None]:
+    """Code that must not be cut in half by a preemption (e.g. applying a state update).
+
+    A SIGTERM arriving inside is handled right after the outermost section ends.
+    """
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    try:
+        yield
+    finally:
+        _local.depth = depth
+        handler = _active
+        if depth == 0 and handler is not None and handler.deferred:
+            handler.deferred = False
+            handler._leave_and_raise()
+
+
+class PreemptionHandler:
+    """Installs the SIGTERM handler; see :func:`handle_preemption`."""
+
+    def __init__(
+        self,
+        *components: Any,
+        deadline: float = DEFAULT_DEADLINE,
+        signals: tuple[int, ...] = (signal.SIGTERM,),
+    ) -> None:
+        if not deadline > 0:
+            raise ValueError(f"deadline must be a positive number of seconds, got {deadline!r}")
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "handle_preemption() must be called on the main thread (Python delivers "
+                "signals only there)"
+            )
+        self.components = components
+        self.deadline = float(deadline)
+        self.signals = signals
+        self.requested_at: float | None = None
+        self.deferred = False
+        self._previous: dict[int, Any] = {}
+        self._leaving = False
+        self._watchdog_cancelled = threading.Event()
+
+    def install(self) -> PreemptionHandler:
+        global _active
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        _active = self
+        return self
+
+    def uninstall(self) -> None:
+        global _active
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+        if _active is self:
+            _active = None
+
+    def __enter__(self) -> PreemptionHandler:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.uninstall()
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.requested_at is not None:
+            logger.warning("signal %d again: already leaving", signum)
+            return
+        self.requested_at = time.monotonic()
+        self._signum = signum
+        logger.warning(
+            "received %s: leaving the swarm within %.0f s (checkpoint, withdraw, exit 0)",
+            signal.Signals(signum).name,
+            self.deadline,
+        )
+        self._start_watchdog()
+        if getattr(_local, "depth", 0) > 0:
+            self.deferred = True  # critical_section() calls _leave_and_raise when it ends
+            return
+        self._leave_and_raise()
+
+    def _start_watchdog(self) -> None:
+        deadline = self.deadline
+
+        def watchdog() -> None:
+            if self._watchdog_cancelled.wait(deadline):
+                return
+            logger.error("leaving took longer than %.0f s: exiting now", deadline)
+            logging.shutdown()
+            os._exit(WATCHDOG_EXIT_CODE)
+
+        threading.Thread(target=watchdog, name="moshpit-preemption-watchdog", daemon=True).start()
+
+    def cancel_watchdog(self) -> None:
+        """Keep the process alive past the deadline (for code that catches Preempted)."""
+        self._watchdog_cancelled.set()
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (the whole deadline before any signal)."""
+        if self.requested_at is None:
+            return self.deadline
+        return max(0.0, self.deadline - (time.monotonic() - self.requested_at))
+
+    def _leave_and_raise(self) -> None:
+        if self._leaving:
+            return
+        self._leaving = True
+        for component in self.components:
+            # each component gets what is left of the deadline, minus a margin for the rest
+            budget = max(0.5, self.remaining() - 1.0)
+            try:
+                _leave(component, budget)
+            except Exception:  # one component failing must not stop the others from leaving
+                logger.exception("while %r was leaving", component)
+        self.uninstall()
+        logger.warning("left the swarm cleanly; exiting")
+        raise Preempted(getattr(self, "_signum", signal.SIGTERM))
+
+
+def _leave(component: Any, budget: float) -> None:
+    """Let one component leave: ``leave_swarm(deadline)``, else withdraw + shutdown."""
+    if hasattr(component, "leave_swarm"):
+        component.leave_swarm(budget)
+        return
+    if hasattr(component, "withdraw"):
+        component.withdraw()
+    if hasattr(component, "shutdown"):
+        component.shutdown()
+    elif callable(component):
+        component()
+
+
+def handle_preemption(
+    *components: Any,
+    deadline: float = DEFAULT_DEADLINE,
+    signals: tuple[int, ...] = (signal.SIGTERM,),
+) -> PreemptionHandler:
+    """Leave the swarm cleanly on SIGTERM: see the module docstring.
+
+    ``components`` leave in the order given (e.g. the ``TrainingStateAverager``, then the
+    ``ProgressTracker``, then the ``DHT``). Works as a plain call (installs until the process
+    ends) or as a ``with`` block (uninstalled at its end).
+    """
+    return PreemptionHandler(*components, deadline=deadline, signals=signals).install()

@@ -1,0 +1,550 @@
+"""``TrainingStateAverager``: one peer's training state, averaged in the background.
+
+The state is the optimizer's parameters, its per-parameter statistics (e.g. Adam moments and
+step counts), extra tensors (buffers such as BatchNorm statistics) and the epoch.
+
+Averaging never stalls training: a round copies the live tensors into CPU buffers (the
+snapshot), averages those buffers with peers on the DHT's thread while the training loop keeps
+stepping, and the training thread then adds ``averaged - snapshot`` to its live tensors, so
+local progress made during the round is kept. The inner :class:`~moshpit.Averager` only ever
+locks the CPU buffers; the live tensors belong to the training thread alone, which is why the
+delta is applied from that thread (at the next :meth:`step`, :meth:`apply_pending` or
+:meth:`AveragingRound.wait`), never from a background thread.
+
+The same state is what checkpoints store (``store.py``) and what donors serve to joiners
+(``sharing.py``): both go through :meth:`_named_state`, whose names and order define the schema a
+joiner must match.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moshpit.averaging.averager import Averager, StepResult
+from moshpit.training.errors import NoDonorError
+from moshpit.training.manifest import Manifest, dtype_name
+from moshpit.training.preemption import critical_section
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AveragingRound", "TrainingStateAverager"]
+
+# param_groups entries that are plain numbers/strings/bools travel in the state's metadata
+_SCALAR_TYPES = (int, float, str, bool, type(None))
+
+
+class AveragingRound:
+    """A background averaging round started by ``TrainingStateAverager.step(wait=False)``."""
+
+    def __init__(self, owner: TrainingStateAverager, future: concurrent.futures.Future) -> None:
+        self._owner = owner
+        self.future = future
+        self.applied = False
+        self.result: StepResult | None = None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self, timeout: float | None = None) -> StepResult:
+        """Wait for the round and apply its result (call from the training thread)."""
+        concurrent.futures.wait([self.future], timeout=timeout)
+        if not self.future.done():
+            raise TimeoutError(f"the averaging round did not finish within {timeout} s")
+        self._owner._finish(self)
+        assert self.result is not None
+        return self.result
+
+
+class TrainingStateAverager:
+    """Averages, checkpoints and shares the training state of ``optimizer`` (see module doc).
+
+    :param dht: a running ``moshpit.DHT``.
+    :param optimizer: a ``torch.optim.Optimizer``; its ``param_groups`` are the parameters.
+    :param prefix: the run's name; peers with the same prefix train together.
+    :param target_group_size: Moshpit group size for averaging rounds.
+    :param checkpoint_dir: where :meth:`save_checkpoint` writes (and what this peer serves to
+      joiners afterwards); None disables checkpoints and serving.
+    :param extra_tensors: more state to keep in sync (e.g. ``model.buffers()``); floating-point
+      ones are averaged, the others (e.g. BatchNorm's ``num_batches_tracked``) are only saved
+      and loaded.
+    :param average_parameters / average_optimizer_statistics / average_extra_tensors: what a
+      round averages. Optimizer statistics are the floating-point per-parameter tensors of the
+      parameter's shape (Adam's moments); scalar counters (Adam's ``step``) stay local but are
+      saved and loaded with the state.
+    :param sync_on_start: before the first round, load the swarm's newest state if a donor
+      serves one newer than ours; a peer with fresh weights is thus never averaged in at full
+      weight. Set False only if every peer starts from the same state by construction.
+    :param join_timeout: how long that first look for donors waits.
+    :param checkpoint_every_seconds / checkpoint_every_epochs: automatic checkpoints (written
+      in a background thread from a snapshot taken on the training thread).
+    :param averager_options: passed to :class:`~moshpit.Averager` (timeouts, compression, ...).
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: Any,
+        optimizer: torch.optim.Optimizer,
+        prefix: str,
+        target_group_size: int,
+        checkpoint_dir: str | Path | None = None,
+        extra_tensors: Iterable[torch.Tensor] = (),
+        average_parameters: bool = True,
+        average_optimizer_statistics: bool = True,
+        average_extra_tensors: bool = True,
+        sync_on_start: bool = True,
+        join_timeout: float = 10.0,
+        checkpoint_every_seconds: float | None = None,
+        checkpoint_every_epochs: int | None = None,
+        keep_checkpoints: int = 2,
+        restore_checkpoint: bool = True,
+        **averager_options: Any,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
+        if not hasattr(dht, "run_coroutine"):
+            raise TypeError("dht must be a moshpit.DHT (the synchronous facade)")
+        self.dht = dht
+        self.optimizer = optimizer
+        self.prefix = prefix
+        self.extra_tensors = list(extra_tensors)
+        self.sync_on_start = sync_on_start
+        self.join_timeout = float(join_timeout)
+        self.checkpoint_every_seconds = checkpoint_every_seconds
+        self.checkpoint_every_epochs = checkpoint_every_epochs
+        self.epoch = 0
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self._params:
+            raise ValueError("the optimizer has no parameters")
+        self._init_optimizer_state()
+        self._averaged = self._select_averaged(
+            average_parameters, average_optimizer_statistics, average_extra_tensors
+        )
+        if not self._averaged:
+            raise ValueError("nothing to average: enable parameters, statistics or extras")
+        # CPU buffers the inner Averager owns, and the snapshot each round starts from
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in self._averaged_live())
+        self._buffers = [
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self._averaged_live()
+        ]
+        self._snapshot = [torch.empty_like(b) for b in self._buffers]
+        self.averager = Averager(
+            self._buffers, dht=dht, prefix=prefix, target_group_size=target_group_size,
+            **averager_options,
+        )  # fmt: skip
+        self._pending: AveragingRound | None = None
+        self._synchronized = not sync_on_start
+        self._closed = False
+        self._last_checkpoint_time = time.monotonic()
+        self._last_checkpoint_epoch = 0
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moshpit-ckpt")
+        self._writing: concurrent.futures.Future | None = None
+        self._store = None
+        self._sharing = None
+        self._sharing_service: concurrent.futures.Future | None = None
+        if checkpoint_dir is not None:
+            from moshpit.training.store import StateStore
+
+            self._store = StateStore(checkpoint_dir, keep=keep_checkpoints)
+        self._start_sharing()
+        if self._store is not None and restore_checkpoint:
+            self._restore_if_present()
+
+    # ------------------------------------------------------------------ the state's tensors
+
+    def _init_optimizer_state(self) -> None:
+        """Create lazily-initialised optimizer state (e.g. Adam moments) without changing params.
+
+        Every peer must list the same tensors before its first real step, or a joiner's schema
+        would not match a donor's. A zero-gradient step creates them; parameters, gradients and
+        counters are put back afterwards.
+        """
+        if all(p in self.optimizer.state and self.optimizer.state[p] for p in self._params):
+            return
+        saved = [(p.detach().clone(), p.grad) for p in self._params]
+        with torch.no_grad():
+            for p in self._params:
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            for p, (data, grad) in zip(self._params, saved, strict=True):
+                p.copy_(data)
+                p.grad = grad
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() == 0 and key == "step":
+                        value.zero_()
+                    elif key == "step" and isinstance(value, (int, float)):
+                        self.optimizer.state[p][key] = type(value)(0)
+
+    def _named_state(self) -> list[tuple[str, torch.Tensor]]:
+        """Every state tensor with its stable name: parameters, optimizer state, extras."""
+        named = [(f"params.{i}", p) for i, p in enumerate(self._params)]
+        for i, p in enumerate(self._params):
+            for key in sorted(self.optimizer.state.get(p, {})):
+                value = self.optimizer.state[p][key]
+                if isinstance(value, torch.Tensor):
+                    named.append((f"optimizer.{i}.{key}", value))
+        named += [(f"extra.{i}", t) for i, t in enumerate(self.extra_tensors)]
+        return named
+
+    def _select_averaged(self, params: bool, stats: bool, extras: bool) -> list[str]:
+        names = []
+        shapes = {f"params.{i}": p.shape for i, p in enumerate(self._params)}
+        for name, tensor in self._named_state():
+            if not tensor.is_floating_point():
+                continue
+            kind = name.split(".", 1)[0]
+            if kind == "params" and params:
+                names.append(name)
+            elif kind == "optimizer" and stats:
+                index = name.split(".")[1]
+                if tensor.shape == shapes[f"params.{index}"] and tensor.dim() > 0:
+                    names.append(name)
+            elif kind == "extra" and extras:
+                names.append(name)
+        return names
+
+    def _averaged_live(self) -> list[torch.Tensor]:
+        state = dict(self._named_state())
+        return [state[name] for name in self._averaged]
+
+    def schema(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of every state tensor, in manifest order."""
+        return [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self._named_state()]
+
+    def _metadata(self) -> dict[str, Any]:
+        groups = []
+        for group in self.optimizer.param_groups:
+            groups.append(
+                {k: v for k, v in group.items() if k != "params" and isinstance(v, _SCALAR_TYPES)}
+            )
+        scalars = {}
+        for i, p in enumerate(self._params):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, _SCALAR_TYPES):
+                    scalars[f"{i}.{key}"] = value
+        return {"param_groups": groups, "optimizer_scalars": scalars}
+
+    # ------------------------------------------------------------------ averaging
+
+    def step(
+        self, wait: bool = True, weight: float = 1.0, timeout: float | None = None
+    ) -> StepResult | AveragingRound:
+        """Average the state with a group of peers.
+
+        ``wait=True`` blocks until the round is over and applied; ``wait=False`` returns an
+        :class:`AveragingRound` at once, and training goes on: the result is applied at the next
+        ``step``/``apply_pending`` once the round is done (or by ``round.wait()``). One round
+        runs at a time; calling ``step`` while one is running returns that round.
+        """
+        self._check_open()
+        self.apply_pending()
+        if self._pending is not None:
+            return self._pending.wait() if wait else self._pending
+        if not self._synchronized:
+            self._synchronize()
+        self._take_snapshot()
+        future = self.averager.step(weight=weight, timeout=timeout, wait=False)
+        handle = AveragingRound(self, future)
+        self._pending = handle
+        self._maybe_checkpoint()
+        return handle.wait() if wait else handle
+
+    def apply_pending(self) -> StepResult | None:
+        """If a background round has finished, apply its result now (training thread)."""
+        if self._pending is not None and self._pending.done():
+            return self._pending.wait()
+        return None
+
+    def _take_snapshot(self) -> None:
+        live = self._averaged_live()
+        # the Averager's lock guards only the CPU buffers; it is free unless a cancelled round
+        # is still finishing its write
+        with self.averager.get_tensors(), torch.no_grad():
+            for buffer, tensor in zip(self._buffers, live, strict=True):
+                buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+            _sync_devices(live)
+            for snapshot, buffer in zip(self._snapshot, self._buffers, strict=True):
+                snapshot.copy_(buffer)
+
+    def _finish(self, handle: AveragingRound) -> None:
+        """Apply a finished round's ``averaged - snapshot`` to the live tensors (once)."""
+        if handle.applied:
+            return
+        handle.applied = True
+        if self._pending is handle:
+            self._pending = None
+        try:
+            handle.result = handle.future.result()
+        except concurrent.futures.CancelledError:
+            handle.result = StepResult(False, self.averager.keys.key, reason="cancelled")
+            return
+        if not handle.result.succeeded:
+            return  # the buffers still hold the snapshot wherever nothing was averaged
+        with critical_section(), self.averager.get_tensors(), torch.no_grad():
+            for tensor, buffer, snapshot in zip(
+                self._averaged_live(), self._buffers, self._snapshot, strict=True
+            ):
+                buffer.sub_(snapshot)  # the buffer now holds this round's delta
+                tensor.add_(buffer.to(tensor.device, non_blocking=tensor.is_cuda))
+
+    # ------------------------------------------------------------------ loading state
+
+    def _write_state(self, tensors: Sequence[torch.Tensor], metadata: dict[str, Any]) -> None:
+        """Copy a verified state into the live tensors and optimizer hyper-parameters."""
+        with critical_section(), torch.no_grad():
+            for (_, live), value in zip(self._named_state(), tensors, strict=True):
+                live.copy_(value.to(live.device))
+        groups = metadata.get("param_groups") if isinstance(metadata, dict) else None
+        if isinstance(groups, list) and len(groups) == len(self.optimizer.param_groups):
+            for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+                if isinstance(saved, dict):
+                    for key, value in saved.items():
+                        if key in group and key != "params" and isinstance(value, _SCALAR_TYPES):
+                            group[key] = value
+        scalars = metadata.get("optimizer_scalars") if isinstance(metadata, dict) else None
+        if isinstance(scalars, dict):
+            for name, value in scalars.items():
+                index, _, key = str(name).partition(".")
+                if index.isdigit() and int(index) < len(self._params):
+                    state = self.optimizer.state.get(self._params[int(index)])
+                    if state is not None and key in state and isinstance(value, _SCALAR_TYPES):
+                        state[key] = value
+
+    def _adopt(self, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> int:
+        manifest.check_fits(self.schema())
+        if self._pending is not None:  # a round's delta is relative to the state we replace
+            self._pending.future.cancel()
+            self._pending.applied = True
+            self._pending = None
+        self._write_state(tensors, dict(manifest.metadata))
+        self.epoch = manifest.epoch
+        self._synchronized = True
+        return self.epoch
+
+    def load_checkpoint(self) -> int:
+        """Restore the newest local checkpoint; returns its epoch.
+
+        Raises ``NoCheckpointError`` when there is none, ``CheckpointFormatError`` /
+        ``CheckpointCorruptError`` for an unreadable one and ``StateMismatchError`` when it does
+        not fit this model; nothing is written into the model unless all of it verified.
+        """
+        self._check_open()
+        if self._store is None:
+            raise ValueError("no checkpoint_dir was given")
+        from moshpit.training.store import load_state
+
+        manifest, tensors = load_state(self._store)
+        manifest.check_fits(self.schema())
+        epoch = self._adopt(manifest, tensors)
+        self._publish(manifest)
+        logger.info("restored the checkpoint of epoch %d from %s", epoch, self._store.directory)
+        return epoch
+
+    def _restore_if_present(self) -> None:
+        from moshpit.training.errors import NoCheckpointError
+
+        try:
+            self.load_checkpoint()
+        except NoCheckpointError:
+            return
+        self._synchronized = not self.sync_on_start  # still catch up if the swarm is ahead
+
+    def load_state_from_peers(self, timeout: float = 60.0) -> int:
+        """Download the swarm's newest state from its donors and adopt it; returns its epoch.
+
+        Raises ``NoDonorError`` if nobody serves a state within ``timeout``,
+        ``StateMismatchError`` if the swarm's state does not fit this model (before any chunk
+        is fetched), ``StateDownloadError`` if every donor failed. The live model is written
+        only after the whole state verified.
+        """
+        self._check_open()
+        sharing = self._sharing
+        schema = self.schema()
+
+        async def download(_dht: Any, _node: Any) -> Any:
+            return await sharing.download(schema, timeout=timeout, sink=self._store)
+
+        result = self.dht.run_coroutine(download)
+        if result.misbehaving:
+            logger.warning(
+                "donors that misbehaved while we loaded state: %s",
+                ", ".join(f"{peer}: {why}" for peer, why in result.misbehaving.items()),
+            )
+        epoch = self._adopt(result.manifest, result.tensors)
+        if self._store is not None:
+            self._publish(result.manifest)  # the sink now holds every chunk: serve it too
+        logger.info("loaded the state of epoch %d from %d donor(s)", epoch, len(result.donors_used))
+        return epoch
+
+    def _synchronize(self) -> None:
+        """Before the first round: catch up with the swarm if it is ahead of us."""
+        sharing = self._sharing
+
+        async def newest(_dht: Any, _node: Any) -> Any:
+            return await sharing.find_states()
+
+        try:
+            states = self.dht.run_coroutine(newest)
+        except Exception as e:  # noqa: BLE001 - a failed lookup just means "nobody known"
+            logger.info("could not look for donors (%s); starting from the local state", e)
+            states = []
+        if any(state.epoch > self.epoch for state in states):
+            try:
+                self.load_state_from_peers(timeout=self.join_timeout)
+            except NoDonorError as e:  # the donors left between the lookup and the download
+                logger.warning("could not catch up with the swarm (%s); keeping our state", e)
+        else:
+            logger.info(
+                "no donor serves a state newer than epoch %d: starting from ours", self.epoch
+            )
+        self._synchronized = True
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, wait: bool = True) -> concurrent.futures.Future:
+        """Write the current state into ``checkpoint_dir`` and serve it to joiners afterwards.
+
+        The snapshot is taken now, on the calling (training) thread; writing happens in a
+        background thread. With ``wait=True`` this returns once the checkpoint is committed.
+        """
+        self._check_open()
+        if self._store is None:
+            raise ValueError("no checkpoint_dir was given to TrainingStateAverager")
+        named = [(n, t.detach().to("cpu", copy=True)) for n, t in self._named_state()]
+        epoch, metadata = self.epoch, self._metadata()
+        future = self._writer.submit(self._write_checkpoint, named, epoch, metadata)
+        self._writing = future
+        self._last_checkpoint_time = time.monotonic()
+        self._last_checkpoint_epoch = epoch
+        if wait:
+            future.result()
+        return future
+
+    def _write_checkpoint(
+        self, named: list[tuple[str, torch.Tensor]], epoch: int, metadata: dict[str, Any]
+    ) -> Manifest:
+        from moshpit.training.store import save_state
+
+        manifest = save_state(self._store, named, epoch, metadata)
+        self._publish(manifest)
+        logger.info("checkpoint of epoch %d written (%d bytes)", epoch, manifest.total_bytes)
+        return manifest
+
+    def _maybe_checkpoint(self) -> None:
+        if self._store is None:
+            return
+        due_time = (
+            self.checkpoint_every_seconds is not None
+            and time.monotonic() - self._last_checkpoint_time >= self.checkpoint_every_seconds
+        )
+        due_epoch = (
+            self.checkpoint_every_epochs is not None
+            and self.epoch - self._last_checkpoint_epoch >= self.checkpoint_every_epochs
+        )
+        if (due_time or due_epoch) and (self._writing is None or self._writing.done()):
+            self.save_checkpoint(wait=False)
+
+    # ------------------------------------------------------------------ serving
+
+    def _start_sharing(self) -> None:
+        from moshpit.training.sharing import StateSharing
+
+        store = self._store
+
+        async def create(_dht: Any, node: Any) -> Any:
+            return StateSharing(node, self.prefix, store)
+
+        self._sharing = self.dht.run_coroutine(create)
+        self._sharing_service = self.dht.start_service(self._sharing.run)
+
+    def _publish(self, manifest: Manifest) -> None:
+        sharing = self._sharing
+
+        async def publish(_dht: Any, _node: Any) -> None:
+            sharing.publish(manifest)
+
+        if self._store is not None and sharing is not None and self.dht.is_alive:
+            self.dht.run_coroutine(publish)
+
+    def withdraw(self, timeout: float = 5.0) -> None:
+        """Stop serving and withdraw this peer's DHT declarations (state, matchmaking) now."""
+        sharing = self._sharing
+
+        async def withdraw(_dht: Any, _node: Any) -> None:
+            import trio
+
+            with trio.move_on_after(timeout):
+                await sharing.withdraw()
+
+        if sharing is not None and self.dht.is_alive:
+            try:
+                self.dht.run_coroutine(withdraw)
+            except (RuntimeError, concurrent.futures.CancelledError) as e:
+                logger.debug("could not withdraw the state announcement: %s", e)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def leave_swarm(self, deadline: float = 25.0) -> None:
+        """Leave for good within ``deadline`` seconds (what SIGTERM handling calls).
+
+        Waits up to a third of the deadline for a running round (its result is useful work),
+        abandons it otherwise, writes a checkpoint if a ``checkpoint_dir`` was given,
+        withdraws this peer's announcements and shuts down.
+        """
+        started = time.monotonic()
+        if self._pending is not None:
+            try:
+                self._pending.wait(timeout=deadline / 3)
+            except TimeoutError:
+                logger.warning("abandoning the running averaging round to leave in time")
+        self.averager.shutdown()  # no new rounds; a running one is cancelled
+        if self._pending is not None:
+            self._pending.future.cancel()
+            self._pending = None
+        if self._store is not None:
+            self.save_checkpoint(wait=True)
+        remaining = deadline - (time.monotonic() - started)
+        self.withdraw(timeout=max(0.5, min(5.0, remaining / 2)))
+        self.shutdown()
+        logger.info("left the swarm in %.2f s at epoch %d", time.monotonic() - started, self.epoch)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this TrainingStateAverager was shut down")
+
+    def shutdown(self) -> None:
+        """Abandon a running round, finish a checkpoint being written, stop serving. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.averager.shutdown()
+        if self._pending is not None:
+            self._pending.future.cancel()
+            self._pending = None
+        self._writer.shutdown(wait=True)
+        if self._sharing_service is not None:
+            self._sharing_service.cancel()
+            try:
+                self._sharing_service.exception(timeout=10)
+            except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
+                pass
+
+    def __enter__(self) -> TrainingStateAverager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+
+def _sync_devices(tensors: Iterable[torch.Tensor]) -> None:
+    """Wait for non-blocking device-to-host copies issued on the tensors' devices."""
+    devices = {t.device for t in tensors if t.is_cuda}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()

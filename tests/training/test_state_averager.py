@@ -1,0 +1,208 @@
+"""TrainingStateAverager on real ``moshpit.DHT`` facades over loopback TCP (one process)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+
+import moshpit
+from dht import DHT
+from moshpit.training.errors import NoCheckpointError, StateMismatchError
+from moshpit.training.state_averager import AveragingRound, TrainingStateAverager
+
+FAST = dict(
+    target_group_size=2,
+    min_matchmaking_time=1.0,
+    request_timeout=2.0,
+    allreduce_timeout=10.0,
+    initial_group_bits="",
+    join_timeout=5.0,
+)
+
+
+@pytest.fixture
+def dhts():
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    others = [
+        DHT(initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        for _ in range(2)
+    ]
+    try:
+        yield [first, *others]
+    finally:
+        for dht in [*others, first]:
+            dht.shutdown()
+
+
+def _model(value: float) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def _state(dht, model, opt_cls=torch.optim.SGD, **kwargs):
+    opt = opt_cls(model.parameters(), lr=0.5)
+    return TrainingStateAverager(
+        dht=dht, optimizer=opt, prefix="tsa", extra_tensors=model.buffers(), **{**FAST, **kwargs}
+    )
+
+
+def _step_both(a, b, **kwargs):
+    """Run a.step(**kwargs) in a thread and b.step() here; return both results."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(a.step, **kwargs)
+        res_b = b.step()
+        return future.result(timeout=60), res_b
+
+
+def test_public_name():
+    assert moshpit.TrainingStateAverager is TrainingStateAverager
+
+
+def test_background_round_keeps_local_progress_exactly(dhts):
+    """live = averaged + (updates made during the round): dyadic values, exact equality."""
+    model_a, model_b = _model(1.0), _model(3.0)
+    a, b = _state(dhts[0], model_a), _state(dhts[1], model_b)
+    try:
+        handle = a.step(wait=False)
+        assert isinstance(handle, AveragingRound)
+        # the training thread keeps stepping while the round runs: +0.25 per local step
+        local_steps = 0
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            res_b = pool.submit(b.step)
+            while not handle.done():
+                with torch.no_grad():
+                    for p in model_a.parameters():
+                        p.add_(0.25)
+                local_steps += 1
+                concurrent.futures.wait([handle.future], timeout=0.01)
+            assert res_b.result(timeout=60).succeeded
+        result = handle.wait()
+        assert result.succeeded
+        assert local_steps >= 1
+        for p in model_a.parameters():
+            assert torch.equal(p, torch.full_like(p, 2.0 + 0.25 * local_steps))
+        for p in model_b.parameters():
+            assert torch.equal(p, torch.full_like(p, 2.0))
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_optimizer_statistics_averaged_counters_kept(dhts):
+    model_a, model_b = _model(1.0), _model(1.0)
+    a = _state(dhts[0], model_a, torch.optim.Adam)
+    b = _state(dhts[1], model_b, torch.optim.Adam)
+    try:
+        for state, fill in ((a, 2.0), (b, 4.0)):
+            for p in state.optimizer.state:
+                state.optimizer.state[p]["exp_avg"].fill_(fill)
+                state.optimizer.state[p]["step"].fill_(fill)
+        res_a, res_b = _step_both(a, b)
+        assert res_a.succeeded and res_b.succeeded
+        for state, fill in ((a, 2.0), (b, 4.0)):
+            for p in state.optimizer.state:
+                assert torch.equal(state.optimizer.state[p]["exp_avg"], torch.full_like(p, 3.0))
+                assert state.optimizer.state[p]["step"].item() == fill  # a counter: not averaged
+        # the schema lists params, optimizer state (incl. counters) and buffers, in order
+        names = [name for name, _, _ in a.schema()]
+        assert names[:4] == ["params.0", "params.1", "params.2", "params.3"]
+        assert "optimizer.0.exp_avg" in names and "optimizer.0.step" in names
+        assert names[-3:] == ["extra.0", "extra.1", "extra.2"]  # BatchNorm mean, var, count
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_lazy_optimizer_state_created_without_touching_params(dhts):
+    model = _model(1.5)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    state = TrainingStateAverager(dht=dhts[0], optimizer=opt, prefix="lazy", **FAST)
+    try:
+        for p in model.parameters():
+            assert torch.equal(p, torch.full_like(p, 1.5))  # weight decay did not run
+            assert opt.state[p]["step"].item() == 0
+            assert torch.count_nonzero(opt.state[p]["exp_avg"]) == 0
+    finally:
+        state.shutdown()
+
+
+def test_checkpoint_roundtrip_and_restore_on_start(dhts, tmp_path):
+    model = _model(1.0)
+    state = _state(dhts[0], model, torch.optim.Adam, checkpoint_dir=tmp_path)
+    try:
+        with pytest.raises(NoCheckpointError):
+            state.load_checkpoint()
+        state.epoch = 7
+        for p in model.parameters():
+            with torch.no_grad():
+                p.fill_(0.75)
+        state.optimizer.param_groups[0]["lr"] = 0.125
+        state.save_checkpoint()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(-1.0)
+        state.epoch = 9
+        assert state.load_checkpoint() == 7
+        assert state.epoch == 7
+        assert all(torch.equal(p, torch.full_like(p, 0.75)) for p in model.parameters())
+        assert state.optimizer.param_groups[0]["lr"] == 0.125
+    finally:
+        state.shutdown()
+    # a new averager on the same directory continues from the checkpoint
+    model2 = _model(5.0)
+    restored = _state(dhts[1], model2, torch.optim.Adam, checkpoint_dir=tmp_path)
+    try:
+        assert restored.epoch == 7
+        assert all(torch.equal(p, torch.full_like(p, 0.75)) for p in model2.parameters())
+    finally:
+        restored.shutdown()
+
+
+def test_checkpoint_of_another_model_is_refused_by_name(dhts, tmp_path):
+    state = _state(dhts[0], _model(1.0), checkpoint_dir=tmp_path)
+    state.save_checkpoint()
+    state.shutdown()
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    bigger = _state(
+        dhts[1], other, checkpoint_dir=tmp_path, restore_checkpoint=False, sync_on_start=False
+    )
+    try:
+        before = [p.detach().clone() for p in other.parameters()]
+        with pytest.raises(StateMismatchError, match=r"params\.0.*shape"):
+            bigger.load_checkpoint()
+        assert all(torch.equal(p, q) for p, q in zip(other.parameters(), before, strict=True))
+    finally:
+        bigger.shutdown()
+
+
+def test_fresh_peer_loads_swarm_state_instead_of_averaging_it_in(dhts, tmp_path):
+    """A newcomer with fresh weights must not drag the swarm (issue 12 item 10)."""
+    donor_model = _model(0.5)
+    donor = _state(dhts[0], donor_model, checkpoint_dir=tmp_path / "donor", sync_on_start=False)
+    newcomer_model = _model(9.0)
+    newcomer = _state(dhts[1], newcomer_model)
+    try:
+        donor.epoch = 3
+        donor.save_checkpoint()  # now serves epoch 3
+        res_new, res_donor = _step_both(newcomer, donor)
+        assert newcomer.epoch == 3
+        assert res_new.succeeded and res_donor.succeeded
+        # both held 0.5 when they averaged: the swarm's value did not move
+        for p in [*donor_model.parameters(), *newcomer_model.parameters()]:
+            assert torch.equal(p, torch.full_like(p, 0.5))
+    finally:
+        newcomer.shutdown()
+        donor.shutdown()
+
+
+def test_constructor_errors(dhts):
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        TrainingStateAverager(dht=dhts[0], optimizer=object(), prefix="x", target_group_size=2)
+    opt = torch.optim.SGD(_model(1.0).parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="moshpit.DHT"):
+        TrainingStateAverager(dht=object(), optimizer=opt, prefix="x", target_group_size=2)
