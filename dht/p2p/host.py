@@ -26,6 +26,7 @@ from typing import Any
 
 import trio
 
+from .._logging import RateLimitedLogger
 from . import identify, multistream
 from .errors import (
     DialError,
@@ -73,16 +74,29 @@ class HostLimits:
 
     max_connections: int = 512
     max_pending_handshakes: int = 64
+    max_pending_handshakes_per_source: int = 8  # per IPv4 address / IPv6 /64
     max_streams_per_connection: int = 1024
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     stream_window: int = INITIAL_WINDOW
     max_stream_window: int = DEFAULT_MAX_STREAM_WINDOW
     max_buffered_per_connection: int = 64 * 1024 * 1024
     handshake_timeout: float = 10.0
+    # inbound: the dialer's multistream header and /noise proposal must arrive by then, so a
+    # silent socket frees its pending-handshake slot long before handshake_timeout
+    handshake_start_timeout: float = 2.0
     negotiation_timeout: float = 10.0  # inbound stream: protocol proposal must arrive by then
     rpc_request_timeout: float = 30.0  # inbound RPC: the request must arrive by then
     keepalive_interval: float | None = 15.0
     keepalive_timeout: float = 20.0
+    log_interval: float = 10.0  # repetitive WARNINGs (refused connections...): one per interval
+
+    def __post_init__(self) -> None:
+        for name in ("max_pending_handshakes", "max_pending_handshakes_per_source"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HostLimits.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("handshake_timeout", "handshake_start_timeout", "log_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HostLimits.{name} must be positive, got {getattr(self, name)}")
 
 
 class P2PStream(trio.abc.HalfCloseableStream):
@@ -160,6 +174,21 @@ class _Connection:
         return not self.session.closed and not self.session.remote_go_away
 
 
+class _PendingHandshake:
+    """An inbound connection still in its handshake. It holds a pending-handshake slot until
+    it finishes, times out or is evicted (``scope.cancel()``) to admit a newer connection."""
+
+    __slots__ = ("source", "remote", "started", "scope", "negotiated", "evicted")
+
+    def __init__(self, source: str, remote: str, started: float, deadline: float) -> None:
+        self.source = source  # what the per-source cap counts: IPv4 address or IPv6 /64
+        self.remote = remote
+        self.started = started
+        self.scope = trio.CancelScope(deadline=deadline)
+        self.negotiated = False  # the dialer's multistream header and /noise proposal arrived
+        self.evicted = False
+
+
 class _PendingDial:
     def __init__(self) -> None:
         self.done = trio.Event()
@@ -187,7 +216,13 @@ class Host:
         self._listen_addrs: list[Multiaddr] = []
         self._conns: dict[PeerID, list[_Connection]] = {}
         self._dials: dict[PeerID, _PendingDial] = {}
-        self._pending_handshakes = 0
+        # Pending inbound handshakes, oldest first (dicts as ordered sets), and the same
+        # grouped by source; a source's entry is removed when its last handshake ends.
+        self._handshakes: dict[_PendingHandshake, None] = {}
+        self._handshakes_by_source: dict[str, dict[_PendingHandshake, None]] = {}
+        # One WARNING per category and interval under abuse (trio's clock: MockClock-friendly).
+        self._log = RateLimitedLogger(logger, limits.log_interval, clock=trio.current_time)
+        self._log_flusher_started = False
         self._stream_handlers: dict[str, StreamHandler] = {}
         self._rpc_handlers: dict[str, RpcHandler] = {}
         self._observers: list[tuple[Callable[[PeerID], None], Callable[[PeerID], None]]] = []
@@ -219,8 +254,13 @@ class Host:
                     await host._close()
                 nursery.cancel_scope.cancel()
 
+    @property
+    def _pending_handshakes(self) -> int:
+        return len(self._handshakes)
+
     async def _close(self) -> None:
         self._closing = True
+        self._log.flush(force=True)
         for listener in self._listeners:
             try:
                 await listener.aclose()
@@ -255,62 +295,163 @@ class Host:
         return added
 
     async def _accept_loop(self, listener: Any) -> None:
+        if not self._log_flusher_started:
+            self._log_flusher_started = True
+            self._nursery.start_soon(self._flush_logs)
         while True:
             try:
                 raw, remote = await listener.accept()
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 return
-            except OSError as e:
-                logger.warning("accept on %s failed: %s", listener.multiaddr, e)
+            except OSError as e:  # e.g. EMFILE under a connection flood
+                self._log.warning("accept-failed", "accept on %s failed: %s", listener.multiaddr, e)
                 await trio.sleep(0.1)
                 continue
             if self._closing:
                 await _close_quietly(raw)
                 return
-            if (
-                not self._make_room()
-                or self._pending_handshakes >= self.limits.max_pending_handshakes
-            ):
-                logger.warning(
-                    "refusing inbound connection from %s: connection limit reached", remote
+            if not self._make_room():
+                self._log.warning(
+                    "refused-busy",
+                    "refusing inbound connection from %s: connection limit reached "
+                    "(%d connections, all busy)",
+                    remote,
+                    self.limits.max_connections,
                 )
                 await _close_quietly(raw)
                 continue
-            self._pending_handshakes += 1
-            self._nursery.start_soon(self._handle_inbound, raw, remote)
+            pending = self._admit_handshake(remote)
+            self._nursery.start_soon(self._handle_inbound, raw, remote, pending)
 
-    async def _handle_inbound(self, raw: trio.abc.Stream, remote: str) -> None:
+    async def _flush_logs(self) -> None:
+        """Report the counts of rate-limited log records once their interval is over."""
+        while True:
+            await trio.sleep(self.limits.log_interval)
+            self._log.flush()
+
+    def _admit_handshake(self, remote: str) -> _PendingHandshake:
+        """Take a pending-handshake slot for a new inbound connection, never refusing it.
+
+        Over the per-source cap the stalest handshake of the same source is evicted, over the
+        global cap the stalest of all; "stalest" prefers connections that have not even sent
+        the multistream header and /noise proposal yet. A flood of idle sockets therefore
+        only ever displaces itself, while a well-behaved newcomer (which gets past that first
+        step within one round trip) keeps its slot.
+        """
+        limits = self.limits
+        source = _source_key(remote)
+        same = self._handshakes_by_source.get(source)
+        if same is not None and len(same) >= limits.max_pending_handshakes_per_source:
+            self._evict(
+                _stalest(same),
+                remote,
+                f"{limits.max_pending_handshakes_per_source} pending handshakes from {source}",
+            )
+        if len(self._handshakes) >= limits.max_pending_handshakes:
+            self._evict(
+                _stalest(self._handshakes),
+                remote,
+                f"{limits.max_pending_handshakes} pending handshakes in all",
+            )
+        now = trio.current_time()
+        first_step = min(limits.handshake_start_timeout, limits.handshake_timeout)
+        pending = _PendingHandshake(source, remote, now, now + first_step)
+        self._handshakes[pending] = None
+        self._handshakes_by_source.setdefault(source, {})[pending] = None
+        return pending
+
+    def _evict(self, victim: _PendingHandshake, newcomer: str, why: str) -> None:
+        self._forget_handshake(victim)
+        victim.evicted = True
+        victim.scope.cancel()  # its task closes the socket
+        self._log.warning(
+            "evicted",
+            "dropping inbound connection from %s (%s, %.1fs in its handshake) to admit %s: %s",
+            victim.remote,
+            "past the first step" if victim.negotiated else "silent",
+            trio.current_time() - victim.started,
+            newcomer,
+            why,
+        )
+
+    def _forget_handshake(self, pending: _PendingHandshake) -> None:
+        """Free the slot (idempotent: an evicted handshake was forgotten already)."""
+        self._handshakes.pop(pending, None)
+        group = self._handshakes_by_source.get(pending.source)
+        if group is not None:
+            group.pop(pending, None)
+            if not group:
+                del self._handshakes_by_source[pending.source]
+
+    async def _abandon_handshake(self, raw: trio.abc.Stream, pending: _PendingHandshake) -> None:
+        """Free the slot first (a newcomer may take it at once), then close the socket."""
+        self._forget_handshake(pending)
+        await _close_quietly(raw)
+
+    def _handshake_started(self, pending: _PendingHandshake) -> None:
+        """The dialer spoke: from now on it gets the whole handshake_timeout."""
+        pending.negotiated = True
+        pending.scope.deadline = pending.started + self.limits.handshake_timeout
+
+    async def _handle_inbound(
+        self, raw: trio.abc.Stream, remote: str, pending: _PendingHandshake
+    ) -> None:
         try:
-            with trio.move_on_after(self.limits.handshake_timeout) as scope:
+            with pending.scope:
                 try:
-                    peer_id, session = await self._upgrade(raw, None, outbound=False, name=remote)
+                    peer_id, session = await self._upgrade(
+                        raw,
+                        None,
+                        outbound=False,
+                        name=remote,
+                        on_security_negotiated=lambda: self._handshake_started(pending),
+                    )
                 except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-                    logger.warning("dropping inbound connection from %s: %s", remote, _reason(e))
-                    await _close_quietly(raw)
+                    self._log.warning(
+                        "handshake-failed",
+                        "dropping inbound connection from %s: %s",
+                        remote,
+                        _reason(e),
+                    )
+                    await self._abandon_handshake(raw, pending)
                     return
                 except Exception as e:
                     # A bug reachable from untrusted input must not take the whole host down.
-                    logger.warning(
+                    self._log.warning(
+                        "handshake-bug",
                         "dropping inbound connection from %s: unexpected %s",
                         remote,
                         _reason(e),
                         exc_info=True,
                     )
-                    await _close_quietly(raw)
+                    await self._abandon_handshake(raw, pending)
                     return
-                except BaseException:
-                    await _close_quietly(raw)  # cancelled (host closing): still close the socket
-                    raise
-            if scope.cancelled_caught:
-                logger.warning(
-                    "dropping inbound connection from %s: handshake did not finish within %.1fs",
-                    remote,
-                    self.limits.handshake_timeout,
-                )
-                await _close_quietly(raw)
+            if pending.scope.cancelled_caught:  # timed out or evicted
+                if pending.evicted:
+                    pass  # logged by _evict
+                elif pending.negotiated:
+                    self._log.warning(
+                        "handshake-timeout",
+                        "dropping inbound connection from %s: handshake did not finish "
+                        "within %.1fs",
+                        remote,
+                        self.limits.handshake_timeout,
+                    )
+                else:
+                    self._log.warning(
+                        "handshake-silent",
+                        "dropping inbound connection from %s: no multistream header and "
+                        "/noise proposal within %.1fs (handshake did not start)",
+                        remote,
+                        min(self.limits.handshake_start_timeout, self.limits.handshake_timeout),
+                    )
+                await self._abandon_handshake(raw, pending)
                 return
+        except BaseException:
+            await self._abandon_handshake(raw, pending)  # cancelled (host closing): still close
+            raise
         finally:
-            self._pending_handshakes -= 1
+            self._forget_handshake(pending)
         conn = _Connection(peer_id, session, outbound=False, remote_addr=remote)
         if self._closing:
             await session.aclose()
@@ -320,9 +461,18 @@ class Host:
 
     # -- upgrading a raw connection ------------------------------------------------------
     async def _upgrade(
-        self, raw: trio.abc.Stream, expected: PeerID | None, *, outbound: bool, name: str
+        self,
+        raw: trio.abc.Stream,
+        expected: PeerID | None,
+        *,
+        outbound: bool,
+        name: str,
+        on_security_negotiated: Callable[[], None] | None = None,
     ) -> tuple[PeerID, YamuxSession]:
-        """multistream /noise -> Noise -> multistream /yamux -> yamux session (not yet run)."""
+        """multistream /noise -> Noise -> multistream /yamux -> yamux session (not yet run).
+
+        ``on_security_negotiated`` runs once /noise is agreed on (the accept path then grants
+        the remote the rest of the handshake time)."""
         timeout = self.limits.handshake_timeout
         try:
             if outbound:
@@ -331,6 +481,8 @@ class Host:
                 _, stream = await multistream.negotiate_inbound(raw, [NOISE_PROTOCOL], timeout)
         except ProtocolNegotiationError as e:
             raise HandshakeError(f"security negotiation failed: {e}") from e
+        if on_security_negotiated is not None:
+            on_security_negotiated()
         secure = await noise_handshake(
             stream, self.identity, initiator=outbound, expected_peer=expected, timeout=timeout
         )
@@ -876,6 +1028,29 @@ def _is_loopback(addr: str) -> bool:
         return ipaddress.ip_address(text).is_loopback
     except ValueError:
         return False
+
+
+def _source_key(remote: str) -> str:
+    """What the per-source handshake cap counts: the IPv4 address, or the /64 of an IPv6
+    address (one host usually owns a whole /64); other transports' addresses as they are."""
+    host = remote if remote.startswith("/") else remote.rpartition(":")[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return remote
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((int(ip), 64), strict=False))
+    return str(ip)
+
+
+def _stalest(handshakes: dict[_PendingHandshake, None]) -> _PendingHandshake:
+    """The oldest handshake whose dialer has not spoken yet, else the oldest one."""
+    for pending in handshakes:  # oldest first
+        if not pending.negotiated:
+            return pending
+    return next(iter(handshakes))
 
 
 def _reason(e: BaseException) -> str:

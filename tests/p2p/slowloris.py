@@ -1,0 +1,75 @@
+"""A slowloris attacker for tests: holds N idle TCP connections to a host, renewing each one
+as soon as the host closes it. Runs as its own process (its sockets do not count against the
+test process' file descriptors, and it does not share the test's event loop).
+
+    python -m tests.p2p.slowloris HOST PORT CONNECTIONS SOURCE_IP [SOURCE_IP ...]
+
+Prints ``ready`` once every connection was opened at least once; on SIGTERM prints
+``opened=<n> closed_by_host=<n> failed=<n>`` and exits.
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+import sys
+
+import trio
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.opened = 0
+        self.closed_by_host = 0
+        self.failed = 0
+
+
+async def hold(host: str, port: int, source: str, stats: Stats, first: trio.Event) -> None:
+    """One connection slot: connect, send nothing, wait for the host to hang up, repeat."""
+    while True:
+        try:
+            stream = await trio.open_tcp_stream(host, port, local_address=source)
+        except OSError:
+            stats.failed += 1
+            first.set()
+            await trio.sleep(0.05)  # refused or out of ports: do not spin
+            continue
+        stats.opened += 1
+        first.set()
+        try:
+            while await stream.receive_some(4096):
+                pass
+        except (trio.BrokenResourceError, OSError):
+            pass
+        stats.closed_by_host += 1
+        await stream.aclose()
+
+
+async def main(host: str, port: int, count: int, sources: list[str]) -> None:
+    stats = Stats()
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            firsts = []
+            for i in range(count):
+                first = trio.Event()
+                firsts.append(first)
+                nursery.start_soon(hold, host, port, sources[i % len(sources)], stats, first)
+            for first in firsts:
+                await first.wait()
+            print("ready", flush=True)
+            async for _ in signals:
+                break
+            print(
+                f"opened={stats.opened} closed_by_host={stats.closed_by_host} "
+                f"failed={stats.failed}",
+                flush=True,
+            )
+            nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if wanted > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    trio.run(main, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
