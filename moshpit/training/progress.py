@@ -1,0 +1,700 @@
+"""``ProgressTracker``: the swarm's training progress, without a coordinator.
+
+Every peer publishes one small record under ``{prefix}.progress`` in the DHT (subkey
+``[owner:<PeerID>]``, so only that peer can write it): its epoch, the samples it accumulated
+toward that epoch, its throughput and when it last reported. Every reader aggregates those
+records into a :class:`GlobalProgress`: the global epoch, the samples toward the target batch,
+the live peers and the time to the next global step. Records are untrusted: see
+:func:`aggregate` for the rule that keeps one lying peer from moving the swarm, and
+docs/training-state.md ("Progress") for the rationale.
+
+Torch-free on purpose: ``moshpit status`` uses :func:`aggregate` on a bootstrap-sized VM.
+
+Two ways to drive it, as with the averager:
+
+- a ``dht.DHT`` facade: the publishing loop runs as a service on the DHT's trio thread;
+  :meth:`ProgressTracker.report` only records numbers and wakes that loop;
+- a ``DHTNode`` (trio code): ``async with ProgressTracker(node, prefix) as tracker:`` runs the
+  loop in a nursery of its own (or ``await nursery.start(tracker.run)``); without either,
+  :meth:`ProgressTracker.arefresh` publishes pending changes itself before it reads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import statistics
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from dht.kademlia.clock import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "GlobalProgress",
+    "PeerProgress",
+    "ProgressTracker",
+    "aggregate",
+    "owner_subkey",
+    "parse_progress_record",
+    "peer_of_subkey",
+    "progress_key",
+]
+
+MAX_EPOCH = 2**53  # beyond this an epoch (or sample count) is not a number a trainer produces
+MAX_SAMPLES = 2**53
+MAX_SAMPLES_PER_SECOND = 1e12
+MAX_IGNORED_REASONS = 64  # cap on GlobalProgress.ignored (a flood of junk subkeys stays small)
+EWMA_DECAY = 0.9  # per report: weight kept by the older samples/seconds sums
+
+
+def progress_key(prefix: str) -> str:
+    return f"{prefix}.progress"
+
+
+def owner_subkey(peer_id: Any) -> str:
+    return f"[owner:{peer_id.to_base58()}]"
+
+
+def peer_of_subkey(subkey: Any) -> str | None:
+    """The base58 PeerID in an ``[owner:<PeerID>]`` subkey; None for anything else.
+
+    The DHT only stores such a subkey with that peer's signature, so the PeerID is proven.
+    """
+    if not isinstance(subkey, str) or not (subkey.startswith("[owner:") and subkey.endswith("]")):
+        return None
+    peer = subkey[len("[owner:") : -1]
+    if not 0 < len(peer) <= 128 or "[" in peer or "]" in peer:
+        return None
+    return peer
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """One peer's record as published (after validation; clamping shows in ``ignored``)."""
+
+    peer_id: str
+    epoch: int
+    samples: int
+    samples_per_second: float
+    time: float
+
+
+@dataclass(frozen=True)
+class GlobalProgress:
+    """The swarm's progress as one reader sees it (see :func:`aggregate` for the rule)."""
+
+    epoch: int
+    samples_accumulated: int
+    target_batch_size: int | None
+    num_peers: int
+    samples_per_second: float
+    eta_seconds: float | None
+    peers: list[PeerProgress] = field(default_factory=list)
+    ignored: dict[str, str] = field(default_factory=dict)
+    time: float = 0.0  # DHT time of the aggregation
+
+    @property
+    def ready(self) -> bool:
+        """True when the samples at the global epoch reached the target batch."""
+        return (
+            self.target_batch_size is not None
+            and self.samples_accumulated >= self.target_batch_size
+        )
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def parse_progress_record(
+    peer_id: str,
+    value: Any,
+    expiration_time: float,
+    *,
+    now: float,
+    max_clock_skew: float,
+    max_lifetime: float,
+) -> tuple[PeerProgress | None, str | None]:
+    """Validate one untrusted record: (progress, None), (None, None) for a tombstone, or
+    (None, reason) when it is malformed or absurd."""
+    if value is None:
+        return None, None  # withdrawn
+    if not isinstance(value, Mapping):
+        return None, f"record is a {type(value).__name__}, not a map"
+    epoch, samples = value.get("epoch"), value.get("samples")
+    sps, when = value.get("sps"), value.get("time")
+    if not _is_int(epoch, 0, MAX_EPOCH):
+        return None, f"epoch {epoch!r} is not an integer in [0, 2**53)"
+    if not _is_int(samples, 0, MAX_SAMPLES):
+        return None, f"samples {samples!r} is not an integer in [0, 2**53)"
+    if not _is_number(sps) or not math.isfinite(sps) or not 0 <= sps <= MAX_SAMPLES_PER_SECOND:
+        return None, f"samples/s {sps!r} is not a finite number in [0, 1e12]"
+    if not _is_number(when) or not math.isfinite(when):
+        return None, f"time {when!r} is not a finite number"
+    if when > now + max_clock_skew:
+        return None, f"time is {when - now:.0f}s in the future"
+    if expiration_time - max(when, now) > max_lifetime:
+        return (
+            None,
+            f"expires {expiration_time - now:.0f}s from now (more than {max_lifetime:.0f}s)",
+        )
+    return PeerProgress(peer_id, int(epoch), int(samples), float(sps), float(when)), None
+
+
+def parse_progress_records(
+    found: Any, *, now: float, max_clock_skew: float, max_lifetime: float
+) -> tuple[list[PeerProgress], dict[str, str]]:
+    """Parse what ``node.get(progress_key(prefix))`` returned (None, a plain value or a dict)."""
+    peers: list[PeerProgress] = []
+    ignored: dict[str, str] = {}
+    value = getattr(found, "value", None)
+    if not isinstance(value, Mapping):
+        if value is not None:
+            ignored["?"] = "the progress key holds a plain value, not per-peer records"
+        return peers, ignored
+    for subkey, entry in value.items():
+        peer = peer_of_subkey(subkey)
+        if peer is None:
+            _note(ignored, str(subkey)[:80], "subkey is not [owner:<PeerID>] (unsigned)")
+            continue
+        record, reason = parse_progress_record(
+            peer,
+            getattr(entry, "value", None),
+            float(getattr(entry, "expiration_time", now)),
+            now=now,
+            max_clock_skew=max_clock_skew,
+            max_lifetime=max_lifetime,
+        )
+        if reason is not None:
+            _note(ignored, peer, reason)
+        elif record is not None:
+            peers.append(record)
+    return peers, ignored
+
+
+def _note(ignored: dict[str, str], peer: str, reason: str) -> None:
+    if len(ignored) < MAX_IGNORED_REASONS or peer in ignored:
+        ignored[peer] = reason
+
+
+def _upper_median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def aggregate(
+    records: Iterable[PeerProgress],
+    *,
+    now: float,
+    own: PeerProgress | None = None,
+    target_batch_size: int | None = None,
+    epoch_started_at: Mapping[int, float] | None = None,
+    max_throughput_ratio: float = 10.0,
+    throughput_tolerance: float = 1.5,
+    clamp_slack: float = 10.0,
+    ignored: Mapping[str, str] | None = None,
+) -> GlobalProgress:
+    """The swarm's view from validated records (``own``: this peer's local, trusted state).
+
+    - **Global epoch**: the highest epoch that at least two distinct peers have reached (the
+      second-highest epoch among peers), never below ``own.epoch``; a lone peer's epoch when
+      it is the only one. So one peer never moves the global epoch on its own.
+    - **Throughput clamp**: a peer's samples/s counts at most ``max_throughput_ratio`` times
+      the median samples/s of the *other* peers (no clamp when there are no others).
+    - **Samples clamp**: a peer's samples at the global epoch count at most what its clamped
+      throughput could have produced since the epoch started:
+      ``throughput_tolerance * sps * (record.time - start + clamp_slack)``. ``start`` comes
+      from ``epoch_started_at`` (when this reader saw the epoch begin) or, when unknown, is the
+      upper median of the peers' implied starts ``time - samples / sps``.
+    - ``own`` is never clamped (it is this peer's own count).
+    - ``eta_seconds``: samples still missing (after extrapolating each peer's count to now) /
+      total clamped samples/s at the global epoch; None without a target or throughput.
+    """
+    notes: dict[str, str] = dict(ignored or {})
+    by_peer: dict[str, PeerProgress] = {}
+    for record in records:
+        if own is not None and record.peer_id == own.peer_id:
+            continue  # our own local state is newer than what the DHT holds for us
+        known = by_peer.get(record.peer_id)
+        if known is None or record.time > known.time:
+            by_peer[record.peer_id] = record
+    peers = list(by_peer.values())
+    everyone = peers + ([own] if own is not None else [])
+    if not everyone:
+        return GlobalProgress(
+            epoch=0,
+            samples_accumulated=0,
+            target_batch_size=target_batch_size,
+            num_peers=0,
+            samples_per_second=0.0,
+            eta_seconds=None,
+            peers=[],
+            ignored=notes,
+            time=now,
+        )
+
+    epochs = sorted((p.epoch for p in everyone), reverse=True)
+    epoch = epochs[1] if len(epochs) >= 2 else epochs[0]
+    if own is not None:
+        epoch = max(epoch, own.epoch)
+
+    # throughput clamp against the median of the others
+    all_sps = [p.samples_per_second for p in everyone]
+    clamped_sps: dict[str, float] = {}
+    for i, p in enumerate(everyone):
+        sps = p.samples_per_second
+        others = all_sps[:i] + all_sps[i + 1 :]
+        if p is not own and others:
+            cap = max_throughput_ratio * statistics.median(others)
+            if sps > cap:
+                _note(notes, p.peer_id, f"samples/s {sps:.4g} clamped to {cap:.4g} (x median)")
+                sps = cap
+        clamped_sps[p.peer_id] = sps
+
+    at_epoch = [p for p in everyone if p.epoch == epoch]
+    start = (epoch_started_at or {}).get(epoch)
+    if start is None:
+        implied = [
+            p.time - p.samples / clamped_sps[p.peer_id]
+            for p in at_epoch
+            if clamped_sps[p.peer_id] > 0
+        ]
+        start = _upper_median(implied) if implied else now
+
+    total_samples = 0
+    total_sps = 0.0
+    projected = 0.0
+    for p in at_epoch:
+        sps = clamped_sps[p.peer_id]
+        samples = p.samples
+        if p is not own:
+            plausible = throughput_tolerance * sps * max(0.0, p.time - start + clamp_slack)
+            if samples > plausible:
+                _note(
+                    notes,
+                    p.peer_id,
+                    f"samples {samples} clamped to {int(plausible)} "
+                    f"(more than {sps:.4g} samples/s since the epoch began)",
+                )
+                samples = int(plausible)
+        total_samples += samples
+        total_sps += sps
+        projected += samples + sps * max(0.0, now - p.time)
+
+    eta: float | None = None
+    if target_batch_size is not None:
+        missing = target_batch_size - projected
+        if missing <= 0:
+            eta = 0.0
+        elif total_sps > 0:
+            eta = missing / total_sps
+    return GlobalProgress(
+        epoch=epoch,
+        samples_accumulated=total_samples,
+        target_batch_size=target_batch_size,
+        num_peers=len(everyone),
+        samples_per_second=total_sps,
+        eta_seconds=eta,
+        peers=sorted(everyone, key=lambda p: (-p.epoch, p.peer_id)),
+        ignored=notes,
+        time=now,
+    )
+
+
+class ProgressTracker:
+    """Publishes this peer's progress in the DHT and aggregates everyone's (module docstring).
+
+    :param dht: a ``dht.DHT`` facade (sync) or a ``DHTNode`` (trio: use the ``a*`` methods).
+    :param prefix: the run's name; the record lives under ``{prefix}.progress``.
+    :param target_batch_size: samples the swarm accumulates per global step (for ``eta``).
+    :param ttl: lifetime of a published record; a peer that stops republishing (dead) drops
+        out after at most this long. Records are republished every ``ttl / 3``.
+    :param min_refresh_period: the fewest seconds between two publications (rate limit on
+        reports) and between two reads of the DHT.
+    :param max_refresh_period: the most seconds between two reads of the DHT.
+    """
+
+    def __init__(
+        self,
+        dht: Any,
+        prefix: str,
+        *,
+        target_batch_size: int | None = None,
+        ttl: float = 30.0,
+        min_refresh_period: float = 0.5,
+        max_refresh_period: float = 5.0,
+        start: bool = True,
+        max_throughput_ratio: float = 10.0,
+        throughput_tolerance: float = 1.5,
+        max_clock_skew: float = 15.0,
+        request_timeout: float | None = None,
+    ):
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
+        if target_batch_size is not None and not _is_int(target_batch_size, 1, MAX_SAMPLES):
+            raise ValueError(f"target_batch_size must be a positive int, got {target_batch_size!r}")
+        if not (math.isfinite(ttl) and ttl > 0):
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        if not (0 < min_refresh_period <= max_refresh_period and math.isfinite(max_refresh_period)):
+            raise ValueError(
+                "need 0 < min_refresh_period <= max_refresh_period (finite), got "
+                f"{min_refresh_period!r}, {max_refresh_period!r}"
+            )
+        if not (max_throughput_ratio >= 1 and throughput_tolerance >= 1):
+            raise ValueError("max_throughput_ratio and throughput_tolerance must be >= 1")
+        self.prefix = prefix
+        self.key = progress_key(prefix)
+        self.target_batch_size = target_batch_size
+        self.ttl = float(ttl)
+        self.min_refresh_period = float(min_refresh_period)
+        self.max_refresh_period = float(max_refresh_period)
+        self.max_throughput_ratio = float(max_throughput_ratio)
+        self.throughput_tolerance = float(throughput_tolerance)
+        self.max_clock_skew = float(max_clock_skew)
+        # readers drop records that claim to live much longer than a republished one would
+        self.max_lifetime = 10 * self.ttl
+        # a reader notices a new epoch up to one refresh late: that much slack in the clamp
+        self.clamp_slack = 2 * self.max_refresh_period
+        self.request_timeout = (
+            float(request_timeout) if request_timeout is not None else max(1.0, min(10.0, ttl / 3))
+        )
+        self._facade: Any = dht if hasattr(dht, "run_coroutine") else None
+        self._node: Any = None if self._facade is not None else dht
+
+        self._lock = threading.Lock()  # local state: written by the user's thread, read by trio
+        self._epoch: int | None = None
+        self._samples = 0
+        self._report_time = 0.0
+        self._ewma_samples = 0.0
+        self._ewma_seconds = 0.0
+        self._version = 0  # bumped by every report that changed what we would publish
+        self._published_version = -1
+        self._last_expiration = -math.inf
+        self._withdrawn = False
+        self._epoch_started_at: dict[int, float] = {}
+        self._global = GlobalProgress(0, 0, target_batch_size, 0, 0.0, None, [], {}, 0.0)
+
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._wakeup: trio.Event | None = None
+        self._wake_pending = False
+        self._publish_lock: trio.Lock | None = None
+        self._scope: trio.CancelScope | None = None
+        self._service: concurrent.futures.Future | None = None
+        self._running = False
+        self._closed = False
+        if start and self._facade is not None:
+            self.start()
+
+    # ------------------------------------------------------------------ local state
+
+    @property
+    def peer_id(self) -> Any:
+        return self._facade.peer_id if self._facade is not None else self._node.peer_id
+
+    def report(self, epoch: int, samples: int) -> None:
+        """Record this peer's epoch and the samples accumulated toward it (non-blocking).
+
+        The background loop publishes the change soon (at most once per
+        ``min_refresh_period``). samples/s is an average over recent reports.
+        """
+        if not _is_int(epoch, 0, MAX_EPOCH):
+            raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
+        if not _is_int(samples, 0, MAX_SAMPLES):
+            raise ValueError(f"samples must be an int in [0, 2**53), got {samples!r}")
+        if self._closed:
+            raise RuntimeError("the progress tracker was shut down")
+        now = get_dht_time()
+        with self._lock:
+            if self._epoch is None or epoch != self._epoch:
+                # a new epoch: the time since the last report went to averaging/loading,
+                # not to producing these samples, so it does not enter samples/s
+                if self._epoch is not None and epoch > self._epoch:
+                    self._epoch_started_at.setdefault(epoch, now)  # we saw it begin
+            elif samples >= self._samples and now > self._report_time:
+                self._ewma_samples = EWMA_DECAY * self._ewma_samples + (samples - self._samples)
+                self._ewma_seconds = EWMA_DECAY * self._ewma_seconds + (now - self._report_time)
+            changed = epoch != self._epoch or samples != self._samples
+            self._epoch, self._samples, self._report_time = epoch, samples, now
+            self._withdrawn = False
+            if changed:
+                self._version += 1
+        if changed:
+            self._wake()
+
+    @property
+    def samples_per_second(self) -> float:
+        with self._lock:
+            return self._ewma_samples / self._ewma_seconds if self._ewma_seconds > 0 else 0.0
+
+    def local_progress(self) -> PeerProgress | None:
+        """What this peer publishes (None before the first report)."""
+        sps = self.samples_per_second
+        with self._lock:
+            if self._epoch is None or self._withdrawn:
+                return None
+            return PeerProgress(
+                str(self.peer_id), self._epoch, self._samples, sps, self._report_time
+            )
+
+    @property
+    def global_progress(self) -> GlobalProgress:
+        """The last aggregated view (no network access)."""
+        with self._lock:
+            return self._global
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the background loop on the DHT facade's thread (trio code: ``async with``)."""
+        if self._running or self._closed:
+            return
+        if self._facade is None:
+            raise RuntimeError(
+                "a tracker on a DHTNode runs its loop in a nursery: use `async with tracker:` "
+                "or `await nursery.start(tracker.run)`"
+            )
+        self._running = True
+        self._service = self._facade.start_service(self._service_main)
+
+    async def _service_main(self) -> None:
+        await self.run()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The background loop: publish on change and every ttl/3, read every refresh period.
+
+        Runs until cancelled (``shutdown``/leaving ``async with``); network errors are logged
+        and retried on the next period, never raised.
+        """
+        self._token = trio.lowlevel.current_trio_token()
+        self._wakeup = trio.Event()
+        self._running = True
+        next_read = trio.current_time()
+        last_publish = -math.inf
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            task_status.started()
+            while not self._closed:
+                now = trio.current_time()
+                with self._lock:
+                    pending = self._epoch is not None and not self._withdrawn
+                    dirty = pending and self._version != self._published_version
+                if pending and (
+                    (dirty and now >= last_publish + self.min_refresh_period)
+                    or now >= last_publish + self.ttl / 3
+                ):
+                    last_publish = now
+                    await self._guarded(self._apublish)
+                if now >= next_read:
+                    await self._guarded(self._aread)
+                    next_read = trio.current_time() + self._read_period()
+                deadline = next_read
+                if pending:
+                    deadline = min(deadline, last_publish + self.ttl / 3)
+                    with self._lock:
+                        if self._version != self._published_version:
+                            deadline = min(deadline, last_publish + self.min_refresh_period)
+                with trio.move_on_at(deadline):
+                    await self._wakeup.wait()
+                self._wakeup = trio.Event()
+                self._wake_pending = False
+        self._scope = None
+
+    def _read_period(self) -> float:
+        eta = self._global.eta_seconds
+        period = self.max_refresh_period if eta is None else min(self.max_refresh_period, eta / 2)
+        return max(self.min_refresh_period, period)
+
+    async def _guarded(self, fn: Any) -> None:
+        with trio.move_on_after(self.request_timeout) as scope:
+            try:
+                await fn()
+            except Exception as e:  # noqa: BLE001 - the loop must survive network trouble
+                logger.warning("progress tracker (%s): %s failed: %r", self.prefix, fn.__name__, e)
+        if scope.cancelled_caught:
+            logger.info("progress tracker (%s): %s timed out", self.prefix, fn.__name__)
+
+    def _wake(self) -> None:
+        """Wake the background loop from any thread (cheap; coalesced)."""
+        token, event = self._token, self._wakeup
+        if token is None or event is None or self._wake_pending:
+            return
+        self._wake_pending = True
+        try:
+            token.run_sync_soon(lambda: self._wakeup.set() if self._wakeup is not None else None)
+        except trio.RunFinishedError:
+            pass
+
+    async def __aenter__(self) -> ProgressTracker:
+        if self._facade is not None:
+            self.start()
+            return self
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        await nursery.start(self.run)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        if self._facade is not None:
+            self.shutdown()
+            return None
+        try:
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(self.request_timeout):
+                    await self.awithdraw()
+        finally:
+            self._closed = True
+            if self._scope is not None:
+                self._scope.cancel()
+            result = await self._nursery_cm.__aexit__(*exc_info)
+        return result
+
+    def __enter__(self) -> ProgressTracker:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the background loop and withdraw our record (sync facade). Idempotent."""
+        if self._closed:
+            return
+        if self._facade is None:
+            self._closed = True
+            if self._scope is not None:
+                self._scope.cancel()
+            return
+        try:
+            self.withdraw()
+        except (RuntimeError, concurrent.futures.CancelledError, TimeoutError) as e:
+            logger.info("progress tracker (%s): could not withdraw: %r", self.prefix, e)
+        self._closed = True
+        if self._service is not None:
+            self._service.cancel()
+
+    # ------------------------------------------------------------------ DHT I/O
+
+    def _call(self, async_fn: Any, timeout: float | None) -> Any:
+        if self._facade is None:
+            raise RuntimeError("this tracker runs on a DHTNode: await the a* methods")
+
+        async def run(_dht: Any, _node: Any) -> Any:
+            return await async_fn()
+
+        future = self._facade.run_coroutine(run, return_future=True)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the DHT did not answer within {timeout}s") from None
+
+    def _get_node(self) -> Any:
+        if self._facade is not None:
+            return self._facade.node
+        return self._node
+
+    async def _apublish(self) -> None:
+        """Store our record now (signed by the DHT because of the owner subkey)."""
+        if self._publish_lock is None:
+            self._publish_lock = trio.Lock()
+        async with self._publish_lock:
+            with self._lock:
+                version = self._version
+            mine = self.local_progress()
+            if mine is None:
+                return
+            now = get_dht_time()
+            value = {
+                "epoch": mine.epoch,
+                "samples": mine.samples,
+                "sps": mine.samples_per_second,
+                "time": mine.time,
+            }
+            expiration = max(now + self.ttl, self._last_expiration + 1e-3)
+            node = self._get_node()
+            stored = await node.store(
+                self.key, value, expiration, subkey=owner_subkey(node.peer_id)
+            )
+            if stored:
+                self._last_expiration = expiration
+                with self._lock:
+                    if not self._withdrawn:
+                        self._published_version = version
+            else:
+                logger.info("progress tracker (%s): no replica accepted our record", self.prefix)
+
+    async def _aread(self) -> GlobalProgress:
+        node = self._get_node()
+        found = await node.get(self.key, latest=True)
+        now = get_dht_time()
+        records, ignored = parse_progress_records(
+            found, now=now, max_clock_skew=self.max_clock_skew, max_lifetime=self.max_lifetime
+        )
+        own = self.local_progress()
+        with self._lock:
+            started = dict(self._epoch_started_at)
+        view = aggregate(
+            records,
+            now=now,
+            own=own,
+            target_batch_size=self.target_batch_size,
+            epoch_started_at=started,
+            max_throughput_ratio=self.max_throughput_ratio,
+            throughput_tolerance=self.throughput_tolerance,
+            clamp_slack=self.clamp_slack,
+            ignored=ignored,
+        )
+        with self._lock:
+            previous = self._global
+            # we saw the swarm enter this epoch only if we already knew an earlier one
+            if view.epoch > previous.epoch and previous.num_peers > 0:
+                self._epoch_started_at.setdefault(view.epoch, now)
+            for old in [e for e in self._epoch_started_at if e < view.epoch - 1]:
+                del self._epoch_started_at[old]
+            self._global = view
+        return view
+
+    async def arefresh(self) -> GlobalProgress:
+        """Publish a pending change, then read and aggregate the swarm's records now."""
+        with self._lock:
+            dirty = (
+                self._epoch is not None
+                and not self._withdrawn
+                and self._version != self._published_version
+            )
+        if dirty and not self._running:
+            await self._apublish()
+        return await self._aread()
+
+    def refresh(self, timeout: float | None = None) -> GlobalProgress:
+        """Read the swarm's progress now (sync facade); TimeoutError after ``timeout``."""
+        return self._call(self.arefresh, timeout)
+
+    async def awithdraw(self) -> None:
+        """Replace our record with a tombstone now: readers drop us at once."""
+        with self._lock:
+            self._withdrawn = True
+            had_record = self._last_expiration > -math.inf
+        if not had_record:
+            return
+        if self._publish_lock is None:
+            self._publish_lock = trio.Lock()
+        async with self._publish_lock:
+            node = self._get_node()
+            expiration = max(self._last_expiration, get_dht_time()) + 1.0
+            await node.store(self.key, None, expiration, subkey=owner_subkey(node.peer_id))
+            self._last_expiration = expiration
+
+    def withdraw(self, timeout: float | None = None) -> None:
+        """Sync :meth:`awithdraw`. A later :meth:`report` publishes again."""
+        self._call(self.awithdraw, timeout if timeout is not None else self.request_timeout)

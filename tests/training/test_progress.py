@@ -1,0 +1,370 @@
+"""ProgressTracker: publishing, aggregation, dead and lying peers.
+
+Swarm tests run many DHT nodes in one trio loop under an autojumping MockClock with the DHT
+reading virtual time, so expirations and rates are exact and nothing depends on load.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from dht.kademlia.clock import dht_clock, get_dht_time, trio_clock
+from dht.kademlia.simulation import open_swarm
+from moshpit.training.progress import (
+    PeerProgress,
+    ProgressTracker,
+    aggregate,
+    owner_subkey,
+    parse_progress_record,
+    progress_key,
+)
+
+PREFIX = "run"
+
+
+@pytest.fixture
+def virtual_dht_time():
+    with dht_clock(trio_clock):
+        yield
+
+
+def rec(peer: str, epoch: int, samples: int = 0, sps: float = 10.0, time: float = 100.0):
+    return PeerProgress(peer, epoch, samples, sps, time)
+
+
+# ---------------------------------------------------------------------------- the rule itself
+
+
+def test_global_epoch_is_the_second_highest_epoch():
+    assert aggregate([rec("a", 5), rec("b", 5), rec("c", 3)], now=100).epoch == 5
+    # one peer ahead does not move it
+    assert aggregate([rec("a", 5), rec("b", 4), rec("c", 9)], now=100).epoch == 5
+    assert aggregate([rec("a", 5), rec("b", 6), rec("c", 7)], now=100).epoch == 6
+
+
+def test_own_epoch_when_alone_or_the_only_other_is_not_ahead():
+    me = rec("me", 7)
+    assert aggregate([], now=100, own=me).epoch == 7
+    assert aggregate([rec("b", 3)], now=100, own=me).epoch == 7
+    assert aggregate([rec("b", 10**9)], now=100, own=me).epoch == 7  # one other cannot move it
+    assert aggregate([rec("b", 9), rec("c", 9)], now=100, own=me).epoch == 9
+    # without an own record (an observer such as `moshpit status`), a single peer is alone
+    assert aggregate([rec("b", 3)], now=100).epoch == 3
+    assert aggregate([], now=100).num_peers == 0
+
+
+def test_own_record_from_the_dht_is_replaced_by_local_state():
+    me = rec("me", 2, samples=5, time=100)
+    view = aggregate([rec("me", 9, samples=999), rec("b", 2, samples=5)], now=100, own=me)
+    assert view.num_peers == 2 and view.epoch == 2
+
+
+def test_throughput_is_clamped_to_a_multiple_of_the_median_of_the_others():
+    peers = [rec(p, 1, samples=100, sps=10.0, time=110) for p in "abc"]
+    liar = rec("liar", 1, samples=10**12, sps=1e9, time=110)
+    view = aggregate(
+        [*peers, liar],
+        now=110,
+        epoch_started_at={1: 100.0},
+        clamp_slack=0.0,
+        throughput_tolerance=1.0,
+    )
+    # the liar counts at most 10x the median (10/s) for the 10 s since the epoch began
+    assert view.samples_accumulated == 3 * 100 + 100 * 10
+    assert view.samples_per_second == 3 * 10 + 100
+    assert "clamped" in view.ignored["liar"]
+    assert "a" not in view.ignored
+
+
+def test_samples_are_clamped_to_what_the_throughput_could_produce():
+    honest = rec("a", 1, samples=100, sps=10.0, time=110)
+    padded = rec("b", 1, samples=5000, sps=10.0, time=110)  # 10/s for 10 s cannot give 5000
+    view = aggregate(
+        [honest, padded],
+        now=110,
+        epoch_started_at={1: 100.0},
+        clamp_slack=2.0,
+        throughput_tolerance=1.5,
+    )
+    assert view.samples_accumulated == 100 + int(1.5 * 10 * 12)
+    assert "samples 5000 clamped" in view.ignored["b"]
+
+
+def test_unknown_epoch_start_uses_the_upper_median_of_implied_starts():
+    # three honest peers began at t=100; a liar claims to have started long before
+    honest = [rec(p, 1, samples=100, sps=10.0, time=110) for p in "abc"]
+    liar = rec("liar", 1, samples=10**6, sps=100.0, time=110)
+    view = aggregate([*honest, liar], now=110, clamp_slack=0.0, throughput_tolerance=1.0)
+    assert view.samples_accumulated == 300 + 100 * 10
+
+
+def test_eta_and_readiness():
+    peers = [rec("a", 1, samples=100, sps=10.0, time=100), rec("b", 1, samples=100, time=100)]
+    view = aggregate(peers, now=105, target_batch_size=1000, epoch_started_at={1: 90.0})
+    # 200 reported + 2 * 10/s * 5 s since the reports = 300 projected; 700 left at 20/s
+    assert view.eta_seconds == pytest.approx(35.0)
+    assert not view.ready
+    full = aggregate(peers, now=105, target_batch_size=150, epoch_started_at={1: 90.0})
+    assert full.ready and full.eta_seconds == 0.0
+    assert aggregate(peers, now=105).eta_seconds is None
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ({"epoch": -1, "samples": 0, "sps": 1.0, "time": 100.0}, "epoch"),
+        ({"epoch": 1.5, "samples": 0, "sps": 1.0, "time": 100.0}, "epoch"),
+        ({"epoch": True, "samples": 0, "sps": 1.0, "time": 100.0}, "epoch"),
+        ({"epoch": 2**60, "samples": 0, "sps": 1.0, "time": 100.0}, "epoch"),
+        ({"epoch": 1, "samples": -5, "sps": 1.0, "time": 100.0}, "samples"),
+        ({"epoch": 1, "samples": "9", "sps": 1.0, "time": 100.0}, "samples"),
+        ({"epoch": 1, "samples": 0, "sps": math.inf, "time": 100.0}, "samples/s"),
+        ({"epoch": 1, "samples": 0, "sps": math.nan, "time": 100.0}, "samples/s"),
+        ({"epoch": 1, "samples": 0, "sps": -1.0, "time": 100.0}, "samples/s"),
+        ({"epoch": 1, "samples": 0, "sps": 1.0, "time": math.nan}, "time"),
+        ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 10_000.0}, "future"),
+        ({"epoch": 1, "samples": 0}, "samples/s"),
+        ([1, 2, 3], "not a map"),
+        (b"junk", "not a map"),
+    ],
+)
+def test_absurd_or_malformed_records_are_ignored_with_a_reason(value, reason):
+    record, why = parse_progress_record(
+        "p", value, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
+    )
+    assert record is None and reason in why
+
+
+def test_records_that_claim_to_live_too_long_are_ignored():
+    value = {"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0}
+    ok, _ = parse_progress_record("p", value, 130.0, now=100.0, max_clock_skew=15, max_lifetime=300)
+    assert ok is not None
+    _, why = parse_progress_record(
+        "p", value, 10**6, now=100.0, max_clock_skew=15, max_lifetime=300
+    )
+    assert "expires" in why
+
+
+def test_report_validates_its_arguments():
+    tracker = ProgressTracker(object(), PREFIX, start=False)  # a "DHTNode" that is never used
+    for epoch, samples in [(-1, 0), (1.0, 0), (True, 0), (1, -1), (1, 2**60)]:
+        with pytest.raises(ValueError):
+            tracker.report(epoch, samples)
+    with pytest.raises(ValueError):
+        ProgressTracker(object(), "", start=False)
+    with pytest.raises(ValueError):
+        ProgressTracker(object(), PREFIX, target_batch_size=0, start=False)
+    with pytest.raises(ValueError):
+        ProgressTracker(object(), PREFIX, ttl=math.inf, start=False)
+
+
+# ---------------------------------------------------------------------------- swarm tests
+
+
+async def report_steps(tracker: ProgressTracker, epoch: int, rate: int, seconds: int) -> None:
+    """Report ``rate`` samples every virtual second for ``seconds`` seconds."""
+    for i in range(seconds + 1):
+        tracker.report(epoch, rate * i)
+        if i < seconds:
+            await trio.sleep(1.0)
+
+
+async def test_samples_per_second_is_measured_from_reports(autojump_clock, virtual_dht_time):
+    async with open_swarm(3, seed=1) as swarm:
+        tracker = ProgressTracker(swarm.nodes[0], PREFIX)
+        await report_steps(tracker, 0, 32, 10)
+        assert tracker.samples_per_second == pytest.approx(32.0)
+        await trio.sleep(30.0)  # e.g. averaging: the gap before the next epoch is not counted
+        await report_steps(tracker, 1, 32, 3)
+        assert tracker.samples_per_second == pytest.approx(32.0)
+
+
+async def test_two_honest_peers_move_the_global_epoch_one_does_not(
+    autojump_clock, virtual_dht_time
+):
+    async with open_swarm(8, seed=2) as swarm:
+        a, b, c = (ProgressTracker(n, PREFIX, ttl=30) for n in swarm.nodes[:3])
+        for tracker in (a, b, c):
+            tracker.report(4, 0)
+            await tracker.arefresh()
+        a.report(5, 0)
+        view = await c.arefresh()
+        assert view.epoch == 4 and view.num_peers == 3  # a alone at 5 does not move it
+        b.report(5, 0)
+        await b.arefresh()
+        await a.arefresh()
+        view = await c.arefresh()
+        assert view.epoch == 5 and view.num_peers == 3
+        assert {p.peer_id: p.epoch for p in view.peers} == {
+            str(a.peer_id): 5,
+            str(b.peer_id): 5,
+            str(c.peer_id): 4,
+        }
+
+
+async def test_a_lying_peer_cannot_advance_the_epoch_or_inflate_samples(
+    autojump_clock, virtual_dht_time
+):
+    async with open_swarm(8, seed=3) as swarm:
+        nodes = swarm.nodes
+        honest = [ProgressTracker(n, PREFIX, target_batch_size=10_000) for n in nodes[:3]]
+        for tracker in honest:
+            tracker.report(5, 0)
+            await tracker.arefresh()
+        for tracker in honest:
+            tracker.report(6, 0)  # the swarm steps to epoch 6: every tracker sees it begin
+            await tracker.arefresh()
+        for tracker in honest:
+            await tracker.arefresh()
+        for second in range(1, 11):
+            await trio.sleep(1.0)
+            for tracker in honest:
+                tracker.report(6, 10 * second)
+        for tracker in honest:
+            await tracker.arefresh()
+
+        liar_node, key = nodes[5], progress_key(PREFIX)
+        now = get_dht_time()
+
+        async def lie(node, value, expiration=now + 30):
+            assert await node.store(key, value, expiration, subkey=owner_subkey(node.peer_id))
+
+        await lie(liar_node, {"epoch": 10**9, "samples": 10**12, "sps": 1e12, "time": now})
+        await lie(nodes[6], {"epoch": 6, "samples": 10**12, "sps": math.inf, "time": now})
+        await lie(nodes[7], {"epoch": 6, "samples": 10**12, "sps": math.nan, "time": now})
+        await lie(nodes[4], {"epoch": 6, "samples": 10**12, "sps": 1e12, "time": now})
+        view = await honest[0].arefresh()
+        assert view.epoch == 6
+        assert "samples/s" in view.ignored[str(nodes[6].peer_id)]
+        assert "samples/s" in view.ignored[str(nodes[7].peer_id)]
+        # the same-epoch liar counts at most 10x the others' median rate (~10/s) for the time
+        # since epoch 6 began (~10 s), with the tolerance and slack of the rule
+        median = sorted(p.samples_per_second for p in view.peers if p.epoch == 6)[2]
+        assert median == pytest.approx(10.0, rel=0.05)
+        began = honest[0]._epoch_started_at[6]
+        elapsed = now - began + honest[0].clamp_slack
+        bound = honest[0].throughput_tolerance * 10 * median * elapsed
+        assert view.samples_accumulated <= 3 * 100 + bound < 10**4
+        assert view.samples_accumulated >= 3 * 100
+        assert "clamped" in view.ignored[str(nodes[4].peer_id)]
+        assert view.num_peers == 5  # 3 honest + 2 plausible-typed liars; NaN/inf ones dropped
+        # two liars that agree on an absurd epoch do move it: that is the documented limit
+        await lie(nodes[4], {"epoch": 10**9, "samples": 0, "sps": 1.0, "time": now}, now + 31)
+        assert (await honest[1].arefresh()).epoch == 10**9
+
+
+async def test_unsigned_subkeys_are_ignored(autojump_clock, virtual_dht_time):
+    async with open_swarm(4, seed=4) as swarm:
+        tracker = ProgressTracker(swarm.nodes[0], PREFIX)
+        tracker.report(1, 0)
+        await tracker.arefresh()
+        forged = {"epoch": 99, "samples": 0, "sps": 1.0, "time": get_dht_time()}
+        writer = swarm.nodes[1]
+        for subkey in ("12D3KooWfake", 42):
+            await writer.store(progress_key(PREFIX), forged, get_dht_time() + 30, subkey=subkey)
+        view = await tracker.arefresh()
+        assert view.num_peers == 1 and view.epoch == 1
+        assert "unsigned" in view.ignored["12D3KooWfake"] and "42" in view.ignored
+
+
+async def test_dead_peer_expires_live_peers_stay(autojump_clock, virtual_dht_time):
+    async with open_swarm(6, seed=5) as swarm:
+        reader = ProgressTracker(swarm.nodes[0], PREFIX, ttl=30)
+        async with ProgressTracker(swarm.nodes[1], PREFIX, ttl=30) as alive:
+            doomed = ProgressTracker(swarm.nodes[2], PREFIX, ttl=30, start=False)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(doomed.run)
+                alive.report(3, 10)
+                doomed.report(3, 10)
+                await trio.sleep(1.0)
+                assert (await reader.arefresh()).num_peers == 2
+                nursery.cancel_scope.cancel()  # the peer dies: no withdraw, no more republishing
+            died = trio.current_time()
+            await trio.sleep(25.0)
+            assert (await reader.arefresh()).num_peers == 2  # not expired yet
+            await trio.sleep(died + 31.0 - trio.current_time())
+            view = await reader.arefresh()
+            assert [p.peer_id for p in view.peers] == [str(alive.peer_id)]
+            await trio.sleep(100.0)  # the live one is republished every ttl/3
+            assert (await reader.arefresh()).num_peers == 1
+
+
+async def test_withdraw_removes_a_peer_at_once_and_report_brings_it_back(
+    autojump_clock, virtual_dht_time
+):
+    async with open_swarm(6, seed=6) as swarm:
+        reader = ProgressTracker(swarm.nodes[0], PREFIX, ttl=30)
+        async with ProgressTracker(swarm.nodes[1], PREFIX, ttl=30) as leaving:
+            leaving.report(2, 5)
+            await trio.sleep(1.0)
+            assert (await reader.arefresh()).num_peers == 1
+            await leaving.awithdraw()
+            assert (await reader.arefresh()).num_peers == 0
+            await trio.sleep(20.0)  # the loop does not republish a withdrawn record
+            assert (await reader.arefresh()).num_peers == 0
+            leaving.report(2, 6)
+            await trio.sleep(1.0)
+            assert (await reader.arefresh()).num_peers == 1
+        # leaving `async with` withdraws too
+        assert (await reader.arefresh()).num_peers == 0
+
+
+async def test_background_loop_aggregates_and_estimates_eta(autojump_clock, virtual_dht_time):
+    async with open_swarm(6, seed=7) as swarm:
+        async with (
+            ProgressTracker(swarm.nodes[0], PREFIX, target_batch_size=1000) as a,
+            ProgressTracker(swarm.nodes[1], PREFIX, target_batch_size=1000) as b,
+        ):
+            for tracker in (a, b):
+                tracker.report(0, 0)
+            await trio.sleep(6.0)
+            for tracker in (a, b):
+                tracker.report(1, 0)  # both step to epoch 1
+            for second in range(1, 21):
+                await trio.sleep(1.0)
+                a.report(1, 10 * second)
+                b.report(1, 10 * second)
+            await trio.sleep(a.max_refresh_period + 1.0)
+            view = a.global_progress  # aggregated by the background loop
+            assert view.epoch == 1 and view.num_peers == 2
+            assert view.samples_accumulated == 400
+            assert view.samples_per_second == pytest.approx(20.0)
+            assert view.eta_seconds is not None and 0 < view.eta_seconds < 600 / 20.0
+
+
+# ---------------------------------------------------------------------------- sync facade
+
+
+def wait_for_view(tracker: ProgressTracker, predicate, attempts: int = 100):
+    """Refresh until ``predicate(view)`` holds (bounded: each refresh is a real DHT read)."""
+    view = None
+    for _ in range(attempts):
+        view = tracker.refresh(timeout=30)
+        if predicate(view):
+            return view
+    raise AssertionError(f"the view never matched: {view}")
+
+
+def test_facade_trackers_publish_in_the_background_and_withdraw_on_shutdown():
+    from dht import DHT
+
+    with DHT() as first, DHT(initial_peers=first.get_visible_maddrs()) as second:
+        a = ProgressTracker(first, PREFIX, target_batch_size=100, min_refresh_period=0.05)
+        b = ProgressTracker(second, PREFIX, target_batch_size=100, min_refresh_period=0.05)
+        a.report(3, 7)  # returns at once; the DHT thread publishes
+        b.report(3, 9)
+        view = wait_for_view(a, lambda v: v.num_peers == 2)
+        assert view.epoch == 3
+        assert {p.peer_id: p.samples for p in view.peers} == {
+            str(first.peer_id): 7,
+            str(second.peer_id): 9,
+        }
+        b.shutdown()  # withdraws: gone for the others at once, not after ttl
+        assert a.refresh(timeout=30).num_peers == 1
+        with pytest.raises(RuntimeError):
+            b.report(4, 0)
+        a.shutdown()
+        a.shutdown()  # idempotent
