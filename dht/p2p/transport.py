@@ -60,7 +60,7 @@ def _interface_is_up(index: int) -> bool:
 
         name = socket.if_indextoname(index).encode()
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            reply = fcntl.ioctl(sock.fileno(), _SIOCGIFFLAGS, struct.pack("16sH14x", name, 0))
+            reply = fcntl.ioctl(sock.fileno(), _SIOCGIFFLAGS, struct.pack("16sH22x", name, 0))
     except (OSError, ImportError, ValueError):
         return True  # cannot tell: keep the address rather than hide a usable one
     return bool(struct.unpack_from("H", reply, 16)[0] & _IFF_UP)

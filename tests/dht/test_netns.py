@@ -1,7 +1,7 @@
 """Two machines in one box: `moshpit dht` in two Linux network namespaces joined by a veth pair.
 
 The first peer runs with the default listen address; the second joins using only the
-``--initial-peers`` line the first printed. The 10.213.0.0/24 addresses exist only inside the
+``--initial-peers`` line the first printed. The 10.213.0.0/24 and 10.214.0.0/24 addresses exist only inside the
 two namespaces this test creates (and deletes), so no traffic leaves them.
 """
 
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-FIRST_IP, SECOND_IP = "10.213.0.1", "10.213.0.2"
+FIRST_IP, SECOND_IP, DOWN_IP = "10.213.0.1", "10.213.0.2", "10.214.0.1"
 
 
 def sh(*cmd: str) -> subprocess.CompletedProcess:
@@ -97,6 +97,9 @@ def two_namespaces():
             ("ip", "-n", first, "link", "set", "vA", "up"),
             ("ip", "-n", second, "link", "set", "vB", "up"),
             ("ip", "-n", first, "link", "set", "lo", "up"),
+            # an interface left down: its address must not be announced
+            ("ip", "-n", first, "link", "add", "vC", "type", "veth", "peer", "name", "vD"),
+            ("ip", "-n", first, "addr", "add", f"{DOWN_IP}/24", "dev", "vC"),
             ("ip", "-n", second, "link", "set", "lo", "up"),
         ]  # fmt: skip
         for cmd in setup:
@@ -118,7 +121,8 @@ def test_a_peer_in_another_namespace_joins_with_only_the_printed_line(two_namesp
         first_id = first.wait_for("PeerID:")
         printed = first.wait_for("--initial-peers").split()
         port = printed[0].split("/")[4]
-        # the veth address (the one the other namespace can reach) first, loopback last
+        # the veth address (the one the other namespace can reach) first, loopback last, not
+        # the address of the interface that is down
         assert printed == [
             f"/ip4/{FIRST_IP}/tcp/{port}/p2p/{first_id}",
             f"/ip4/127.0.0.1/tcp/{port}/p2p/{first_id}",
