@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -218,3 +219,30 @@ def test_ctrl_c_in_the_demo_stops_cleanly_with_the_table_so_far_and_a_summary():
     assert "Moshpit averaging: 2 peers" in output  # the table so far
     # the parent waits for its peers before exiting, so none may be left
     assert not any(_running(pid) for pid in workers), "a peer process was left running"
+
+
+def test_ctrl_c_while_joining_stops_at_once_without_waiting_for_the_bootstrap():
+    # an "initial peer" that accepts TCP connections but never says a word: joining hangs
+    # until the 10 s bootstrap timeout unless the signal is handled during the join
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(60)
+        port = silent.getsockname()[1]
+        peer = Running(
+            "dht",
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--initial-peers",
+            f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}",
+        )
+        try:
+            conn, _ = silent.accept()  # the peer is now dialing us, inside the join
+            peer.proc.send_signal(signal.SIGINT)
+            status = peer.finish()
+            conn.close()
+        finally:
+            peer.kill()
+    output = "".join(peer.output)
+    assert status == 0, output
+    assert "could not join" not in output and "Traceback" not in output

@@ -121,7 +121,6 @@ async def _main(
     announce_maddrs: list[Any] | None,
 ) -> int:
     from dht.kademlia.errors import BootstrapError
-    from dht.kademlia.node import DHTNode
     from dht.p2p import Identity, IdentityError
 
     try:
@@ -129,38 +128,59 @@ async def _main(
     except IdentityError as e:
         print(f"moshpit dht: {e}", file=sys.stderr)
         return 1
+    status = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        try:
-            async with DHTNode.open(
-                initial_peers=initial_peers,
-                host_maddrs=host_maddrs,
-                announce_maddrs=announce_maddrs,
-                identity=identity,
-                client_mode=args.client_mode,
-                refresh_period=args.refresh_period,
-                num_replicas=args.num_replicas,
-            ) as node:
-                _announce(node, args.client_mode)
-                if initial_peers:
-                    _say(f"Joined the swarm: this peer sees {_peer_count(node)} other peer(s)")
-                node.host.add_connection_observer(
-                    lambda peer: logger.info("peer connected: %s", peer),
-                    lambda peer: logger.info("peer disconnected: %s", peer),
-                )
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_status_loop, node, args.status_period)
-                    async for signum in signals:
-                        logger.info("received %s, shutting down", signal.Signals(signum).name)
-                        nursery.cancel_scope.cancel()
-                        break
-        except BootstrapError as e:
-            print(f"moshpit dht: {e}", file=sys.stderr)
-            return 1
-        except OSError as e:  # e.g. the port is taken or the address is not on this machine
-            where = " ".join(map(str, host_maddrs or ()))
-            print(f"moshpit dht: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
-            return 1
-    return 0
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                # also while joining: a slow bootstrap must not delay Ctrl-C
+                async for signum in signals:
+                    logger.info("received %s, shutting down", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(stop_on_signal)
+            try:
+                await _serve(args, identity, initial_peers, host_maddrs, announce_maddrs)
+            except BootstrapError as e:
+                print(f"moshpit dht: {e}", file=sys.stderr)
+                status = 1
+            except OSError as e:  # e.g. the port is taken or the address is not on this machine
+                where = " ".join(map(str, host_maddrs or ()))
+                what = f"cannot listen on {where}" if where else "network error"
+                print(f"moshpit dht: {what}: {e.strerror or e}", file=sys.stderr)
+                status = 1
+            nursery.cancel_scope.cancel()
+    return status
+
+
+async def _serve(
+    args: argparse.Namespace,
+    identity: Any,
+    initial_peers: list[Any],
+    host_maddrs: list[Any] | None,
+    announce_maddrs: list[Any] | None,
+) -> None:
+    """Run the peer until cancelled (by a signal)."""
+    from dht.kademlia.node import DHTNode
+
+    async with DHTNode.open(
+        initial_peers=initial_peers,
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs,
+        identity=identity,
+        client_mode=args.client_mode,
+        refresh_period=args.refresh_period,
+        num_replicas=args.num_replicas,
+    ) as node:
+        _announce(node, args.client_mode)
+        if initial_peers:
+            _say(f"Joined the swarm: this peer sees {_peer_count(node)} other peer(s)")
+        node.host.add_connection_observer(
+            lambda peer: logger.info("peer connected: %s", peer),
+            lambda peer: logger.info("peer disconnected: %s", peer),
+        )
+        await _status_loop(node, args.status_period)
 
 
 def _say(line: str) -> None:
