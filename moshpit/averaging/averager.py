@@ -16,6 +16,7 @@ Two ways to drive it:
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import math
 import threading
@@ -30,6 +31,7 @@ import torch
 import trio
 
 from moshpit.averaging.allreduce import AllReduceService
+from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE
 from moshpit.averaging.group_keys import GroupKeyManager
 from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, DHTMatchmakingBackend, Matchmaker
@@ -37,12 +39,32 @@ from moshpit.averaging.partition import empty_like_all
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Averager", "StepResult"]
+__all__ = ["Averager", "AveragerLockError", "StepResult", "tensor_schema"]
 
 LOCK_POLL_SECONDS = (
     0.05  # how often a waiting step re-checks cancellation while the user holds the lock
 )
 WRITE_INLINE_NUMEL = 1 << 15  # smaller results are copied on the loop, larger ones in a thread
+SCHEMA_VERSION = b"moshpit.tensor-schema.v1"
+
+
+class AveragerLockError(RuntimeError):
+    """A call would wait for the tensor lock that this same thread holds (a certain deadlock),
+    or would block the DHT's event loop, which the running step needs to finish."""
+
+
+def tensor_schema(tensors: Iterable[torch.Tensor]) -> tuple[bytes, str]:
+    """(16-byte hash, short description) of the tensors' count and shapes, in order.
+
+    Peers average only with peers of the same schema: the all-reduce lines up the flattened
+    tensors position by position, so other shapes would mix unrelated values (or fail on a
+    different total size). Dtypes and devices are left out on purpose: every peer averages
+    in float32, so a bfloat16 GPU peer and a float32 CPU peer of the same model can average.
+    """
+    shapes = [list(t.shape) for t in tensors]
+    digest = hashlib.sha256(SCHEMA_VERSION + msgpack.packb(shapes)).digest()[:16]
+    numel = sum(math.prod(s) for s in shapes)
+    return digest, f"{len(shapes)} tensors, {numel} values"
 
 
 @dataclass
@@ -203,8 +225,12 @@ class Averager:
             expected_num_peers=expected_num_peers,
         )
         self._numel = sum(t.numel() for t in self._tensors)
+        # hash of the tensors' shapes: matchmaking never groups peers whose schemas differ
+        self.schema, self.schema_description = tensor_schema(self._tensors)
         self._out: list[torch.Tensor] | None = None  # all-reduce output, reused across rounds
         self._lock = threading.Lock()  # guards the tensors (user threads and the trio thread)
+        self._lock_owner: int | None = None  # thread id inside get_tensors() (re-entry check)
+        self._loop_thread: int | None = None  # the thread running the DHT's trio loop
         self._failures: dict[Any, int] = {}
         self._banned_until: dict[Any, float] = {}
         self._step_scopes: set[trio.CancelScope] = set()
@@ -246,6 +272,7 @@ class Averager:
         """Runs on the DHT's trio thread."""
         self._node = node
         self._host = node.host
+        self._loop_thread = threading.get_ident()
         if self._host is None:
             raise ValueError("the DHT node has no Host (a loopback-fabric node cannot average)")
         if getattr(node, "client_mode", False) and self.mode == MODE_NODE:
@@ -263,6 +290,8 @@ class Averager:
             mode=self.mode,
             bandwidth=self.bandwidth,
             is_banned=self._is_banned,
+            schema=self.schema,
+            schema_description=self.schema_description,
         )
         self._allreduce = _allreduce_services.acquire(self._host)
         self._started = True
@@ -313,17 +342,53 @@ class Averager:
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:
         """Lock the averaged tensors and yield them (read or modify in place inside the block).
 
-        A running step holds this lock while it averages, so this waits for the round.
+        A running step holds this lock while it averages, so this waits for the round. Do not
+        call ``step()`` inside the block: the step needs this lock (it raises
+        :class:`AveragerLockError` at once instead of deadlocking). Not re-entrant.
         """
-        with self._lock:
+        me = threading.get_ident()
+        if self._lock_owner == me:
+            raise AveragerLockError(
+                "get_tensors() is already held by this thread (the lock is not re-entrant)"
+            )
+        if me == self._loop_thread:
+            # on the DHT's event loop: waiting would stop the very step that holds the lock
+            if not self._lock.acquire(blocking=False):
+                raise AveragerLockError(
+                    "get_tensors() on the DHT's event loop while a step averages the tensors "
+                    "would block the loop that step runs on; await the step first"
+                )
+        else:
+            self._lock.acquire()
+        self._lock_owner = me
+        try:
             yield self._tensors
+        finally:
+            self._lock_owner = None
+            self._lock.release()
 
-    async def _acquire_lock(self) -> None:
-        """Take the tensor lock without blocking the event loop; stays cancellable."""
+    def _check_not_holding_lock(self) -> None:
+        if self._lock_owner == threading.get_ident():
+            raise AveragerLockError(
+                "step() called inside `with averager.get_tensors():` on the same thread: the "
+                "step needs that lock to write the averaged values and would wait forever. "
+                "Call step() after the `with` block."
+            )
+
+    async def _acquire_lock(self, deadline: float) -> bool:
+        """Take the tensor lock by ``deadline`` (trio time) without blocking the event loop.
+
+        Returns False at the deadline. Never raises between taking the lock and returning,
+        so a caller that gets True always releases it.
+        """
         while not self._lock.acquire(blocking=False):
-            ok = await trio.to_thread.run_sync(self._lock.acquire, True, LOCK_POLL_SECONDS)
-            if ok:
-                return
+            left = deadline - trio.current_time()
+            if left <= 0:
+                return False
+            wait = min(LOCK_POLL_SECONDS, left)
+            if await trio.to_thread.run_sync(self._lock.acquire, True, wait):
+                return True
+        return True
 
     # ------------------------------------------------------------------ failures
 
@@ -370,11 +435,22 @@ class Averager:
         """Average once (sync API). With ``wait=False`` returns a ``concurrent.futures.Future``.
 
         Only for averagers built on a ``DHT`` facade; trio code awaits :meth:`astep`.
+        ``timeout`` bounds the whole step, including waiting for the tensor lock; when it
+        runs out the result has ``succeeded=False, timed_out=True`` and a ``reason`` (no
+        exception). Raises :class:`AveragerLockError` at once when called with ``wait=True``
+        inside ``with averager.get_tensors():`` on the same thread, or on the DHT's own thread.
         """
         if self._facade is None:
             raise RuntimeError("this averager runs on a DHTNode: use `await averager.astep(...)`")
         if not self._started:
             raise RuntimeError("the averager is not started (start=False): call .start() first")
+        if wait:
+            self._check_not_holding_lock()
+            if threading.get_ident() == self._loop_thread:
+                raise AveragerLockError(
+                    "step() on the DHT's own thread would block the loop the step runs on; "
+                    "use `await averager.astep(...)` there"
+                )
 
         async def run(_dht: Any, _node: Any) -> StepResult:
             return await self.astep(weight=weight, gather=gather, timeout=timeout)
@@ -388,7 +464,8 @@ class Averager:
         gather: Any = None,
         timeout: float | None = None,  # noqa: ASYNC109 - same API as step(); enforced inside
     ) -> StepResult:
-        """Average once (async API, on the DHT node's trio loop)."""
+        """Average once (async API, on the DHT node's trio loop); see :meth:`step`."""
+        self._check_not_holding_lock()  # `with get_tensors(): await astep()` on the loop
         if self._closed:
             raise RuntimeError("the averager was shut down")
         if not self._started:
@@ -396,9 +473,9 @@ class Averager:
         if (
             isinstance(weight, bool)
             or not isinstance(weight, (int, float))
-            or not (math.isfinite(weight) and weight >= 0)
+            or not (math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT)
         ):
-            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+            raise ValueError(f"weight must be a number in [0, {MAX_WEIGHT:g}], got {weight!r}")
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if gather is not None:
@@ -410,11 +487,28 @@ class Averager:
                 raise ValueError(f"gather is {size} bytes packed; the limit is {MAX_GATHER_BYTES}")
         assert self._step_lock is not None and self.matchmaker is not None
         key = self.keys.key
+        started = trio.current_time()
+        end = started + timeout if timeout is not None else math.inf
         with trio.CancelScope() as scope:
             self._step_scopes.add(scope)
             try:
-                async with self._step_lock:
-                    return await self._step(key, float(weight), gather, timeout)
+                acquired = False
+                with trio.move_on_at(end):  # another step of this averager may be running
+                    await self._step_lock.acquire()
+                    acquired = True
+                if not acquired:
+                    return StepResult(
+                        False,
+                        key,
+                        reason=f"timed out after {timeout:g}s waiting for this averager's "
+                        "previous step to finish",
+                        timed_out=True,
+                        next_group_key=key,
+                    )
+                try:
+                    return await self._step(key, float(weight), gather, started, end)
+                finally:
+                    self._step_lock.release()
             finally:
                 self._step_scopes.discard(scope)
         return StepResult(
@@ -422,29 +516,67 @@ class Averager:
         )
 
     async def _step(
-        self, key: str, weight: float, gather: Any, time_limit: float | None
+        self, key: str, weight: float, gather: Any, started: float, end: float
     ) -> StepResult:
-        started = trio.current_time()
-        end = started + time_limit if time_limit is not None else math.inf
+        """One round; ``end`` (trio time, may be inf) bounds everything including the lock."""
         matchmaking_deadline = min(started + self.matchmaking_timeout, end)
         group = await self.matchmaker.look_for_group(key, matchmaking_deadline, gather)
         matchmaking_seconds = trio.current_time() - started
+        conflicts = self.matchmaker.last_schema_conflicts
         if group is None:
             next_key = self.keys.update_without_group()
+            reason = (
+                f"no group of >= {self.min_group_size} formed under {key} "
+                f"within {matchmaking_deadline - started:.3g}s"
+            )
+            if conflicts:
+                reason += (
+                    f"; {len(conflicts)} peer(s) there average tensors of another schema, so "
+                    f"they are never grouped with this peer ({self.schema_description}, "
+                    f"schema {self.schema.hex()[:12]}): {next(iter(conflicts.values()))}. "
+                    "Check that every peer under this prefix averages the same model"
+                )
+                logger.warning("averaging step under %s: %s", key, reason)
             return StepResult(
                 False,
                 key,
-                reason=f"no group of >= {self.min_group_size} formed under {key} "
-                f"within {matchmaking_deadline - started:.3g}s",
+                reason=reason,
                 matchmaking_seconds=matchmaking_seconds,
                 timed_out=True,
                 next_group_key=next_key,
             )
+        if conflicts:
+            logger.info(
+                "%d peer(s) under %s average tensors of another schema (not grouped with)",
+                len(conflicts),
+                key,
+            )
         me = self._host.peer_id
         if self._before_allreduce is not None:  # test/demo hook (e.g. die mid-round)
             await self._before_allreduce(group)
-        allreduce_timeout = min(self.allreduce_timeout, max(end - trio.current_time(), 1e-3))
-        await self._acquire_lock()
+        # waiting for the tensor lock counts against the all-reduce's time (and the step's)
+        allreduce_end = trio.current_time() + min(
+            self.allreduce_timeout, max(end - trio.current_time(), 1e-3)
+        )
+        if not await self._acquire_lock(allreduce_end):
+            next_key = self.keys.update_after_round(group.group_id, group.members, me)
+            reason = (
+                "timed out waiting for the tensor lock (another thread held "
+                "averager.get_tensors() for the whole step); the group averaged without us"
+            )
+            logger.warning("averaging step under %s: %s", key, reason)
+            return StepResult(
+                False,
+                key,
+                group_id=group.group_id,
+                members=group.members,
+                modes=group.modes,
+                reason=reason,
+                matchmaking_seconds=matchmaking_seconds,
+                timed_out=True,
+                next_group_key=next_key,
+            )
+        allreduce_timeout = max(allreduce_end - trio.current_time(), 1e-3)
         try:
             result = await self._allreduce.run(
                 group,
