@@ -17,6 +17,15 @@ The robust ones keep every sender's chunk until the chunk is complete; chunks ar
 (``chunk_numel`` x senders x chunks in flight), so this is bounded too. Every strategy also
 reports the chunk's weighted deviation ``sum_i w_i ||x_i - r||^2 / sum_i w_i`` around its
 result ``r``, which adaptive averaging periods (ADPSGD) use.
+
+Overflow: finite float32 inputs must never produce an Inf deviation (receivers would reject
+an honest reducer's result). Squared norms are taken in float32 and redone in float64 when
+they overflow (rare: only for values above ~1e17), and the robust strategies compute in
+float64. The weighted sum itself cannot overflow when the weights sum to at most 1, which
+the reducer guarantees by passing normalised weights (see ``allreduce_reducer``); a result
+can still be non-finite after the cast back to float32 in corner cases (values near the
+float32 maximum, or a ``tau`` that pushes the center out of range), so the reducer checks
+every result before it is sent or written.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ class ChunkAggregation(ABC):
     def __init__(self, numel: int) -> None:
         self.numel = numel
         self.count = 0
+        self.contributors = 0  # contributions with positive weight (the result's "n")
         self.total_weight = 0.0
 
     @abstractmethod
@@ -59,6 +69,19 @@ class Aggregator(ABC):
     def begin(self, numel: int) -> ChunkAggregation: ...
 
 
+def squared_norm(values: torch.Tensor) -> float:
+    """``||values||^2`` as a Python float that is finite for every finite float32 input.
+
+    The float32 dot product overflows once the sum of squares passes ~3.4e38 (elements of
+    ~1e17 suffice); only then is it recomputed in float64 (max ~1e93 for 2^24 elements of
+    float32's maximum), so the common case keeps the fast float32 kernel.
+    """
+    sq = float(torch.dot(values, values))
+    if math.isfinite(sq):
+        return sq
+    return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+
+
 class _MeanChunk(ChunkAggregation):
     def __init__(self, numel: int) -> None:
         super().__init__(numel)
@@ -73,15 +96,16 @@ class _MeanChunk(ChunkAggregation):
             self.acc = torch.mul(values, weight)
         else:
             self.acc.add_(values, alpha=weight)
-        self.sq += weight * float(torch.dot(values, values))
+        self.sq += weight * squared_norm(values)
         self.total_weight += weight
+        self.contributors += 1
 
     def result(self) -> tuple[torch.Tensor, float] | None:
         if self.total_weight <= 0 or self.acc is None:
             return None
         mean = self.acc.div_(self.total_weight)
         # sum w||x - m||^2 = sum w||x||^2 - W||m||^2; rounding can make it slightly negative
-        deviation = max(0.0, self.sq / self.total_weight - float(torch.dot(mean, mean)))
+        deviation = max(0.0, self.sq / self.total_weight - squared_norm(mean))
         return mean, deviation
 
 
@@ -115,16 +139,19 @@ class _StoredChunk(ChunkAggregation):
         self.values.append(values)
         self.weights.append(weight)
         self.total_weight += weight
+        self.contributors += 1
 
     def result(self) -> tuple[torch.Tensor, float] | None:
         if self.total_weight <= 0:
             return None
-        xs = torch.stack(self.values)  # [senders, numel]
-        ws = torch.tensor(self.weights, dtype=torch.float32)
+        # float64: differences of finite float32 values (up to 2 x 3.4e38) and their squares
+        # overflow float32, which would turn a finite center into NaN or the deviation into Inf
+        xs = torch.stack(self.values).to(torch.float64)  # [senders, numel]
+        ws = torch.tensor(self.weights, dtype=torch.float64)
         self.values.clear()
         center = self.combine(xs, ws)
         deviation = float((ws * (xs - center).pow(2).sum(dim=1)).sum()) / self.total_weight
-        return center, deviation
+        return center.to(torch.float32), deviation
 
 
 def _check_tau(tau: float) -> float:

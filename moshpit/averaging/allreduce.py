@@ -17,6 +17,8 @@ Public API (stable; see docs/allreduce.md for the wire protocol and failure sema
     )
     result.averaged                           # new tensors, same shapes/dtypes (None for aux)
     result.failed_senders, result.failed_reducers, result.excluded   # who failed, and why
+    result.left_out_by                        # reducers that refused *our* contribution, and why
+    result.averaged_fraction                  # share of our elements averaged with someone else
 
 ``run`` never raises because of other peers: stalls, disconnects and bad input become entries in
 the result, and parts that could not be averaged keep this member's local values. It raises
@@ -57,6 +59,7 @@ from moshpit.averaging.allreduce_protocol import (
     MAX_WEIGHT,
     ProtocolError,
     RemoteAbort,
+    Result,
     all_finite,
     chunk_msg,
     decode_chunk,
@@ -71,7 +74,11 @@ from moshpit.averaging.allreduce_protocol import (
     raw_float32,
     result_msg,
 )
-from moshpit.averaging.allreduce_reducer import PartReducer, SenderFailed
+from moshpit.averaging.allreduce_reducer import (
+    DEFAULT_MAX_WEIGHT_RATIO,
+    PartReducer,
+    SenderFailed,
+)
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, GroupInfo, GroupInfoError
 from moshpit.averaging.partition import (
     TensorLayout,
@@ -114,8 +121,15 @@ class AllReduceResult:
     ``deviation``: sum over parts of ``sum_i w_i ||x_i - mean||^2 / sum_i w_i`` (the spread of
     the group before averaging, for adaptive averaging periods); ``None`` if a part is missing.
     ``bytes_sent``/``bytes_received``: compressed tensor payload bytes (framing not counted).
-    ``failure_reasons``: why each failed sender/reducer failed (for logs; a reducer that left
-    *us* out, e.g. because we were slow, also appears here, with its reason).
+    ``failure_reasons``: why each failed sender/reducer failed (for logs).
+    ``left_out_by``: reducers that left *this* member's contribution out of their part, with
+    the reason they sent (we stalled, or they refused what we sent, e.g. a different flat
+    size); their parts kept our local values. They are not counted as failed: the fault
+    was (most likely) ours.
+    ``averaged_numel`` / ``numel``: how many of this member's elements ended up averaged with
+    at least one other member's contribution (chunks whose result had another contributor
+    with positive weight, in parts that completed), out of how many. For an aux member (no
+    tensors of its own) both count its own part: elements reduced from >= 2 contributions.
     """
 
     averaged: list[torch.Tensor] | None
@@ -128,11 +142,44 @@ class AllReduceResult:
     deviation: float | None = None
     timed_out: bool = False
     failure_reasons: dict[PeerID, str] = field(default_factory=dict)
+    left_out_by: dict[PeerID, str] = field(default_factory=dict)
+    averaged_numel: int = 0
+    numel: int = 0
 
     @property
     def failed_peers(self) -> set[PeerID]:
         """Everyone who failed this round in any role (to avoid repeat offenders)."""
         return self.failed_senders | self.failed_reducers | set(self.excluded)
+
+    @property
+    def averaged_fraction(self) -> float:
+        """Share (0..1) of this member's elements averaged with at least one other member."""
+        return self.averaged_numel / self.numel if self.numel else 0.0
+
+    def why_not_averaged(self) -> str | None:
+        """Why nothing was averaged (None if something was), for ``StepResult.reason``."""
+        if self.averaged_numel > 0:
+            return None
+        if self.numel == 0:
+            return "nothing to average: 0 elements"
+        if self.left_out_by:
+            reasons = sorted(set(self.left_out_by.values()))
+            return (
+                f"this peer was left out by {len(self.left_out_by)} reducer(s): "
+                + "; ".join(reasons[:3])
+                + ("; ..." if len(reasons) > 3 else "")
+            )[:1000]
+        if self.timed_out:
+            return "the all-reduce timed out before anything was averaged with another peer"
+        details = sorted(f"{peer}: {why}" for peer, why in self.failure_reasons.items())
+        for peer, why in sorted(self.excluded.items(), key=lambda item: str(item[0])):
+            details.append(f"{peer}: excluded: {why}")
+        return (
+            "nothing was averaged with another peer"
+            + (": " if details else "")
+            + "; ".join(details[:3])
+            + ("; ..." if len(details) > 3 else "")
+        )[:1000]
 
 
 class _Codecs:
@@ -254,6 +301,7 @@ class _Round:
         sender_timeout: float,
         reducer_timeout: float,
         out: list[torch.Tensor] | None = None,
+        max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
     ) -> None:
         self.service = service
         self.group = group
@@ -278,8 +326,10 @@ class _Round:
         )
         self.part_ok = [False] * group.size
         self.part_dev = [0.0] * group.size
+        self.part_averaged = [0] * group.size  # elements averaged with someone else, per part
         self.failed_reducers: dict[int, str] = {}
         self.bad_reducers: dict[int, str] = {}
+        self.left_out_by: dict[int, str] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
         self._connected: set[int] = set()
@@ -296,22 +346,35 @@ class _Round:
                 sender_timeout=sender_timeout,
                 window=service.window,
                 local=me if self.is_sender else None,
+                max_weight_ratio=max_weight_ratio,
             )
 
     # ---- reducer side ----
 
     async def _finalize(
-        self, k: int, values: torch.Tensor | None, dev: float
+        self, k: int, values: torch.Tensor | None, dev: float, contributors: int
     ) -> tuple[Any, torch.Tensor | None]:
+        """Compress chunk ``k``'s (finite) aggregate once for every receiver; a codec whose
+        output is not finite (a value out of its range) yields "keep local values" instead."""
         if values is None:
-            return result_msg(k, None, 0.0), None
+            return result_msg(k, None, 0.0, 0), None
         ct, decoded = await self.service._run_cpu(
             self.codecs.reduced,
             values,
             self.chunks[self.me][k],
             numel=self.codecs.reduced_cost(values.numel()),
         )
-        return result_msg(k, ct, dev), decoded
+        if decoded is not values and not all_finite(decoded):
+            logger.warning("chunk %d: the compressed result is not finite; not sending it", k)
+            return result_msg(k, None, 0.0, 0), None
+        return result_msg(k, ct, dev, contributors), decoded
+
+    def left_out(self, peer: PeerID) -> bool:
+        """True if our part's reducer has left ``peer`` out (to say so when refusing it)."""
+        if self.reducer is None or peer not in self.group.members:
+            return False
+        s = self.group.members.index(peer)
+        return s in self.reducer.failed or s in self.reducer.excluded
 
     def exclude_peer(self, peer: PeerID, reason: str) -> None:
         """Leave a member that sent an invalid hello out of this member's part."""
@@ -345,13 +408,14 @@ class _Round:
                 reason = f"chunk size {hello.chunk} != ours {self.chunk_numel} (different chunk_numel settings)"
             reducer.fail(s, reason, excluded=True)
             raise ProtocolError(reason)
+        reducer.declare(s, hello.weight)
         scope = trio.CancelScope()
         reducer.on_fail(s, scope.cancel)
         self._scopes.add(scope)
         try:
             with scope:
                 error = await _first_error(
-                    lambda: self._serve_chunks(stream, s, hello.weight),
+                    lambda: self._serve_chunks(stream, s),
                     lambda: self._serve_results(stream, s),
                 )
                 if error is not None and not isinstance(error, SenderFailed):
@@ -368,7 +432,7 @@ class _Round:
             raise SenderFailed("the round ended before the exchange completed")
         await stream.aclose()
 
-    async def _serve_chunks(self, stream: P2PStream, s: int, weight: float) -> None:
+    async def _serve_chunks(self, stream: P2PStream, s: int) -> None:
         assert self.reducer is not None
         for k, (a, b) in enumerate(self.chunks[self.me]):
             await self.reducer.wait_turn(s, k)
@@ -376,7 +440,7 @@ class _Round:
             ct = parse_chunk(msg, k, b - a)
             values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=decode_cost(ct))
             self.bytes_received += ct.nbytes
-            await self.reducer.contribute(s, k, values, weight)
+            await self.reducer.contribute(s, k, values)
 
     async def _serve_results(self, stream: P2PStream, s: int) -> None:
         assert self.reducer is not None
@@ -414,19 +478,30 @@ class _Round:
             values = await self.service._run_cpu(
                 gather, self.tensors, self.layout, a, b, numel=cost
             )
-            await self.reducer.contribute(self.me, k, values, self.weight)
+            await self.reducer.contribute(self.me, k, values)
 
     async def _local_receiver(self) -> None:
         assert self.reducer is not None
         for _ in self.chunks[self.me]:
             k, msg = await self.reducer.next_result(self.me)
-            self._write(self.chunks[self.me][k], self.reducer.local_result(k))
+            bounds = self.chunks[self.me][k]
+            values = self.reducer.local_result(k)
+            self._write(bounds, values)
+            self._count_averaged(self.me, bounds, values is not None, msg["n"])
             self.part_dev[self.me] += msg["dev"]
             self.reducer.mark_sent(self.me, k)
         self.part_ok[self.me] = True
 
+    def _count_averaged(self, j: int, bounds: tuple[int, int], got: bool, n: int) -> None:
+        """Chunk ``bounds`` of part ``j`` counts as averaged if its result contained another
+        member's contribution (``n`` counts ours too when our weight is positive)."""
+        if got and n - (1 if self.weight > 0 else 0) >= 1:
+            self.part_averaged[j] += bounds[1] - bounds[0]
+
     async def run_own_part(self) -> None:
         assert self.reducer is not None
+        if self.is_sender:
+            self.reducer.declare(self.me, self.weight)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.reducer.run)
             if self.is_sender:
@@ -505,14 +580,17 @@ class _Round:
         for k, (a, b) in enumerate(self.chunks[j]):
             with trio.fail_after(self.reducer_timeout):
                 msg = await stream.receive_msg(max_size=max_chunk_message(b - a))
-            ct, dev = parse_result(msg, k, b - a)
-            if ct is None:
+            res: Result = parse_result(msg, k, b - a)
+            if res.ct is None:
                 self._write((a, b), None)
             else:
-                values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=decode_cost(ct))
-                self.bytes_received += ct.nbytes
+                values = await self.service._run_cpu(
+                    decode_chunk, res.ct, b - a, numel=decode_cost(res.ct)
+                )
+                self.bytes_received += res.ct.nbytes
                 self._write((a, b), values)
-            self.part_dev[j] += dev
+            self._count_averaged(j, (a, b), res.ct is not None, res.contributors)
+            self.part_dev[j] += res.deviation
             received[0] = k + 1
             progress[0].set()
             progress[0] = trio.Event()
@@ -527,7 +605,11 @@ class _Round:
             reason = f"reducer ended the exchange: {error}"
         else:
             reason = f"{type(error).__name__}: {error}"
-        self.failed_reducers[j] = reason
+        if isinstance(error, RemoteAbort) and error.left_out:
+            # the reducer refused *our* contribution: not its failure (warned about in finish)
+            self.left_out_by[j] = str(error)
+        else:
+            self.failed_reducers[j] = reason
         logger.info("part %d (reducer %s) failed: %s", j, self.group.members[j], reason)
         with trio.move_on_after(CLOSE_TIMEOUT) as cs:
             cs.shield = True
@@ -574,6 +656,17 @@ class _Round:
         for j, reason in self.bad_reducers.items():
             excluded[group.members[j]] = f"as reducer: {reason}"
         failed_reducers = {group.members[j] for j in self.failed_reducers if j != self.me}
+        left_out_by = {group.members[j]: why for j, why in self.left_out_by.items()}
+        if left_out_by:
+            logger.warning(
+                "all-reduce round %s: %d of %d reducers left this member's contribution out "
+                "(their parts keep local values): %s",
+                group.group_id.hex()[:8],
+                len(left_out_by),
+                sum(1 for j, c in enumerate(self.chunks) if c and j != self.me),
+                "; ".join(f"{peer}: {why}" for peer, why in left_out_by.items())[:2000],
+            )
+        averaged_numel, numel = await self._averaged_numel()
         parts_needed = [j for j, c in enumerate(self.chunks) if c]
         deviation = (
             sum(self.part_dev[j] for j in parts_needed)
@@ -591,7 +684,39 @@ class _Round:
             deviation=deviation,
             timed_out=timed_out,
             failure_reasons=reasons,
+            left_out_by=left_out_by,
+            averaged_numel=averaged_numel,
+            numel=numel,
         )
+
+    async def _averaged_numel(self) -> tuple[int, int]:
+        """(elements averaged with someone else, total elements) of this member; see
+        :class:`AllReduceResult`. Also the last guard of the caller's tensors: a finite float32
+        result can still overflow an output of a narrower dtype (float16 holds at most 65504);
+        such elements get the local values back and do not count as averaged."""
+        if not self.is_sender:
+            if self.reducer is None:
+                return 0, 0
+            a, b = self.bounds[self.me]
+            done = sum(
+                hi - lo
+                for k, (lo, hi) in enumerate(self.chunks[self.me])
+                if k < self.reducer.next_emit and self.reducer.contributors_of[k] >= 2
+            )
+            return done, b - a
+        averaged = sum(n for j, n in enumerate(self.part_averaged) if self.part_ok[j])
+        if self.outputs is not None and self.tensors is not None:
+            for out, local in zip(self.outputs, self.tensors, strict=True):
+                if out.dtype in (torch.float32, torch.float64) or all_finite(out):
+                    continue
+                bad = await self.service._run_cpu(_restore_nonfinite, out, local, numel=out.numel())
+                logger.warning(
+                    "%d averaged values overflow this member's %s tensor; kept local values there",
+                    bad,
+                    out.dtype,
+                )
+                averaged = max(0, averaged - bad)
+        return averaged, self.total
 
 
 class AllReduceService:
@@ -600,7 +725,9 @@ class AllReduceService:
     ``accept_timeout``: how long an incoming stream may wait for its hello and for the local
     round with that group id to start (peers finish matchmaking at slightly different times).
     ``register=False`` leaves registering :meth:`handle_stream` to the caller (e.g. to share
-    the protocol with another handler).
+    the protocol with another handler). ``max_weight_ratio``: this member's reducer clips a
+    sender's weight to this many times the (lower) median declared weight of its part (see
+    ``allreduce_reducer``); every member should use the same value.
     """
 
     def __init__(
@@ -613,7 +740,12 @@ class AllReduceService:
         accept_timeout: float = 5.0,
         max_threads: int | None = None,
         register: bool = True,
+        max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
     ) -> None:
+        if not (math.isfinite(max_weight_ratio) and max_weight_ratio >= 1):
+            raise ValueError(
+                f"max_weight_ratio must be a finite number >= 1, got {max_weight_ratio!r}"
+            )
         if not 1 <= chunk_numel <= 1 << 24:
             raise ValueError("chunk_numel must be in [1, 2**24]")
         if not 1 <= window <= 64:
@@ -623,6 +755,7 @@ class AllReduceService:
         self.chunk_numel = chunk_numel
         self.window = window
         self.accept_timeout = accept_timeout
+        self.max_weight_ratio = float(max_weight_ratio)
         self._limiter = trio.CapacityLimiter(max_threads or max(1, min(4, os.cpu_count() or 1)))
         self._rounds: dict[bytes, _Round] = {}
         self._round_added = trio.Event()
@@ -684,7 +817,9 @@ class AllReduceService:
             logger.info("bad all-reduce hello from %s: %s", peer, e)
             if round_ is not None:
                 round_.exclude_peer(peer, f"bad hello: {e}")
-            await self._refuse(stream, str(e))
+            await self._refuse(
+                stream, str(e), left_out=round_ is not None and round_.left_out(peer)
+            )
             return
         finally:
             self._pending_streams -= 1
@@ -700,16 +835,17 @@ class AllReduceService:
             await round_.serve(stream, hello)
         except (ProtocolError, SenderFailed) as e:
             logger.info("all-reduce sender %s left out: %s", peer, e)
-            await self._refuse(stream, str(e))
+            await self._refuse(stream, str(e), left_out=round_.left_out(peer))
         except (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             logger.info("all-reduce stream from %s broke: %s", peer, e)
-            await self._refuse(stream, str(e))
+            await self._refuse(stream, str(e), left_out=round_.left_out(peer))
 
-    async def _refuse(self, stream: P2PStream, reason: str) -> None:
-        """Best effort: tell the peer why, then drop the stream."""
+    async def _refuse(self, stream: P2PStream, reason: str, left_out: bool = False) -> None:
+        """Best effort: tell the peer why (and whether we left its contribution out of our
+        part, so that it learns it was excluded), then drop the stream."""
         with trio.move_on_after(CLOSE_TIMEOUT) as cs:
             cs.shield = True
-            await _quietly(stream.send_msg(error_msg(reason)))
+            await _quietly(stream.send_msg(error_msg(reason, left_out=left_out)))
             await _quietly(stream.aclose())
 
     async def run(
@@ -763,7 +899,7 @@ class AllReduceService:
         round_ = _Round(
             self, group, me, None if aux else tensors, total, layout, 0.0 if aux else float(weight),
             _Codecs(compression), aggregation or WeightedMean(), sender_timeout, reducer_timeout,
-            None if out is None else list(out),
+            None if out is None else list(out), self.max_weight_ratio,
         )  # fmt: skip
         self._rounds[group.group_id] = round_
         self._round_added.set()
@@ -806,6 +942,13 @@ def _check_out(tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> 
     outputs = [o.untyped_storage().data_ptr() for o in out if o.numel()]
     if len(set(outputs)) != len(outputs) or inputs & set(outputs):
         raise ValueError("out tensors must not share memory with each other or with the inputs")
+
+
+def _restore_nonfinite(out: torch.Tensor, local: torch.Tensor) -> int:
+    """Put ``local``'s values where ``out`` is NaN/Inf; returns how many there were."""
+    bad = ~torch.isfinite(out)
+    out[bad] = local.to(out.device)[bad]
+    return int(bad.sum())
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -2,15 +2,20 @@
 
 One stream per (sender, reducer) pair, opened by the sender (see docs/allreduce.md)::
 
-    sender -> reducer   {"t": "hello", "v": 1, "gid": bytes, "part": int, "total": int,
+    sender -> reducer   {"t": "hello", "v": 2, "gid": bytes, "part": int, "total": int,
                          "chunk": int, "w": float}
     sender -> reducer   {"t": "chunk", "k": int, "ct": CompressedTensor msg}      k = 0, 1, ...
-    reducer -> sender   {"t": "result", "k": int, "ct": CompressedTensor msg | None, "dev": float}
-    either way          {"t": "error", "reason": str}                            then the stream ends
+    reducer -> sender   {"t": "result", "k": int, "ct": CompressedTensor msg | None, "dev": float,
+                         "n": int}
+    either way          {"t": "error", "reason": str[, "left_out": True]}        then the stream ends
 
-``ct = None`` in a result means "no contributor to this chunk had positive weight: keep your
-local values". Every parser here raises :class:`ProtocolError` with a reason that names what
-was wrong; the caller turns it into an exclusion of that peer.
+``ct = None`` in a result means "keep your local values for this chunk" (no contributor had
+positive weight, or the aggregate was not finite). ``n`` is the number of contributions with
+positive weight in the result (so a receiver knows whether anyone else's values were in it).
+``left_out`` in an error from a reducer means "your contribution was left out of my part"
+(you stalled, or sent something invalid: the reason says which), as opposed to the reducer
+failing on its own. Every parser here raises :class:`ProtocolError` with a reason that names
+what was wrong; the caller turns it into an exclusion of that peer.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch
 
 from compression import CompressedTensor, CompressionError, NoCompression, decompress
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: results carry "n", errors may carry "left_out"
+MAX_SENDERS = 1 << 16  # bound on a result's "n" (a group is far smaller)
 MAX_WEIGHT = 1e9  # a sender's weight is its own claim; cap it so it cannot dwarf everyone
 MAX_REASON_CHARS = 500
 HELLO_MAX_BYTES = 512
@@ -48,7 +54,15 @@ class ProtocolError(Exception):
 
 
 class RemoteAbort(Exception):
-    """The other side ended our exchange with an error message (its reason is the text)."""
+    """The other side ended our exchange with an error message (its reason is the text).
+
+    ``left_out``: the reducer says it left our contribution out of its part (we stalled or
+    sent something it refused), rather than failing itself.
+    """
+
+    def __init__(self, reason: str, left_out: bool = False) -> None:
+        super().__init__(reason)
+        self.left_out = left_out
 
 
 def max_chunk_message(numel: int) -> int:
@@ -84,7 +98,8 @@ def _field(msg: Any, kind: str, fields: set[str]) -> dict[str, Any]:
     if t == "error" and kind != "error":
         reason = msg.get("reason")
         raise RemoteAbort(
-            reason[:MAX_REASON_CHARS] if isinstance(reason, str) else "unspecified error"
+            reason[:MAX_REASON_CHARS] if isinstance(reason, str) else "unspecified error",
+            left_out=msg.get("left_out") is True,
         )
     if t != kind:
         raise ProtocolError(f"expected a {kind!r} message, got type {str(t)[:40]!r}")
@@ -137,12 +152,23 @@ def chunk_msg(k: int, ct: CompressedTensor) -> dict[str, Any]:
     return {"t": "chunk", "k": k, "ct": ct.to_msg()}
 
 
-def result_msg(k: int, ct: CompressedTensor | None, deviation: float) -> dict[str, Any]:
-    return {"t": "result", "k": k, "ct": None if ct is None else ct.to_msg(), "dev": deviation}
+def result_msg(
+    k: int, ct: CompressedTensor | None, deviation: float, contributors: int
+) -> dict[str, Any]:
+    return {
+        "t": "result",
+        "k": k,
+        "ct": None if ct is None else ct.to_msg(),
+        "dev": deviation,
+        "n": contributors,
+    }
 
 
-def error_msg(reason: str) -> dict[str, Any]:
-    return {"t": "error", "reason": reason[:MAX_REASON_CHARS]}
+def error_msg(reason: str, *, left_out: bool = False) -> dict[str, Any]:
+    msg: dict[str, Any] = {"t": "error", "reason": reason[:MAX_REASON_CHARS]}
+    if left_out:
+        msg["left_out"] = True
+    return msg
 
 
 def _parse_ct(raw: Any, numel: int) -> CompressedTensor:
@@ -163,12 +189,23 @@ def parse_chunk(msg: Any, k: int, numel: int) -> CompressedTensor:
     return _parse_ct(m["ct"], numel)
 
 
-def parse_result(msg: Any, k: int, numel: int) -> tuple[CompressedTensor | None, float]:
-    m = _field(msg, "result", {"t", "k", "ct", "dev"})
+@dataclass(frozen=True)
+class Result:
+    ct: CompressedTensor | None  # None: keep local values for this chunk
+    deviation: float
+    contributors: int
+
+
+def parse_result(msg: Any, k: int, numel: int) -> Result:
+    m = _field(msg, "result", {"t", "k", "ct", "dev", "n"})
     if m["k"] != k or type(m["k"]) is not int:
         raise ProtocolError(f"expected result {k}, got result {str(m['k'])[:20]}")
     dev = _float(m["dev"], "deviation", 0.0, math.inf)
-    return (None if m["ct"] is None else _parse_ct(m["ct"], numel)), dev
+    n = _int(m["n"], "contributors", 0, MAX_SENDERS)
+    ct = None if m["ct"] is None else _parse_ct(m["ct"], numel)
+    if (ct is None) != (n == 0):
+        raise ProtocolError(f"result with {n} contributors must {'not ' if n else ''}be empty")
+    return Result(ct, dev, n)
 
 
 def decode_chunk(ct: CompressedTensor, numel: int) -> torch.Tensor:

@@ -7,6 +7,22 @@ one to finalize; senders still missing then are marked failed for the rest of th
 A sender may be at most ``window`` chunks ahead of the results it has been sent, so memory is
 bounded by ``window x senders`` chunks whatever the peers do.
 
+Weights. Every sender declares its weight (in its hello; the local member directly) before
+its first chunk. A weight is the sender's own claim, so once every sender still in the part has
+declared (or failed), the weights are fixed for the part: a weight above ``max_weight_ratio``
+times the median of the positive declared weights (the lower median, so that a minority
+claiming huge weights cannot raise it) is clipped to that bound, and all weights are divided
+by their sum. Chunks that arrive before the weights are fixed wait (at most ``window`` per
+sender, references only). Normalised weights sum to at most 1, so the float32 weighted sum of
+finite float32 values stays within their range: one sender's huge weight can neither
+overflow the mean nor buy more than ``max_weight_ratio`` x a typical member's influence.
+
+Results. Every chunk's result is checked before anyone sees it: a non-finite aggregate (only
+possible in corner cases, see ``aggregation``) is not sent; the chunk's result is then
+"keep your local values" (``None``) and a warning is logged. Each result carries ``n``, the
+number of contributions with positive weight in it, so that receivers know whether they
+averaged with anybody else.
+
 This class knows nothing about streams: the service feeds it decoded chunks and forwards its
 results; the local member feeds its own chunks directly.
 """
@@ -14,6 +30,8 @@ results; the local member feeds its own chunks directly.
 from __future__ import annotations
 
 import logging
+import math
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,11 +39,33 @@ import torch
 import trio
 
 from moshpit.averaging.aggregation import Aggregator
+from moshpit.averaging.allreduce_protocol import all_finite
 
 logger = logging.getLogger(__name__)
 
-# (chunk index, values) -> (wire message, local float32 result); compresses in a worker thread
-Finalizer = Callable[[int, torch.Tensor | None, float], Awaitable[tuple[Any, torch.Tensor | None]]]
+DEFAULT_MAX_WEIGHT_RATIO = 100.0
+
+# (chunk index, values, deviation, contributors) -> (wire message, local float32 result);
+# compresses in a worker thread; returns a None result if the compressed values are not finite
+Finalizer = Callable[
+    [int, torch.Tensor | None, float, int], Awaitable[tuple[Any, torch.Tensor | None]]
+]
+
+
+def weight_cap(declared: dict[int, float], max_ratio: float) -> float:
+    """``max_ratio`` x the lower median of the positive declared weights (0 if none)."""
+    positive = sorted(w for w in declared.values() if w > 0)
+    return max_ratio * positive[(len(positive) - 1) // 2] if positive else 0.0
+
+
+def effective_weights(declared: dict[int, float], max_ratio: float) -> dict[int, float]:
+    """Clip every weight to :func:`weight_cap`, then divide by the sum (all zero if none is
+    positive). Deterministic in the declared weights, so every reducer that saw the same
+    declarations uses the same weights."""
+    cap = weight_cap(declared, max_ratio)
+    clipped = {s: min(w, cap) for s, w in declared.items()}
+    total = math.fsum(clipped.values())
+    return {s: (w / total if total > 0 else 0.0) for s, w in clipped.items()}
 
 
 class SenderFailed(Exception):
@@ -44,6 +84,7 @@ class PartReducer:
         sender_timeout: float,
         window: int,
         local: int | None,
+        max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
     ) -> None:
         self.chunks = chunks
         self.aggregator = aggregator
@@ -52,6 +93,12 @@ class PartReducer:
         self.sender_timeout = sender_timeout
         self.window = window
         self.local = local  # this member's own sender index, if it contributes to this part
+        self.max_weight_ratio = max_weight_ratio
+        self.declared: dict[int, float] = {}  # raw weights as claimed by the senders
+        self.weights: dict[int, float] | None = None  # normalised, once every sender declared
+        self._deferred: list[tuple[int, int, torch.Tensor]] = []  # (sender, k, values)
+        self.nonfinite_chunks = 0  # results withheld because the aggregate was not finite
+        self.contributors_of = [0] * len(chunks)  # "n" of every finalized chunk
         self.active: set[int] = set(senders)
         self.failed: dict[int, str] = {}
         self.excluded: dict[int, str] = {}
@@ -80,10 +127,28 @@ class PartReducer:
         (self.excluded if excluded else self.failed)[sender] = reason
         if sender == self.local:
             self._local_results.clear()  # nobody will collect them
+        self._maybe_fix_weights()
         callback = self._on_fail.pop(sender, None)
         if callback is not None:
             callback()
         self._notify()
+
+    def declare(self, sender: int, weight: float) -> None:
+        """Record ``sender``'s claimed weight (before its first chunk; validated by the caller)."""
+        if sender in self.active and sender not in self.declared and self.weights is None:
+            self.declared[sender] = weight
+            self._maybe_fix_weights()
+
+    def _maybe_fix_weights(self, force: bool = False) -> None:
+        if self.weights is None and (force or self.active <= self.declared.keys()):
+            self.weights = effective_weights(self.declared, self.max_weight_ratio)
+            cap = weight_cap(self.declared, self.max_weight_ratio)
+            clipped = sorted(s for s, w in self.declared.items() if w > cap)
+            if clipped:
+                logger.info(
+                    "weights of senders %s clipped to %g (%g x the median weight)",
+                    clipped, cap, self.max_weight_ratio,
+                )  # fmt: skip
 
     def on_fail(self, sender: int, callback: Callable[[], None]) -> None:
         """Call ``callback`` once if ``sender`` fails (e.g. to cancel its stream task)."""
@@ -102,19 +167,37 @@ class PartReducer:
         if sender not in self.active:
             raise SenderFailed(self._reason(sender))
 
-    async def contribute(self, sender: int, k: int, values: torch.Tensor, weight: float) -> None:
-        """Add ``sender``'s validated float32 chunk ``k``; raises SenderFailed if it was left out."""
+    async def contribute(self, sender: int, k: int, values: torch.Tensor) -> None:
+        """Add ``sender``'s validated float32 chunk ``k`` (read-only until the chunk is
+        finalized); raises SenderFailed if it was left out."""
         async with self._lock:
             if sender not in self.active:
                 raise SenderFailed(self._reason(sender))
             if k < self._closed or sender in self._contributed[k]:  # a bug of the caller
                 raise RuntimeError(f"chunk {k} from sender {sender} is late or duplicate")
-            agg = self._pending.get(k)
-            if agg is None:
-                agg = self._pending[k] = self.aggregator.begin(values.numel())
-            await self._run_cpu(agg.add, values, weight, numel=agg.add_cost())
+            if sender not in self.declared:
+                raise RuntimeError(f"sender {sender} contributed before declaring its weight")
             self._contributed[k].add(sender)
+            if self.weights is None:
+                self._deferred.append((sender, k, values))
+            else:
+                await self._add_deferred()
+                await self._add(sender, k, values)
         self._notify()
+
+    async def _add(self, sender: int, k: int, values: torch.Tensor) -> None:
+        """Aggregate one contribution with its normalised weight (caller holds the lock)."""
+        assert self.weights is not None
+        agg = self._pending.get(k)
+        if agg is None:
+            agg = self._pending[k] = self.aggregator.begin(values.numel())
+        weight = self.weights.get(sender, 0.0)
+        await self._run_cpu(agg.add, values, weight, numel=agg.add_cost())
+
+    async def _add_deferred(self) -> None:
+        while self._deferred:
+            sender, k, values = self._deferred.pop(0)
+            await self._add(sender, k, values)
 
     async def next_result(self, sender: int) -> tuple[int, Any]:
         """The next (chunk index, wire message) to send to ``sender``; raises SenderFailed."""
@@ -165,6 +248,9 @@ class PartReducer:
                     self.fail(
                         s, f"stalled: chunk {k} not received within {self.sender_timeout:.3g}s"
                     )
+                # every sender still active has contributed chunk k, so it has declared
+                self._maybe_fix_weights(force=True)
+                await self._add_deferred()
                 agg = self._pending.pop(k, None)
                 self._closed = k + 1
                 res = (
@@ -173,7 +259,18 @@ class PartReducer:
                     else await self._run_cpu(agg.result, numel=agg.result_cost())
                 )
             values, dev = (None, 0.0) if res is None else res
-            msg, local = await self._finalize_fn(k, values, dev)
+            n = 0 if agg is None else agg.contributors
+            if values is not None and not all_finite(values):
+                self.nonfinite_chunks += 1
+                logger.warning(
+                    "chunk %d aggregated to NaN/Inf from %d contributions; not sending it "
+                    "(everyone keeps local values for it)", k, n,
+                )  # fmt: skip
+                values, dev, n = None, 0.0, 0
+            if not math.isfinite(dev):  # cannot happen for finite float32 inputs; saturate
+                dev = sys.float_info.max
+            self.contributors_of[k] = n
+            msg, local = await self._finalize_fn(k, values, dev, n)
             self._results[k] = msg
             if self.local is not None and self.local in self.active:
                 self._local_results[k] = local

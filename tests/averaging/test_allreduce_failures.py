@@ -359,7 +359,7 @@ async def test_malicious_reducer_results_are_rejected(autojump_clock):
             await stream.receive_msg()  # hello
             await stream.receive_msg()  # chunk 0
             await stream.send_msg(
-                result_msg(0, NoCompression().compress(torch.full((b2 - a2,), math.nan)), 0.0)
+                result_msg(0, NoCompression().compress(torch.full((b2 - a2,), math.nan)), 0.0, 3)
             )
             with trio.move_on_after(5):
                 await stream.receive_msg()
