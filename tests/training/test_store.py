@@ -1,0 +1,425 @@
+"""StateStore: content-addressed checkpoints, verification, versions, garbage collection."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from moshpit.training.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    NoCheckpointError,
+)
+from moshpit.training.manifest import Manifest, build_manifest, chunk_digest
+from moshpit.training.store import StateStore, load_state, save_state
+
+CHUNK = 4096  # small chunks so that the tests' tensors span several
+
+
+def named_state(seed: int, scale: int = 1) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        ("layer.weight", torch.randn(64 * scale, 48, generator=gen)),
+        ("layer.bias", torch.randn(48, generator=gen).to(torch.bfloat16)),
+        ("step", torch.tensor(seed, dtype=torch.int64)),
+        ("mask", torch.rand(33, generator=gen) > 0.5),
+        ("empty", torch.zeros(0, 7, dtype=torch.float16)),
+        ("codes", torch.randint(-128, 127, (5000,), generator=gen, dtype=torch.int8)),
+    ]
+
+
+def assert_same(named: list[tuple[str, torch.Tensor]], tensors: list[torch.Tensor]) -> None:
+    assert len(named) == len(tensors)
+    for (name, want), got in zip(named, tensors, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got, want), name
+
+
+def chunk_files(directory: pathlib.Path) -> dict[str, tuple[int, int]]:
+    """chunk name -> (inode, mtime_ns): a rewrite (tmp + rename) gives a new inode."""
+    out = {}
+    for path in (directory / "chunks").rglob("*"):
+        if path.is_file():
+            st = path.stat()
+            out[path.name] = (st.st_ino, st.st_mtime_ns)
+    return out
+
+
+def chunk_path(directory: pathlib.Path, digest: bytes) -> pathlib.Path:
+    return directory / "chunks" / digest.hex()[:2] / digest.hex()
+
+
+def test_save_and_load_round_trip_every_dtype(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    named = named_state(1)
+    # a non-contiguous tensor is saved by value
+    named.append(("transposed", torch.arange(12.0).reshape(3, 4).t()))
+    manifest = save_state(store, named, 7, {"lr": 0.1, "note": "x"}, chunk_bytes=CHUNK)
+    # the same manifest (and root) as the shared contract's build_manifest
+    assert manifest.root == build_manifest(named, 7, {"lr": 0.1, "note": "x"}, CHUNK)[0].root
+
+    loaded, tensors = load_state(StateStore(tmp_path))
+    assert loaded == manifest and loaded.root == manifest.root
+    assert loaded.epoch == 7 and dict(loaded.metadata) == {"lr": 0.1, "note": "x"}
+    assert_same(named, tensors)
+    assert store.committed_roots() == [manifest.root]
+    assert store.missing_chunks(manifest) == {}
+
+
+def test_save_with_explicit_chunks_and_latest(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    with pytest.raises(NoCheckpointError):
+        store.latest()
+    with pytest.raises(NoCheckpointError):
+        load_state(store)
+    named = named_state(2)
+    manifest, chunks = build_manifest(named, 3, chunk_bytes=CHUNK)
+    assert store.missing_chunks(manifest) == manifest.chunk_refs()
+    store.save(manifest, chunks)
+    assert store.latest() == manifest
+    assert store.load_manifest(manifest.root) == manifest
+    assert_same(named, store.load_tensors(manifest))
+
+
+def test_unchanged_tensors_are_not_rewritten(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path, keep=2)
+    first = named_state(3, scale=4)
+    m1 = save_state(store, first, 1, chunk_bytes=CHUNK)
+    before = chunk_files(tmp_path)
+    assert set(before) == {d.hex() for d in m1.chunk_refs()}
+
+    # only the weight changes (one chunk's worth of it): every other chunk file stays as it was
+    second = [(n, t.clone()) for n, t in first]
+    second[0][1][0, 0] += 1.0
+    m2 = save_state(store, second, 2, chunk_bytes=CHUNK)
+    after = chunk_files(tmp_path)
+    new = set(m2.chunk_refs()) - set(m1.chunk_refs())
+    assert len(new) == 1
+    assert set(after) == set(before) | {d.hex() for d in new}
+    for name, stamp in before.items():
+        assert after[name] == stamp, "an unchanged chunk was rewritten"
+
+    # saving the same state again writes no chunk at all
+    m3 = save_state(store, second, 2, chunk_bytes=CHUNK)
+    assert m3.root == m2.root and chunk_files(tmp_path) == after
+    # explicit save() skips present chunks too (the chunks it would write are not even read)
+    manifest, chunks = build_manifest(second, 5, chunk_bytes=CHUNK)
+    present = {d: memoryview(b"never read") for d in chunks}
+    store.save(manifest, present)
+    final = chunk_files(tmp_path)  # m1's own chunk is collected now (keep=2: m5, m2)
+    assert set(final) == {d.hex() for d in manifest.chunk_refs()}
+    assert all(final[name] == after[name] for name in final)
+
+
+def test_identical_chunks_within_a_state_are_stored_once(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    zeros = [(f"z{i}", torch.zeros(4 * CHUNK // 4)) for i in range(3)]
+    manifest = save_state(store, zeros, 0, chunk_bytes=CHUNK)
+    assert len(manifest.chunk_refs()) == 1
+    assert len(chunk_files(tmp_path)) == 1
+    assert_same(zeros, load_state(store)[1])
+
+
+def test_corrupt_chunk_names_the_tensor_and_is_removed(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    named = named_state(4)
+    manifest = save_state(store, named, 1, chunk_bytes=CHUNK)
+    spec = manifest.tensors[5]  # "codes": two chunks; damage the second one
+    path = chunk_path(tmp_path, spec.chunks[1].digest)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="'codes'") as info:
+        load_state(store)
+    assert "does not match its digest" in str(info.value)
+    # removed, so missing_chunks() reports it and a download can replace it
+    assert not path.exists()
+    assert store.missing_chunks(manifest) == {spec.chunks[1].digest: spec.chunks[1].size}
+    with pytest.raises(CheckpointCorruptError, match="'codes'.*is missing"):
+        load_state(store)
+    # a peer puts the good chunk back: the checkpoint loads again
+    good = build_manifest(named, 1, chunk_bytes=CHUNK)[1][spec.chunks[1].digest]
+    store.put_chunk(spec.chunks[1].digest, good)
+    assert_same(named, load_state(store)[1])
+
+
+def test_truncated_chunk_names_the_tensor(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    manifest = save_state(store, named_state(5), 1, chunk_bytes=CHUNK)
+    spec = manifest.tensors[0]
+    path = chunk_path(tmp_path, spec.chunks[2].digest)
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(CheckpointCorruptError, match="'layer.weight'.*4095 bytes, expected 4096"):
+        store.load_tensors(manifest)
+
+
+def test_truncated_manifest_is_corrupt(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    manifest = save_state(store, named_state(6), 1, chunk_bytes=CHUNK)
+    path = tmp_path / "manifests" / manifest.root.hex()
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointCorruptError, match="truncated or damaged"):
+        store.latest()
+    with pytest.raises(CheckpointCorruptError):
+        load_state(store)
+    path.unlink()
+    with pytest.raises(CheckpointCorruptError, match="manifest is missing"):
+        store.latest()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"",
+        b"\x00\xff garbage",
+        b"moshpit-checkpoint 1\n",  # torn: no root, no checksum
+        b"moshpit-checkpoint 1\n" + b"ab" * 32 + b"\n",  # no checksum line
+        b"moshpit-checkpoint one\n",
+        b"something-else 1\n",
+    ],
+)
+def test_garbage_latest_is_corrupt(tmp_path: pathlib.Path, garbage: bytes) -> None:
+    store = StateStore(tmp_path)
+    save_state(store, named_state(7), 1, chunk_bytes=CHUNK)
+    (tmp_path / "LATEST").write_bytes(garbage)
+    with pytest.raises(CheckpointCorruptError, match="LATEST is damaged"):
+        store.latest()
+
+
+def test_flipped_byte_in_latest_is_corrupt(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    save_state(store, named_state(8), 1, chunk_bytes=CHUNK)
+    save_state(store, named_state(9), 2, chunk_bytes=CHUNK)
+    latest = tmp_path / "LATEST"
+    good = latest.read_bytes()
+    # swap the two roots: every line still well formed, only the checksum catches it
+    lines = good.split(b"\n")
+    lines[1], lines[2] = lines[2], lines[1]
+    latest.write_bytes(b"\n".join(lines))
+    with pytest.raises(CheckpointCorruptError, match="LATEST is damaged"):
+        store.latest()
+
+
+def test_a_save_replaces_a_damaged_latest(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    save_state(store, named_state(10), 1, chunk_bytes=CHUNK)
+    (tmp_path / "LATEST").write_bytes(b"garbage")
+    named = named_state(11)
+    manifest = save_state(store, named, 2, chunk_bytes=CHUNK)
+    assert store.latest() == manifest
+    assert_same(named, load_state(store)[1])
+
+
+def test_unknown_manifest_version_is_a_format_error(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    manifest, chunks = build_manifest(named_state(12), 1, chunk_bytes=CHUNK)
+    future = Manifest(manifest.epoch, manifest.tensors, manifest.chunk_bytes, {}, version=2)
+    for digest, data in chunks.items():
+        store.put_chunk(digest, data)
+    store.commit(future)  # as a newer moshpit would have written it
+    with pytest.raises(CheckpointFormatError, match="state format version 2.*upgrade moshpit"):
+        store.latest()
+    with pytest.raises(CheckpointFormatError):
+        store.load_manifest(future.root)
+
+
+def test_unknown_store_version_is_a_format_error_and_not_overwritten(
+    tmp_path: pathlib.Path,
+) -> None:
+    store = StateStore(tmp_path)
+    save_state(store, named_state(13), 1, chunk_bytes=CHUNK)
+    newer = b"moshpit-checkpoint 7\nwhatever a newer moshpit writes\n"
+    (tmp_path / "LATEST").write_bytes(newer)
+    with pytest.raises(CheckpointFormatError, match="store format version 7.*upgrade moshpit"):
+        store.latest()
+    with pytest.raises(CheckpointFormatError):
+        save_state(store, named_state(14), 2, chunk_bytes=CHUNK)
+    assert (tmp_path / "LATEST").read_bytes() == newer
+
+
+def test_garbage_collection_keeps_the_last_keep_states(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path, keep=2)
+    states = [named_state(20 + i) for i in range(4)]
+    states[3][2] = states[0][2]  # state 3 shares a tensor with state 0
+    manifests = []
+    for epoch, named in enumerate(states[:3]):
+        manifests.append(save_state(store, named, epoch, chunk_bytes=CHUNK))
+    m0, m1, m2 = manifests
+    assert store.committed_roots() == [m2.root, m1.root]
+    assert sorted(p.name for p in (tmp_path / "manifests").iterdir()) == sorted(
+        [m1.root.hex(), m2.root.hex()]
+    )
+    assert set(chunk_files(tmp_path)) == {d.hex() for d in {**m1.chunk_refs(), **m2.chunk_refs()}}
+    with pytest.raises(NoCheckpointError):
+        store.load_manifest(m0.root)
+    # both kept states load completely
+    assert_same(states[1], store.load_tensors(store.load_manifest(m1.root)))
+    assert_same(states[2], store.load_tensors(store.latest()))
+
+    # re-committing an older kept state moves it to the front without dropping the other
+    store.commit(m1)
+    assert store.committed_roots() == [m1.root, m2.root]
+
+    keep1 = StateStore(tmp_path, keep=1)
+    m3 = save_state(keep1, states[3], 3, chunk_bytes=CHUNK)
+    assert keep1.committed_roots() == [m3.root]
+    assert set(chunk_files(tmp_path)) == {d.hex() for d in m3.chunk_refs()}
+    assert [p.name for p in (tmp_path / "manifests").iterdir()] == [m3.root.hex()]
+
+
+def test_collection_removes_orphans_and_dead_writers_tmp_files(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path, keep=1)
+    # a process that died mid-write left tmp files, an uncommitted manifest and a chunk
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead_pid = int(dead.stdout)
+    leftovers = [
+        tmp_path / "chunks" / "ab" / f".tmp-{dead_pid}-00112233",
+        tmp_path / "manifests" / f".tmp-{dead_pid}-44556677",
+        tmp_path / f".tmp-{dead_pid}-8899aabb",
+        tmp_path / "chunks" / "cd" / f".tmp-{os.getpid()}-0000cafe",  # ours, not in flight
+    ]
+    for path in leftovers:
+        path.write_bytes(b"partial")
+    orphan = b"orphan chunk"
+    orphan_path = chunk_path(tmp_path, chunk_digest(orphan))
+    orphan_path.write_bytes(orphan)
+    (tmp_path / "manifests" / ("00" * 32)).write_bytes(b"uncommitted")
+    # a tmp file of a live process (this test's parent, say) is left alone
+    live_tmp = tmp_path / "chunks" / "ef" / f".tmp-{os.getppid()}-0badf00d"
+    live_tmp.write_bytes(b"in flight elsewhere")
+
+    manifest = save_state(store, named_state(30), 1, chunk_bytes=CHUNK)
+    for path in leftovers:
+        assert not path.exists(), path
+    assert not orphan_path.exists()
+    assert [p.name for p in (tmp_path / "manifests").iterdir()] == [manifest.root.hex()]
+    assert live_tmp.exists()
+
+
+def test_chunks_put_for_a_download_survive_collection_until_committed(
+    tmp_path: pathlib.Path,
+) -> None:
+    downloader = StateStore(tmp_path, keep=1)
+    checkpointer = StateStore(tmp_path, keep=1)  # another object on the same directory
+    download, chunks = build_manifest(named_state(40), 9, chunk_bytes=CHUNK)
+    digests = list(chunks)
+    for digest in digests[: len(digests) // 2]:
+        downloader.put_chunk(digest, chunks[digest])
+    save_state(checkpointer, named_state(41), 1, chunk_bytes=CHUNK)  # collects garbage
+    save_state(checkpointer, named_state(42), 2, chunk_bytes=CHUNK)
+    for digest in digests[: len(digests) // 2]:
+        assert downloader.has_chunk(digest)
+    with pytest.raises(CheckpointError, match=r"chunks are not in"):
+        downloader.commit(download)
+    for digest in digests[len(digests) // 2 :]:
+        downloader.put_chunk(digest, chunks[digest])
+    assert downloader.missing_chunks(download) == {}
+    downloader.commit(download)
+    assert downloader.latest() == download
+    assert_same(named_state(40), downloader.load_tensors(download))
+    # once committed and superseded, its chunks are ordinary garbage again
+    later = save_state(checkpointer, named_state(43), 3, chunk_bytes=CHUNK)
+    assert set(chunk_files(tmp_path)) == {d.hex() for d in later.chunk_refs()}
+
+
+def test_read_chunk_never_returns_corrupt_bytes(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = StateStore(tmp_path)
+    data = os.urandom(10_000)
+    digest = chunk_digest(data)
+    assert store.read_chunk(digest) is None
+    assert not store.has_chunk(digest)
+    store.put_chunk(digest, data)
+    assert store.has_chunk(digest)
+    assert store.read_chunk(digest) == data
+
+    path = chunk_path(tmp_path, digest)
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    with caplog.at_level(logging.WARNING, logger="moshpit.training.store"):
+        assert store.read_chunk(digest) is None
+    assert "does not match its digest" in caplog.text
+    assert not path.exists() and not store.has_chunk(digest)
+    # an empty file (a chunk cut short to nothing) too
+    path.write_bytes(b"")
+    assert store.read_chunk(digest) is None and not path.exists()
+
+
+def test_put_chunk_checks_the_digest(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    data = b"x" * 1000
+    wrong = hashlib.sha256(b"y").digest()
+    with pytest.raises(ValueError, match="do not hash"):
+        store.put_chunk(wrong, data)
+    assert not store.has_chunk(wrong)
+    assert chunk_files(tmp_path) == {}
+    with pytest.raises(ValueError):
+        store.put_chunk(b"short", data)
+
+
+def test_save_rejects_chunks_that_do_not_match_the_manifest(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    first = save_state(store, named_state(50), 1, chunk_bytes=CHUNK)
+    manifest, chunks = build_manifest(named_state(51), 2, chunk_bytes=CHUNK)
+    digest = next(iter(chunks))
+    bad = dict(chunks)
+    bad[digest] = memoryview(bytes(len(chunks[digest])))  # the tensor changed under us
+    with pytest.raises(ValueError, match="modified while it was being saved"):
+        store.save(manifest, bad)
+    missing = dict(chunks)
+    del missing[digest]
+    with pytest.raises(CheckpointError, match="neither in the store nor in the chunks"):
+        store.save(manifest, missing)
+    assert store.latest() == first
+
+
+def test_concurrent_put_chunk_of_the_same_digest(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    data = os.urandom(3 << 20)
+    digest = chunk_digest(data)
+    barrier = threading.Barrier(16)
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        own = StateStore(tmp_path)  # separate objects, one directory
+        barrier.wait()
+        try:
+            own.put_chunk(digest, memoryview(data))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=put) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert store.read_chunk(digest) == data
+    assert list((tmp_path / "chunks").rglob(".tmp-*")) == []
+    assert list(chunk_files(tmp_path)) == [digest.hex()]
+
+
+def test_non_durable_store_round_trips(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path, durable=False)
+    named = named_state(60)
+    save_state(store, named, 1, chunk_bytes=CHUNK)
+    assert_same(named, load_state(StateStore(tmp_path))[1])
+
+
+def test_keep_must_be_positive(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError):
+        StateStore(tmp_path, keep=0)
