@@ -204,8 +204,10 @@ class DHTNode:
 
         Without ``host`` (and without an explicit ``network``) the node opens its own
         ``dht.p2p.Host`` on ``transport`` (TCP by default) with ``identity`` and listens on
-        ``host_maddrs``; client-mode nodes listen only if ``host_maddrs`` is given.
-        Raises :class:`BootstrapError` if initial peers were given and none answered.
+        ``host_maddrs`` (default: every IPv4 interface, a free port); client-mode nodes listen
+        only if ``host_maddrs`` is given. Address arguments are checked first
+        (:func:`check_address_args`). Raises :class:`BootstrapError` if initial peers were
+        given and none answered.
         """
         initial_peers, host_maddrs, announce_maddrs = check_address_args(
             initial_peers, host_maddrs, announce_maddrs, by_peer_id=network is not None
