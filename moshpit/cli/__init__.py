@@ -38,6 +38,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "run a DHT peer that others join (bootstrap/relay node); needs no GPU or torch",
     ),
     "demo": ("moshpit.cli.demo_cmd", "start a local swarm and watch Moshpit averaging converge"),
+    "status": ("moshpit.cli.status_cmd", "show a run's peers, epochs, donors and health"),
 }
 
 

@@ -1,0 +1,375 @@
+"""``moshpit status``: what a run looks like right now, for its operator. Never imports torch.
+
+Joins the DHT as a client (no listening socket, never in anyone's routing table), reads the
+run's progress records (``{prefix}.progress``, see ``moshpit/training/progress.py``) and donor
+records (``{prefix}.state``, see ``moshpit/training/sharing.py``), aggregates them with the same
+rule every peer uses, and prints a table plus a one-line health verdict (``--json``: one JSON
+object instead).
+
+Exit status: 0 when the run is healthy, 1 when it is not (no peers, stalled, no donor serves
+the current epoch) or the DHT could not be reached, 2 for a usage error (e.g. a bad address).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+DEFAULT_TIMEOUT = 20.0
+DEFAULT_STALL_AFTER = 60.0
+MAX_DONOR_RECORDS = 4096
+DIGEST_BYTES = 32  # a state root is a SHA-256 (moshpit/training/manifest.py)
+
+
+class UsageError(ValueError):
+    """A command-line value that cannot work (reported in one line, exit status 2)."""
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Show a run's peers, epochs, throughput and state donors, and whether it is healthy. "
+        "Exit status: 0 healthy, 1 unhealthy or unreachable, 2 usage error."
+    )
+    parser.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="multiaddrs (with /p2p/<PeerID>) of any live peers of the swarm",
+    )
+    parser.add_argument("--prefix", required=True, help="the run's prefix (as the peers use it)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"give up joining/reading the DHT after this long (default {DEFAULT_TIMEOUT:.0f})",
+    )
+    parser.add_argument(
+        "--stall-after",
+        type=float,
+        default=DEFAULT_STALL_AFTER,
+        metavar="SECONDS",
+        help="call the run stalled when no peer reported progress for this long "
+        f"(default {DEFAULT_STALL_AFTER:.0f})",
+    )
+    parser.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the run's target batch size, to estimate the time to the next global step",
+    )
+
+
+# ------------------------------------------------------------------------------ the snapshot
+
+
+@dataclass(frozen=True)
+class Donor:
+    peer_id: str
+    epoch: int
+    nbytes: int
+    complete: bool
+    root: str  # hex
+
+
+@dataclass
+class Snapshot:
+    """Everything the table, the JSON and the verdict are made from."""
+
+    prefix: str
+    now: float
+    progress: Any  # moshpit.training.progress.GlobalProgress
+    donors: list[Donor] = field(default_factory=list)
+    ignored_donors: dict[str, str] = field(default_factory=dict)
+
+
+def parse_donor_records(found: Any) -> tuple[list[Donor], dict[str, str]]:
+    """Donor records from ``node.get(f"{prefix}.state")``, validated (untrusted)."""
+    from moshpit.training.progress import peer_of_subkey
+
+    donors: list[Donor] = []
+    ignored: dict[str, str] = {}
+    value = getattr(found, "value", None)
+    if not isinstance(value, Mapping):
+        return donors, ignored
+    for subkey, entry in list(value.items())[:MAX_DONOR_RECORDS]:
+        peer = peer_of_subkey(subkey)
+        record = getattr(entry, "value", None)
+        if peer is None:
+            ignored[str(subkey)[:80]] = "subkey is not [owner:<PeerID>] (unsigned)"
+            continue
+        if record is None:
+            continue  # withdrawn
+        reason = _donor_problem(record)
+        if reason is not None:
+            ignored[peer] = reason
+            continue
+        donors.append(
+            Donor(
+                peer,
+                record["epoch"],
+                record["bytes"],
+                record["complete"],
+                record["root"].hex(),
+            )
+        )
+    return donors, ignored
+
+
+def _donor_problem(record: Any) -> str | None:
+    if not isinstance(record, Mapping):
+        return f"record is a {type(record).__name__}, not a map"
+    root, epoch = record.get("root"), record.get("epoch")
+    nbytes, complete = record.get("bytes"), record.get("complete")
+    if not isinstance(root, bytes) or len(root) != DIGEST_BYTES:
+        return f"root is not {DIGEST_BYTES} bytes"
+    for name, number in (("epoch", epoch), ("bytes", nbytes)):
+        if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 2**53:
+            return f"{name} {number!r} is not an integer in [0, 2**53)"
+    if not isinstance(complete, bool):
+        return f"complete {complete!r} is not a bool"
+    return None
+
+
+async def collect(
+    initial_peers: list[Any],
+    prefix: str,
+    *,
+    time_limit: float,
+    target_batch_size: int | None = None,
+) -> Snapshot:
+    """Join as a DHT client, read the run's records and aggregate them.
+
+    Raises ``dht.BootstrapError`` when no initial peer answers and ``trio.TooSlowError``
+    after ``time_limit`` seconds.
+    """
+    from dht.kademlia.clock import get_dht_time
+    from dht.kademlia.node import DHTNode
+    from moshpit.training.progress import aggregate, parse_progress_records, progress_key
+
+    with trio.fail_after(time_limit):
+        async with DHTNode.open(
+            initial_peers=initial_peers, client_mode=True, bootstrap_timeout=time_limit
+        ) as node:
+            found: dict[str, Any] = {}
+
+            async def read(key: str) -> None:
+                found[key] = await node.get(key, latest=True)
+
+            state_key = f"{prefix}.state"
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read, progress_key(prefix))
+                nursery.start_soon(read, state_key)
+    now = get_dht_time()
+    # a status reader has no ttl of its own: allow the default tracker's (30 s) lifetime bound
+    records, ignored = parse_progress_records(
+        found[progress_key(prefix)], now=now, max_clock_skew=15.0, max_lifetime=300.0
+    )
+    view = aggregate(records, now=now, target_batch_size=target_batch_size, ignored=ignored)
+    donors, ignored_donors = parse_donor_records(found[state_key])
+    return Snapshot(prefix, now, view, donors, ignored_donors)
+
+
+# ------------------------------------------------------------------------------ the verdict
+
+
+def health_verdict(snapshot: Snapshot, stall_after: float) -> tuple[bool, str]:
+    """(healthy, one line for the operator)."""
+    view = snapshot.progress
+    if not view.peers:
+        return False, f"no peers report progress under prefix {snapshot.prefix!r}"
+    quiet = snapshot.now - max(p.time for p in view.peers)
+    if quiet > stall_after:
+        return False, f"stalled: no progress for {quiet:.0f} s ({len(view.peers)} peers listed)"
+    at_epoch = sum(1 for p in view.peers if p.epoch == view.epoch)
+    serving = [d for d in snapshot.donors if d.complete and d.epoch == view.epoch]
+    if not serving:
+        complete = [d.epoch for d in snapshot.donors if d.complete]
+        newest = f" (newest donor epoch: {max(complete)})" if complete else " (no donors at all)"
+        return False, (
+            f"no donor serves the current epoch {view.epoch}: joiners cannot load state{newest}"
+        )
+    behind = len(view.peers) - at_epoch
+    tail = f", {behind} behind" if behind else ""
+    return True, (
+        f"healthy: {at_epoch} peers at epoch {view.epoch}{tail}, "
+        f"{len(serving)} donors serve epoch {view.epoch}"
+    )
+
+
+def to_json(snapshot: Snapshot, healthy: bool, verdict: str) -> dict[str, Any]:
+    view = snapshot.progress
+    donor_of = {d.peer_id: d for d in snapshot.donors}
+    peers = []
+    for p in view.peers:
+        donor = donor_of.get(p.peer_id)
+        peers.append(
+            {
+                "peer_id": p.peer_id,
+                "epoch": p.epoch,
+                "samples": p.samples,
+                "samples_per_second": p.samples_per_second,
+                "age_seconds": round(snapshot.now - p.time, 3),
+                "donor": donor is not None,
+                "donor_epoch": donor.epoch if donor is not None else None,
+            }
+        )
+    return {
+        "prefix": snapshot.prefix,
+        "healthy": healthy,
+        "verdict": verdict,
+        "epoch": view.epoch,
+        "num_peers": view.num_peers,
+        "samples_accumulated": view.samples_accumulated,
+        "samples_per_second": view.samples_per_second,
+        "target_batch_size": view.target_batch_size,
+        "eta_seconds": view.eta_seconds,
+        "peers": peers,
+        "donors": [
+            {
+                "peer_id": d.peer_id,
+                "epoch": d.epoch,
+                "bytes": d.nbytes,
+                "complete": d.complete,
+                "root": d.root,
+            }
+            for d in snapshot.donors
+        ],
+        "ignored": {**view.ignored, **snapshot.ignored_donors},
+        "time": snapshot.now,
+    }
+
+
+def _short(peer_id: str) -> str:
+    return peer_id[-6:]  # as PeerID.short() shows it in logs
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def print_table(snapshot: Snapshot, verdict: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    view = snapshot.progress
+    donor_of = {d.peer_id: d for d in snapshot.donors}
+    table = Table(title=f"run {snapshot.prefix!r}: global epoch {view.epoch}")
+    for name, justify in (
+        ("peer", "left"),
+        ("epoch", "right"),
+        ("samples", "right"),
+        ("samples/s", "right"),
+        ("updated", "right"),
+        ("donor (epoch)", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    listed = set()
+    for p in view.peers:
+        donor = donor_of.get(p.peer_id)
+        listed.add(p.peer_id)
+        table.add_row(
+            _short(p.peer_id),
+            str(p.epoch),
+            str(p.samples),
+            f"{p.samples_per_second:.1f}",
+            _age(snapshot.now - p.time) + " ago",
+            _donor_cell(donor),
+        )
+    for donor in snapshot.donors:  # donors that do not train (no progress record)
+        if donor.peer_id not in listed:
+            table.add_row(_short(donor.peer_id), "-", "-", "-", "-", _donor_cell(donor))
+    console = Console(width=max(100, Console().width))
+    console.print(table)
+    eta = "" if view.eta_seconds is None else f", next global step in ~{view.eta_seconds:.0f}s"
+    target = f"/{view.target_batch_size}" if view.target_batch_size else ""
+    console.print(
+        f"{view.num_peers} live peers, {view.samples_accumulated}{target} samples at epoch "
+        f"{view.epoch}, {view.samples_per_second:.1f} samples/s{eta}",
+        markup=False,
+        highlight=False,
+    )
+    for peer, reason in sorted({**view.ignored, **snapshot.ignored_donors}.items())[:10]:
+        console.print(f"note: {_short(peer)}: {reason}", markup=False, highlight=False)
+    sys.stdout.write(verdict + "\n")  # plain, unwrapped: the last line is the verdict
+    sys.stdout.flush()
+
+
+def _donor_cell(donor: Donor | None) -> str:
+    if donor is None:
+        return ""
+    return f"yes ({donor.epoch})" if donor.complete else f"partial ({donor.epoch})"
+
+
+# ------------------------------------------------------------------------------ entry point
+
+
+def _parse_initial_peers(values: list[str]) -> list[Any]:
+    from dht.p2p import Multiaddr, MultiaddrError
+
+    try:
+        from dht.p2p.multiaddr import parse_multiaddr_list
+    except ImportError:  # pragma: no cover - older dht without the helper
+        parse_multiaddr_list = None
+    try:
+        if parse_multiaddr_list is not None:
+            return parse_multiaddr_list(values, "--initial-peers")
+        return [Multiaddr(v) for v in values]
+    except (MultiaddrError, TypeError) as e:
+        raise UsageError(str(e)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from dht.kademlia.errors import BootstrapError
+
+    try:
+        initial_peers = _parse_initial_peers(args.initial_peers)
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise UsageError(f"--timeout must be a positive number of seconds, not {args.timeout}")
+        if not (math.isfinite(args.stall_after) and args.stall_after > 0):
+            raise UsageError(f"--stall-after must be a positive number, not {args.stall_after}")
+        if args.target_batch_size is not None and args.target_batch_size <= 0:
+            raise UsageError("--target-batch-size must be a positive integer")
+        if not args.prefix:
+            raise UsageError("--prefix must not be empty")
+    except UsageError as e:
+        print(f"moshpit status: {e}", file=sys.stderr)
+        return 2
+    try:
+        snapshot = trio.run(
+            lambda: collect(
+                initial_peers,
+                args.prefix,
+                time_limit=args.timeout,
+                target_batch_size=args.target_batch_size,
+            )
+        )
+    except BootstrapError as e:
+        print(f"moshpit status: {e}", file=sys.stderr)
+        return 1
+    except trio.TooSlowError:
+        print(
+            f"moshpit status: no answer from the DHT within {args.timeout:.0f}s "
+            "(raise --timeout, or check the addresses)",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        return 1
+    healthy, verdict = health_verdict(snapshot, args.stall_after)
+    if args.json:
+        sys.stdout.write(json.dumps(to_json(snapshot, healthy, verdict)) + "\n")
+        sys.stdout.flush()
+    else:
+        print_table(snapshot, verdict)
+    return 0 if healthy else 1
