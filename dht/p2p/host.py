@@ -366,9 +366,9 @@ class Host:
         victim.scope.cancel()  # its task closes the socket
         self._log.warning(
             "evicted",
-            "dropping inbound connection from %s (%s, %.1fs in its handshake) to admit %s: %s",
+            "dropping inbound connection from %s (%s, pending for %.1fs) to admit %s: %s",
             victim.remote,
-            "past the first step" if victim.negotiated else "silent",
+            "after its /noise proposal" if victim.negotiated else "no /noise proposal yet",
             trio.current_time() - victim.started,
             newcomer,
             why,

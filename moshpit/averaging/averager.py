@@ -71,8 +71,15 @@ def tensor_schema(tensors: Iterable[torch.Tensor]) -> tuple[bytes, str]:
 class StepResult:
     """What one :meth:`Averager.step` did.
 
-    ``succeeded``: this peer averaged with at least one other peer (possibly with some parts
-    left at local values; see ``failed``). ``reason`` says why not when it did not.
+    ``succeeded``: at least one element of this peer's tensors was averaged with at least one
+    other peer's contribution (other parts may have kept local values; see
+    ``averaged_fraction`` and ``failed``). ``reason`` says why not when it did not: no group
+    formed, the round was cancelled, or the group formed but nothing was averaged (e.g. every
+    reducer left this peer out because it stalled or its tensors differ from the group's, or
+    every other member failed).
+    ``averaged_fraction``: the share (0..1) of this peer's elements that were averaged with at
+    least one other peer; the rest kept their local values. For an aux peer (no tensors of
+    its own): the share of the part it reduced that combined >= 2 peers' contributions.
     ``gathered`` maps every group member to the metadata it passed as ``gather=``.
     """
 
@@ -91,6 +98,7 @@ class StepResult:
     bytes_received: int = 0
     timed_out: bool = False
     next_group_key: str = ""
+    averaged_fraction: float = 0.0
 
     @property
     def group_size(self) -> int:
@@ -597,7 +605,9 @@ class Averager:
         self._record_round(group.members, failed, me)
         next_key = self.keys.update_after_round(group.group_id, group.members, me)
         return StepResult(
-            succeeded=True,
+            succeeded=result.averaged_numel > 0,
+            reason=result.why_not_averaged(),
+            averaged_fraction=result.averaged_fraction,
             group_key=key,
             group_id=group.group_id,
             members=group.members,
