@@ -1,0 +1,1018 @@
+"""Joining a run: donors announce signed state records, joiners download hash-verified chunks.
+
+A **donor** serves a frozen, committed state (a checkpoint in its :class:`StateStore`), never
+the live tensors, so serving never blocks training. It announces ``{root, epoch, bytes,
+complete, addrs}`` under ``{prefix}.state`` with the owner-signed subkey
+``[owner:<PeerID>]`` (the DHT only accepts it with the donor's signature) and re-announces it
+every ``announce_ttl / 3`` seconds.
+
+A **joiner** reads those records, picks the newest epoch (the root announced by the most
+donors breaks ties), fetches the manifest from a donor and accepts it only if its SHA-256 is
+the signed root; then it fetches chunks in parallel from every peer that holds them, a bounded
+number of requests in flight per peer. Every chunk is checked against its digest; a peer that
+sends a bad chunk is banned for ``ban_seconds`` and the chunk is fetched elsewhere; a peer that
+fails (died, timed out) has its chunks re-queued. Verified chunks go to ``sink`` (the joiner's
+store) so a restarted joiner skips them. While downloading, a joiner announces itself as a
+partial holder (``complete=False``) and serves the chunks it already holds (swarming): other
+joiners poll its ``have`` bitmap and prefer it over complete donors for chunks it holds, and
+ask complete donors first for the chunks fewest peers hold (rarest first).
+
+Wire (unary RPC on :data:`STATE_PROTOCOL`, one handler per Host dispatching by prefix):
+
+* ``{"prefix", "op": "manifest", "root"}`` -> ``{"manifest": bytes | None}``
+* ``{"prefix", "op": "have", "root"}`` -> ``{"have": bitmap | None}`` (bit ``i`` = the ``i``-th
+  distinct chunk of the manifest, in manifest order)
+* ``{"prefix", "op": "chunks", "digests": [...]}`` -> ``{"chunks": [bytes | None, ...]}`` (a
+  prefix of the request up to ``batch_bytes``; None = not held) or ``{"busy": True}`` when the
+  donor already runs ``max_concurrent_uploads`` uploads.
+
+Everything that arrives is validated: records, responses and requests are untrusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import re
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import trio
+
+from moshpit.training.errors import (
+    ManifestError,
+    NoDonorError,
+    StateDownloadError,
+)
+from moshpit.training.manifest import DIGEST_BYTES, Manifest, tensor_from_chunks
+
+__all__ = [
+    "STATE_PROTOCOL",
+    "AdvertisedState",
+    "DownloadResult",
+    "StateSharing",
+]
+
+logger = logging.getLogger(__name__)
+
+STATE_PROTOCOL = "/moshpit/state/1.0.0"
+MAX_RECORDS = 1024  # state records read per lookup
+MAX_ADDRS = 8
+MAX_ADDR_CHARS = 256
+MAX_DIGESTS_PER_REQUEST = 1024
+MAX_PREFIX_CHARS = 256
+MAX_REQUEST_BYTES = 64 * 1024
+MAX_ERROR_CHARS = 512
+MAX_RESPONSE_BYTES = 16 << 20  # a batch of chunks (batch_bytes, at least one chunk <= 8 MiB)
+MAX_RECORD_BYTES = 1 << 50
+MAX_FAILURES = 3  # consecutive failed calls before a peer is dropped from this download
+BUSY_BACKOFF = (0.05, 2.0)  # first and largest wait after a "busy" answer, seconds
+_OWNER_SUBKEY = re.compile(r"^\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]$")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AdvertisedState:
+    """One state announced in the DHT: its root, epoch, size and who serves it."""
+
+    root: bytes
+    epoch: int
+    bytes: int
+    donors: list[Any]  # PeerIDs announcing the whole state (complete=True)
+    partial: list[Any] = field(default_factory=list)  # joiners holding part of it
+
+
+@dataclass
+class DownloadResult:
+    manifest: Manifest
+    tensors: list[torch.Tensor]  # in manifest order
+    donors_used: list[Any]  # peers that sent at least one verified chunk
+    misbehaving: dict[Any, str]  # peer -> what it did (bad chunk, bad manifest, ...)
+    chunks_from_sink: int = 0  # chunks the sink already held (a restarted joiner)
+    bytes_by_peer: dict[Any, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Record:
+    peer: Any
+    root: bytes
+    epoch: int
+    nbytes: int
+    complete: bool
+    addrs: tuple[str, ...]
+
+
+@dataclass
+class _Served:
+    """A state this peer serves: the manifest, its bytes, and chunk digest -> index."""
+
+    manifest: Manifest
+    packed: bytes
+    index: dict[bytes, int]
+    sizes: dict[bytes, int]
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> _Served:
+        sizes = manifest.chunk_refs()
+        index = {d: i for i, d in enumerate(sizes)}
+        return cls(manifest, manifest.to_bytes(), index, sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# one RPC handler per Host, dispatching by prefix
+
+
+class _StateService:
+    """Reads one request per stream and hands it to the StateSharing of its prefix. A stream
+    handler rather than unary RPC, so an upload slot is held until the answer is sent."""
+
+    def __init__(self, request_timeout: float) -> None:
+        self.handlers: dict[str, StateSharing] = {}
+        self.request_timeout = request_timeout
+
+    async def handle_stream(self, stream: Any) -> None:
+        try:
+            request = None
+            with trio.move_on_after(self.request_timeout):
+                request = await stream.receive_msg(max_size=MAX_REQUEST_BYTES)
+            if request is None:
+                logger.debug("state stream from %s sent no request in time", stream.remote_peer)
+                return
+            try:
+                sharing = self._route(request)
+                await sharing._serve(stream, request)
+            except _BadRequest as e:
+                logger.info("bad state request from %s: %s", _short(stream.remote_peer), e)
+                with trio.move_on_after(self.request_timeout):
+                    await stream.send_msg({"error": str(e)[:MAX_ERROR_CHARS]})
+        except Exception as e:
+            if not _is_network_error(e):
+                raise
+            logger.debug("state stream from %s failed: %r", _short(stream.remote_peer), e)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await stream.aclose()
+                except Exception as e:
+                    if not _is_network_error(e):
+                        raise
+
+    def _route(self, request: Any) -> StateSharing:
+        if not isinstance(request, dict):
+            raise _BadRequest("state request must be a map")
+        prefix = request.get("prefix")
+        if not isinstance(prefix, str):
+            raise _BadRequest("state request needs a string 'prefix'")
+        sharing = self.handlers.get(prefix)
+        if sharing is None:
+            raise _BadRequest("no state is served under this prefix here")
+        return sharing
+
+
+class _IdleTimeout(trio.abc.ReceiveStream):
+    """Receives from ``stream``, failing with P2PTimeoutError when no byte comes for
+    ``idle`` seconds once the answer started (before that, it may queue behind our other
+    answers from the same peer; the caller's overall deadline bounds that wait)."""
+
+    def __init__(self, stream: Any, idle: float) -> None:
+        self.stream = stream
+        self.idle = idle
+        self.started = False
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        from dht.p2p.errors import P2PTimeoutError
+
+        if not self.started:
+            data = await self.stream.receive_some(max_bytes)
+            self.started = True
+            return data
+        with trio.move_on_after(self.idle):
+            return await self.stream.receive_some(max_bytes)
+        raise P2PTimeoutError(
+            f"no data for {self.idle:.1f}s from {_short(self.stream.remote_peer)}"
+        )
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class _BadRequest(ValueError):
+    """A request we refuse with an error reply (the stream and the peer stay fine)."""
+
+
+_services: weakref.WeakKeyDictionary[Any, _StateService] = weakref.WeakKeyDictionary()
+
+
+def _service_for(host: Any, request_timeout: float) -> _StateService:
+    service = _services.get(host)
+    if service is None:
+        service = _services[host] = _StateService(request_timeout)
+        host.set_stream_handler(STATE_PROTOCOL, service.handle_stream)
+    return service
+
+
+# ---------------------------------------------------------------------------------------------
+# validation helpers (everything here reads untrusted input)
+
+
+def _digest(value: Any, what: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != DIGEST_BYTES:
+        raise _BadRequest(f"{what} must be {DIGEST_BYTES} bytes")
+    return value
+
+
+def _parse_record(subkey: Any, value: Any, peer_from_base58: Callable[[str], Any]) -> _Record:
+    match = _OWNER_SUBKEY.match(subkey) if isinstance(subkey, str) else None
+    if match is None:
+        raise ValueError("subkey is not [owner:<PeerID>]")
+    peer = peer_from_base58(match.group(1))
+    if not isinstance(value, dict):
+        raise ValueError("record must be a map")
+    root = _digest(value.get("root"), "root")
+    epoch, nbytes, complete = value.get("epoch"), value.get("bytes"), value.get("complete")
+    for name, number in (("epoch", epoch), ("bytes", nbytes)):
+        if isinstance(number, bool) or not isinstance(number, int):
+            raise ValueError(f"{name} must be an integer")
+        if not 0 <= number <= MAX_RECORD_BYTES * 8:
+            raise ValueError(f"{name} out of range")
+    if not isinstance(complete, bool):
+        raise ValueError("complete must be a bool")
+    raw_addrs = value.get("addrs", [])
+    if not isinstance(raw_addrs, list):
+        raise ValueError("addrs must be a list")
+    addrs = tuple(
+        a for a in raw_addrs[:MAX_ADDRS] if isinstance(a, str) and len(a) <= MAX_ADDR_CHARS
+    )
+    return _Record(peer, root, epoch, nbytes, complete, addrs)
+
+
+def _is_network_error(e: BaseException) -> bool:
+    from dht.p2p.errors import P2PError
+
+    return isinstance(e, (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError))
+
+
+def _short(peer: Any) -> str:
+    short = getattr(peer, "short", None)
+    return short() if callable(short) else str(peer)[:12]
+
+
+def _bitmap(indices: Sequence[bool]) -> bytes:
+    out = bytearray((len(indices) + 7) // 8)
+    for i, held in enumerate(indices):
+        if held:
+            out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def _from_bitmap(bitmap: bytes, n: int) -> set[int]:
+    return {i for i in range(n) if bitmap[i >> 3] >> (i & 7) & 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# the joiner's view of one download
+
+
+@dataclass
+class _Holder:
+    """A peer we may fetch chunks from during one download."""
+
+    peer: Any
+    complete: bool
+    have: set[int] = field(default_factory=set)  # for partial holders: indices they hold
+    missing: set[int] = field(default_factory=set)  # indices they said they do not hold
+    in_flight: int = 0
+    in_flight_bytes: int = 0
+    failures: int = 0
+    busy_until: float = 0.0
+    busy_wait: float = BUSY_BACKOFF[0]
+    gone: bool = False  # dropped (dead, banned): its workers exit
+    retry_at: float = 0.0  # a dropped (failing) peer may be tried again from then on
+    workers: int = 0
+
+
+class _Download:
+    def __init__(self, manifest: Manifest, served: _Served) -> None:
+        self.manifest = manifest
+        self.served = served
+        refs = manifest.chunk_refs()
+        self.digests = list(refs)
+        self.sizes = list(refs.values())
+        self.data: list[bytes | None] = [None] * len(self.digests)
+        self.remaining: set[int] = set(range(len(self.digests)))
+        self.assigned: set[int] = set()
+        self.holders: dict[Any, _Holder] = {}
+        self.order = list(range(len(self.digests)))
+        random.shuffle(self.order)  # joiners start at different chunks, so they can swap
+        self.changed = trio.Event()
+        self.done = trio.Event()
+        self.bytes_by_peer: dict[Any, int] = {}
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def holds(self, h: _Holder, i: int) -> bool:
+        return (h.complete or i in h.have) and i not in h.missing
+
+    def pick(self, h: _Holder, batch_bytes: int, max_count: int) -> list[int]:
+        """Chunks for ``h`` to send next: rarest first (fewest partial holders), so complete
+        donors spend their upload on what other joiners cannot give us."""
+        candidates = [
+            i
+            for i in self.order
+            if i not in self.assigned and i in self.remaining and self.holds(h, i)
+        ]
+        if not candidates:
+            return []
+        partial = [p for p in self.holders.values() if not p.complete and not p.gone]
+        if h.complete and partial:
+            rarity = {i: sum(1 for p in partial if i in p.have) for i in candidates}
+            candidates.sort(key=rarity.__getitem__)  # stable: keeps the random order on ties
+        batch, total = [], 0
+        for i in candidates:
+            if batch and (total + self.sizes[i] > batch_bytes or len(batch) >= max_count):
+                break
+            batch.append(i)
+            total += self.sizes[i]
+        self.assigned.update(batch)
+        return batch
+
+    def release(self, indices: Sequence[int]) -> None:
+        self.assigned.difference_update(indices)
+        self.notify()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class StateSharing:
+    """Serves this peer's committed state and downloads the swarm's newest one (module doc).
+
+    Runs on the DHT node's trio loop. ``store`` (a :class:`StateStore`, or None for a peer
+    that never serves) must hold every chunk of each manifest passed to :meth:`publish`.
+    """
+
+    def __init__(
+        self,
+        node: Any,
+        prefix: str,
+        store: Any,
+        *,
+        announce_ttl: float = 60.0,
+        max_concurrent_uploads: int = 8,
+        max_in_flight_per_donor: int = 4,
+        ban_seconds: float = 60.0,
+        request_timeout: float = 10.0,
+        batch_bytes: int = 4 << 20,
+        refresh_interval: float = 1.0,
+        thread_min_bytes: int = 1 << 16,
+        min_rate: float = 64 * 1024,
+    ) -> None:
+        if not isinstance(prefix, str) or not 0 < len(prefix) <= MAX_PREFIX_CHARS:
+            raise ValueError(f"prefix must be a string of 1..{MAX_PREFIX_CHARS} characters")
+        if max_concurrent_uploads < 1 or max_in_flight_per_donor < 1:
+            raise ValueError("max_concurrent_uploads and max_in_flight_per_donor must be >= 1")
+        if not announce_ttl > 0 or not request_timeout > 0 or not refresh_interval > 0:
+            raise ValueError("announce_ttl, request_timeout and refresh_interval must be > 0")
+        from dht.p2p.identity import PeerID
+
+        self._PeerID = PeerID
+        self.node = node
+        self.host = node.host
+        self.prefix = prefix
+        self.store = store
+        self.key = f"{prefix}.state"
+        self.announce_ttl = announce_ttl
+        self.max_concurrent_uploads = max_concurrent_uploads
+        self.max_in_flight_per_donor = max_in_flight_per_donor
+        self.ban_seconds = ban_seconds
+        self.request_timeout = request_timeout
+        self.batch_bytes = batch_bytes
+        self.refresh_interval = refresh_interval
+        self.min_rate = min_rate  # bytes/s below which a transfer counts as stalled
+        # CPU work on at least this many bytes (hashing, store reads) goes to a worker thread;
+        # tests under an autojumping MockClock set it to infinity (a thread would let the
+        # clock jump over timeouts)
+        self.thread_min_bytes = thread_min_bytes
+        self.subkey = f"[owner:{node.peer_id.to_base58()}]"
+        self._published: _Served | None = None
+        self._downloading: _Download | None = None
+        self._uploads = 0
+        self._banned: dict[Any, float] = {}
+        self._wake = trio.Event()
+        self._last_expiration = 0.0
+        self._withdrawn = False
+        self._retract_partial = False
+        self.stats = {"requests": 0, "chunks_served": 0, "bytes_served": 0, "busy": 0}
+
+    # ------------------------------------------------------------------ serving side
+
+    async def run(self) -> None:
+        """Serve and keep the announcement fresh until cancelled; then withdraw."""
+        service = _service_for(self.host, self.request_timeout)
+        if self.prefix in service.handlers:
+            raise ValueError(f"state for prefix {self.prefix!r} is already served on this host")
+        service.handlers[self.prefix] = self
+        try:
+            while True:
+                if self._downloading is None:
+                    if not self._withdrawn and self._published is not None:
+                        await self._announce_current()
+                    elif self._retract_partial:
+                        await self._store_record(None)  # no longer a partial holder
+                    self._retract_partial = False
+                with trio.move_on_after(self.announce_ttl / 3):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+        finally:
+            if service.handlers.get(self.prefix) is self:
+                del service.handlers[self.prefix]
+            with trio.CancelScope(shield=True), trio.move_on_after(min(5.0, self.request_timeout)):
+                await self._store_record(None)
+
+    def publish(self, manifest: Manifest) -> None:
+        """Serve this committed state (replacing the previous one) and announce it soon."""
+        if self.store is None:
+            raise ValueError("cannot publish a state without a store to serve its chunks from")
+        self._published = _Served.of(manifest)
+        self._withdrawn = False
+        self._wake.set()
+
+    async def withdraw(self) -> None:
+        """Stop serving and tombstone our announcement now."""
+        self._published = None
+        self._withdrawn = True
+        await self._store_record(None)
+
+    async def _announce_current(self) -> None:
+        served = self._published
+        if served is not None:
+            await self._store_record(self._record_value(served.manifest, complete=True))
+
+    def _record_value(self, manifest: Manifest, complete: bool) -> dict[str, Any]:
+        addrs = []
+        visible = getattr(self.node, "get_visible_maddrs", None)
+        for a in (visible() if visible is not None else []) or self.host.listen_addrs:
+            if len(str(a)) <= MAX_ADDR_CHARS:
+                addrs.append(str(a))
+        return {
+            "root": manifest.root,
+            "epoch": manifest.epoch,
+            "bytes": manifest.total_bytes,
+            "complete": complete,
+            "addrs": addrs[:MAX_ADDRS],
+        }
+
+    async def _store_record(self, value: dict[str, Any] | None) -> bool:
+        """Store our record (None = tombstone), each with a later expiration than the last."""
+        from dht.kademlia.clock import get_dht_time
+
+        expiration = max(get_dht_time() + self.announce_ttl, self._last_expiration + 1e-3)
+        self._last_expiration = expiration
+        with trio.move_on_after(self.request_timeout):
+            try:
+                return bool(await self.node.store(self.key, value, expiration, subkey=self.subkey))
+            except Exception as e:  # noqa: BLE001 - a failed announce is retried next time
+                logger.info("could not store the state record under %s: %s", self.key, e)
+        return False
+
+    async def _serve(self, stream: Any, request: dict) -> None:
+        """Answer one request; a chunk upload holds one of ``max_concurrent_uploads`` slots
+        until its answer is sent (bounded by ``request_timeout``)."""
+        self.stats["requests"] += 1
+        op = request.get("op")
+        if op == "manifest":
+            served = self._served_by_root(_digest(request.get("root"), "root"))
+            reply: dict[str, Any] = {"manifest": served.packed if served is not None else None}
+        elif op == "have":
+            reply = {"have": self._have(_digest(request.get("root"), "root"))}
+        elif op == "chunks":
+            digests = request.get("digests")
+            if not isinstance(digests, list) or not 0 < len(digests) <= MAX_DIGESTS_PER_REQUEST:
+                raise _BadRequest(f"'digests' must be a list of 1..{MAX_DIGESTS_PER_REQUEST}")
+            wanted = [_digest(d, "each digest") for d in digests]
+            if self._uploads >= self.max_concurrent_uploads:
+                self.stats["busy"] += 1
+                reply = {"busy": True}
+            else:
+                self._uploads += 1
+                try:
+                    chunks = await self._read_chunks(wanted)
+                    nbytes = sum(len(c) for c in chunks if c is not None)
+                    with trio.move_on_after(self._transfer_time(nbytes)):
+                        await stream.send_msg({"chunks": chunks})
+                finally:
+                    self._uploads -= 1
+                return
+        else:
+            raise _BadRequest(f"unknown state op {str(op)[:64]!r}")
+        with trio.move_on_after(self.request_timeout):
+            await stream.send_msg(reply)
+
+    def _have(self, root: bytes) -> bytes | None:
+        dl = self._downloading
+        if dl is not None and dl.manifest.root == root:
+            return _bitmap([d is not None for d in dl.data])
+        published = self._published
+        if published is not None and published.manifest.root == root:
+            return _bitmap([True] * len(published.index))
+        return None
+
+    def _transfer_time(self, nbytes: int) -> float:
+        """How long moving ``nbytes`` may take at worst: ``request_timeout`` + bytes at
+        ``min_rate`` (a slow link is fine; a peer trickling bytes is cut off)."""
+        return self.request_timeout + nbytes / self.min_rate
+
+    async def _request(self, peer: Any, request: dict[str, Any], expect_bytes: int = 0) -> Any:
+        """One request/answer exchange on a fresh stream (P2PError/OSError on failure).
+
+        The answer may take :meth:`_transfer_time` in all, but must keep moving: no byte for
+        ``request_timeout`` fails it (several answers share one slow link, so a fixed total
+        timeout would fail the later ones on a link that works)."""
+        from dht.p2p.errors import P2PTimeoutError, RemoteError
+        from dht.p2p.messages import MessageReader
+
+        with trio.move_on_after(self._transfer_time(expect_bytes)):
+            # lazy: the protocol's answer comes with the reply, which may queue behind others
+            stream = await self.host.new_stream(
+                peer, STATE_PROTOCOL, timeout=self._transfer_time(expect_bytes), lazy=True
+            )
+            try:
+                await stream.send_msg(request)
+                await stream.send_eof()
+                reader = MessageReader(_IdleTimeout(stream, self.request_timeout))
+                reply = await reader.receive_msg(MAX_RESPONSE_BYTES)
+            except BaseException:
+                stream.reset()
+                raise
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await stream.aclose()
+            if isinstance(reply, dict) and isinstance(reply.get("error"), str):
+                raise RemoteError(f"{_short(peer)} refused: {reply['error'][:MAX_ERROR_CHARS]}")
+            return reply
+        raise P2PTimeoutError(f"state request to {_short(peer)} timed out")
+
+    def _served_by_root(self, root: bytes) -> _Served | None:
+        for served in (self._published, self._downloading and self._downloading.served):
+            if served is not None and served.manifest.root == root:
+                return served
+        return None
+
+    async def _read_chunks(self, wanted: list[bytes]) -> list[bytes | None]:
+        """Up to ``batch_bytes`` of the requested chunks (at least one), None where not held."""
+        published, dl = self._published, self._downloading
+        out: list[bytes | None] = []
+        from_store: list[tuple[int, bytes]] = []
+        for digest in wanted:
+            if dl is not None and (i := dl.served.index.get(digest)) is not None:
+                data = dl.data[i]
+                if data is not None:
+                    out.append(data)
+                    continue
+            if published is not None and digest in published.index:
+                from_store.append((len(out), digest))
+            out.append(None)
+        if from_store:
+            store = self.store
+
+            def read() -> list[bytes | None]:
+                return [store.read_chunk(d) for _, d in from_store]
+
+            nbytes = sum(published.sizes[d] for _, d in from_store)
+            found = await self._offload(read, nbytes=nbytes)
+            for (pos, _), data in zip(from_store, found, strict=True):
+                out[pos] = data
+        # cut the answer at batch_bytes (one chunk at least), keeping the request's order
+        cut, total = 0, 0
+        for cut, data in enumerate(out):  # noqa: B007 - cut is used after the loop
+            size = len(data) if data is not None else 0
+            if cut and total + size > self.batch_bytes:
+                break
+            total += size
+        else:
+            cut = len(out)
+        answer = out[:cut]
+        served = [d for d in answer if d is not None]
+        self.stats["chunks_served"] += len(served)
+        self.stats["bytes_served"] += sum(len(d) for d in served)
+        return answer
+
+    async def _offload(self, fn: Callable[[], T], *, nbytes: int) -> T:
+        if nbytes >= self.thread_min_bytes:
+            return await trio.to_thread.run_sync(fn)
+        return fn()
+
+    # ------------------------------------------------------------------ finding states
+
+    async def _read_records(self) -> list[_Record]:
+        found = None
+        with trio.move_on_after(self.request_timeout):
+            found = await self.node.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        records = []
+        for subkey, item in list(found.value.items())[:MAX_RECORDS]:
+            value = getattr(item, "value", None)
+            if value is None:
+                continue  # a tombstone: that peer withdrew
+            try:
+                record = _parse_record(subkey, value, self._PeerID.from_base58)
+            except Exception as e:  # noqa: BLE001 - one bad record must not hide the rest
+                logger.debug("ignoring a bad state record %r under %s: %s", subkey, self.key, e)
+                continue
+            if record.peer != self.node.peer_id:
+                records.append(record)
+        return records
+
+    @staticmethod
+    def _group(records: list[_Record]) -> list[AdvertisedState]:
+        groups: dict[tuple[bytes, int, int], tuple[list[Any], list[Any]]] = {}
+        for r in records:
+            donors, partial = groups.setdefault((r.root, r.epoch, r.nbytes), ([], []))
+            (donors if r.complete else partial).append(r.peer)
+        states = [
+            AdvertisedState(root, epoch, nbytes, sorted(donors), sorted(partial))
+            for (root, epoch, nbytes), (donors, partial) in groups.items()
+            if donors
+        ]
+        states.sort(key=lambda s: (-s.epoch, -len(s.donors), s.root))
+        return states
+
+    async def find_states(self) -> list[AdvertisedState]:
+        """States announced under our prefix, newest epoch first, then most donors."""
+        return self._group(await self._read_records())
+
+    def _learn_addrs(self, record: _Record) -> None:
+        from dht.p2p.multiaddr import Multiaddr
+
+        parsed = []
+        for a in record.addrs:
+            try:
+                parsed.append(Multiaddr(a).without_peer_id())
+            except ValueError:
+                continue
+        if parsed:
+            self.host.peerstore.add_addrs(record.peer, parsed)
+
+    def _banned_now(self, peer: Any) -> bool:
+        until = self._banned.get(peer)
+        if until is None:
+            return False
+        if until <= trio.current_time():
+            del self._banned[peer]
+            return False
+        return True
+
+    def _ban(self, peer: Any, why: str, misbehaving: dict[Any, str]) -> None:
+        logger.warning("banning %s for %.0fs: %s", _short(peer), self.ban_seconds, why)
+        misbehaving.setdefault(peer, why)
+        self._banned[peer] = trio.current_time() + self.ban_seconds
+
+    # ------------------------------------------------------------------ downloading
+
+    async def download(
+        self,
+        local_schema: Sequence[tuple[str, str, tuple[int, ...]]],
+        *,
+        timeout: float,  # noqa: ASYNC109 - the documented API takes a timeout
+        sink: Any = None,
+    ) -> DownloadResult:
+        """Fetch the swarm's newest state (module doc); nothing is returned before every
+        chunk verified. Raises NoDonorError, StateMismatchError, StateDownloadError."""
+        deadline = trio.current_time() + timeout
+        misbehaving: dict[Any, str] = {}
+        with trio.move_on_at(deadline):
+            return await self._download(local_schema, deadline, sink, misbehaving)
+        raise StateDownloadError(
+            f"the state download did not finish within {timeout:.1f}s"
+            + (f"; misbehaving peers: {_describe(misbehaving)}" if misbehaving else "")
+        )
+
+    async def _download(
+        self,
+        local_schema: Sequence[tuple[str, str, tuple[int, ...]]],
+        deadline: float,
+        sink: Any,
+        misbehaving: dict[Any, str],
+    ) -> DownloadResult:
+        records = await self._wait_for_records(deadline)
+        manifest, state = await self._fetch_manifest(records, misbehaving)
+        manifest.check_fits(local_schema)  # StateMismatchError before any chunk is fetched
+        dl = _Download(manifest, _Served.of(manifest))
+        from_sink = await self._load_from_sink(dl, sink)
+        logger.info(
+            "downloading the state of epoch %d (%d bytes, %d chunks, %d already held) from %d "
+            "donor(s)",
+            manifest.epoch,
+            manifest.total_bytes,
+            len(dl.digests),
+            from_sink,
+            len(state.donors),
+        )
+        previous = self._downloading
+        self._downloading = dl
+        announced = False
+        try:
+            if dl.remaining:
+                announced = True
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(
+                        self._refresh_holders, dl, records, sink, misbehaving, nursery
+                    )
+                    await dl.done.wait()
+                    nursery.cancel_scope.cancel()
+            tensors = await self._assemble(dl)
+        finally:
+            self._downloading = previous
+            # run() re-announces our own state, or retracts the partial record (not here:
+            # that would make download() overrun its timeout)
+            self._retract_partial = self._retract_partial or announced
+            self._wake.set()
+        used = sorted(p for p, n in dl.bytes_by_peer.items() if n)
+        return DownloadResult(manifest, tensors, used, misbehaving, from_sink, dl.bytes_by_peer)
+
+    async def _wait_for_records(self, deadline: float) -> list[_Record]:
+        """Poll the DHT until some peer announces a complete state (NoDonorError at deadline)."""
+        wait = min(0.5, self.refresh_interval)
+        while True:
+            records = [r for r in await self._read_records() if not self._banned_now(r.peer)]
+            if any(r.complete for r in records):
+                return records
+            if trio.current_time() + wait >= deadline:
+                raise NoDonorError(
+                    f"no peer announced a state under {self.key!r} in time: is the prefix "
+                    "right, and does some peer in the run have a checkpoint to serve?"
+                )
+            await trio.sleep(wait)
+            wait = min(wait * 2, 5.0)
+
+    async def _fetch_manifest(
+        self, records: list[_Record], misbehaving: dict[Any, str]
+    ) -> tuple[Manifest, AdvertisedState]:
+        """The newest state's manifest whose SHA-256 is the signed root (next state if none)."""
+        by_peer = {r.peer: r for r in records}
+        states = self._group(records)
+        tried = 0
+        for state in states:
+            donors = list(state.donors)
+            random.shuffle(donors)
+            for peer in donors:
+                if self._banned_now(peer):
+                    continue
+                tried += 1
+                self._learn_addrs(by_peer[peer])
+                try:
+                    reply = await self._request(
+                        peer, {"prefix": self.prefix, "op": "manifest", "root": state.root}
+                    )
+                except Exception as e:
+                    if not _is_network_error(e):
+                        raise
+                    logger.info("manifest request to %s failed: %s", _short(peer), e)
+                    continue
+                packed = reply.get("manifest") if isinstance(reply, dict) else None
+                if packed is None and isinstance(reply, dict) and "manifest" in reply:
+                    logger.info("%s no longer serves the state it announced", _short(peer))
+                    continue
+                if not isinstance(packed, bytes) or hashlib.sha256(packed).digest() != state.root:
+                    self._ban(
+                        peer, "sent a manifest that does not hash to its signed root", misbehaving
+                    )
+                    continue
+                try:
+                    manifest = Manifest.from_bytes(packed)
+                except ManifestError as e:  # a signed root over garbage: the donor's fault
+                    self._ban(peer, f"announced an invalid manifest: {e}", misbehaving)
+                    continue
+                if manifest.epoch != state.epoch or manifest.total_bytes != state.bytes:
+                    logger.warning(
+                        "state %s announced as epoch %d / %d bytes is epoch %d / %d bytes",
+                        state.root.hex()[:12],
+                        state.epoch,
+                        state.bytes,
+                        manifest.epoch,
+                        manifest.total_bytes,
+                    )
+                return manifest, state
+        raise StateDownloadError(
+            f"{len(states)} state(s) announced under {self.key!r} but no manifest could be "
+            f"fetched from any of {tried} donor(s)"
+            + (f"; misbehaving: {_describe(misbehaving)}" if misbehaving else "")
+        )
+
+    async def _load_from_sink(self, dl: _Download, sink: Any) -> int:
+        """Chunks a previous (interrupted) download already put into ``sink``."""
+        if sink is None:
+            return 0
+        digests = dl.digests
+
+        def read() -> list[bytes | None]:
+            return [sink.read_chunk(d) if sink.has_chunk(d) else None for d in digests]
+
+        found = await self._offload(read, nbytes=dl.manifest.total_bytes)
+        count = 0
+        for i, data in enumerate(found):
+            if data is not None and len(data) == dl.sizes[i]:
+                dl.data[i] = bytes(data)
+                dl.remaining.discard(i)
+                count += 1
+        return count
+
+    async def _refresh_holders(
+        self,
+        dl: _Download,
+        records: list[_Record],
+        sink: Any,
+        misbehaving: dict[Any, str],
+        nursery: trio.Nursery,
+    ) -> None:
+        """Keep the set of holders current: new donors and partial holders from the DHT (each
+        gets its workers), and the ``have`` bitmaps of partial holders."""
+        root = dl.manifest.root
+        announced_at = -math.inf
+        while True:
+            if trio.current_time() - announced_at >= self.announce_ttl / 3:
+                announced_at = trio.current_time()
+                record = self._record_value(dl.manifest, complete=False)
+                nursery.start_soon(self._store_record, record)
+            for r in records:
+                if r.root != root or self._banned_now(r.peer):
+                    continue
+                h = dl.holders.get(r.peer)
+                if h is None or (h.gone and trio.current_time() >= h.retry_at):
+                    self._learn_addrs(r)
+                    h = dl.holders[r.peer] = _Holder(r.peer, r.complete)
+                elif r.complete and not h.complete:
+                    h.complete = True
+                    h.missing.clear()
+                if not h.complete and not h.gone:
+                    nursery.start_soon(self._poll_have, dl, h)
+                while not h.gone and h.workers < self.max_in_flight_per_donor:
+                    h.workers += 1
+                    nursery.start_soon(self._worker, dl, h, sink, misbehaving)
+            dl.notify()
+            if not any(not h.gone for h in dl.holders.values()):
+                logger.info("no live holder of the state left; looking for more")
+            await trio.sleep(self.refresh_interval)
+            records = await self._read_records()
+
+    async def _poll_have(self, dl: _Download, h: _Holder) -> None:
+        try:
+            reply = await self._request(
+                h.peer, {"prefix": self.prefix, "op": "have", "root": dl.manifest.root}
+            )
+        except Exception as e:
+            if not _is_network_error(e):
+                raise
+            return
+        bitmap = reply.get("have") if isinstance(reply, dict) else None
+        n = len(dl.digests)
+        if isinstance(bitmap, bytes) and len(bitmap) == (n + 7) // 8:
+            h.have = _from_bitmap(bitmap, n)
+            h.missing.difference_update(h.have)
+            dl.notify()
+
+    async def _worker(
+        self, dl: _Download, h: _Holder, sink: Any, misbehaving: dict[Any, str]
+    ) -> None:
+        """One request in flight to ``h`` at a time; ``max_in_flight_per_donor`` of these."""
+        try:
+            while dl.remaining and not h.gone:
+                if self._banned_now(h.peer):
+                    h.gone = True
+                    return
+                now = trio.current_time()
+                if h.busy_until > now:
+                    await trio.sleep_until(h.busy_until)
+                    continue
+                batch = dl.pick(h, self.batch_bytes, MAX_DIGESTS_PER_REQUEST)
+                if not batch:
+                    with trio.move_on_after(self.refresh_interval):
+                        await dl.changed.wait()
+                    continue
+                h.in_flight += 1
+                try:
+                    pause = await self._fetch_batch(dl, h, batch, sink, misbehaving)
+                finally:
+                    h.in_flight -= 1
+                    dl.release(batch)
+                if pause:
+                    await trio.sleep(pause)
+        finally:
+            h.workers -= 1
+
+    async def _fetch_batch(
+        self,
+        dl: _Download,
+        h: _Holder,
+        batch: list[int],
+        sink: Any,
+        misbehaving: dict[Any, str],
+    ) -> float:
+        """One request; returns how long the worker should pause (after a failure)."""
+        request = {"prefix": self.prefix, "op": "chunks", "digests": [dl.digests[i] for i in batch]}
+        try:
+            # what we asked this peer for before this batch comes first on the same link
+            expect = sum(dl.sizes[i] for i in batch)
+            h.in_flight_bytes += expect
+            try:
+                reply = await self._request(h.peer, request, expect_bytes=h.in_flight_bytes)
+            finally:
+                h.in_flight_bytes -= expect
+        except Exception as e:
+            if not _is_network_error(e):
+                raise
+            h.failures += 1
+            logger.info(
+                "chunk request to %s failed (%d in a row): %s", _short(h.peer), h.failures, e
+            )
+            if h.failures >= MAX_FAILURES:
+                h.gone = True
+                h.retry_at = trio.current_time() + self.request_timeout
+                logger.warning(
+                    "dropping %s from this download for %.0fs: %s",
+                    _short(h.peer),
+                    self.request_timeout,
+                    e,
+                )
+                return 0.0
+            return min(0.1 * 2**h.failures, 2.0)
+        if not isinstance(reply, dict):
+            self._drop_bad(h, "sent a malformed chunk response", misbehaving)
+            return 0.0
+        if reply.get("busy") is True:
+            h.busy_until = trio.current_time() + h.busy_wait * (0.5 + random.random())
+            h.busy_wait = min(h.busy_wait * 2, BUSY_BACKOFF[1])
+            return 0.0
+        chunks = reply.get("chunks")
+        if not isinstance(chunks, list) or not 0 < len(chunks) <= len(batch):
+            self._drop_bad(h, "sent a malformed chunk response", misbehaving)
+            return 0.0
+        h.failures = 0
+        h.busy_wait = BUSY_BACKOFF[0]
+        got: list[tuple[int, bytes]] = []
+        for i, data in zip(batch, chunks, strict=False):
+            if data is None:
+                h.missing.add(i)
+            elif not isinstance(data, bytes) or len(data) != dl.sizes[i]:
+                self._drop_bad(
+                    h, f"sent chunk {dl.digests[i].hex()[:16]} with the wrong size", misbehaving
+                )
+                return 0.0
+            else:
+                got.append((i, data))
+        if not got:
+            return 0.0
+        digests = dl.digests
+
+        def verify_and_keep() -> int | None:
+            """Index into ``got`` of the first bad chunk; good ones before it go to the sink."""
+            for n, (i, data) in enumerate(got):
+                if hashlib.sha256(data).digest() != digests[i]:
+                    return n
+                if sink is not None:
+                    sink.put_chunk(digests[i], data)
+            return None
+
+        bad = await self._offload(verify_and_keep, nbytes=sum(len(d) for _, d in got))
+        for i, data in got[: len(got) if bad is None else bad]:
+            if dl.data[i] is None:
+                dl.data[i] = data
+                dl.remaining.discard(i)
+                dl.bytes_by_peer[h.peer] = dl.bytes_by_peer.get(h.peer, 0) + len(data)
+        if bad is not None:
+            i = got[bad][0]
+            self._drop_bad(
+                h, f"sent chunk {digests[i].hex()[:16]} whose SHA-256 does not match", misbehaving
+            )
+        if not dl.remaining:
+            dl.done.set()
+        return 0.0
+
+    def _drop_bad(self, h: _Holder, why: str, misbehaving: dict[Any, str]) -> None:
+        h.gone = True
+        self._ban(h.peer, why, misbehaving)
+
+    async def _assemble(self, dl: _Download) -> list[torch.Tensor]:
+        index = {d: i for i, d in enumerate(dl.digests)}
+        data = dl.data
+        specs = dl.manifest.tensors
+
+        def build() -> list[torch.Tensor]:
+            return [
+                tensor_from_chunks(spec, [data[index[c.digest]] for c in spec.chunks])
+                for spec in specs
+            ]
+
+        return await self._offload(build, nbytes=dl.manifest.total_bytes)
+
+
+def _describe(misbehaving: dict[Any, str]) -> str:
+    return "; ".join(f"{_short(p)}: {why}" for p, why in misbehaving.items())
