@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+import trio
 
 from moshpit.averaging.aggregation import (
     Aggregator,
@@ -214,3 +215,36 @@ def test_max_weight_ratio_is_validated():
         with pytest.raises(ValueError, match="max_weight_ratio"):
             AllReduceService(object(), max_weight_ratio=bad, register=False)
     assert DEFAULT_MAX_WEIGHT_RATIO >= 10
+
+
+async def test_weight_bomb_through_averager_steps(autojump_clock):
+    """The issue's scenario end to end: 8 honest Averagers and one that holds 1e30 and steps
+    with weight=1e9; afterwards the honest ones keep stepping without it (before the fix:
+    0/8 honest rounds, every step raised on NaN/Inf local tensors)."""
+    from tests.averaging.test_step_result import averager_swarm
+
+    async with averager_swarm(HONEST + 1) as averagers:
+        with averagers[HONEST].get_tensors() as ts:
+            ts[0].fill_(1e30)
+        results = [None] * (HONEST + 1)
+
+        async def step(i, weight):
+            results[i] = await averagers[i].astep(weight=weight)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(HONEST + 1):
+                nursery.start_soon(step, i, MAX_WEIGHT if i == HONEST else 1.0)
+        assert all(r.succeeded and r.group_size == HONEST + 1 for r in results), results
+        honest = averagers[:HONEST]
+        honest_ids = {a._host.peer_id for a in honest}
+        for a, r in zip(honest, results, strict=False):
+            assert all_finite(a._tensors[0]) and not (r.failed & honest_ids)
+        for _ in range(8):
+            async with trio.open_nursery() as nursery:
+                for i in range(HONEST):
+                    nursery.start_soon(step, i, 1.0)
+            for a, r in zip(honest, results, strict=False):
+                assert r.succeeded and r.group_size == HONEST, r.reason
+                assert r.averaged_fraction == 1.0 and not r.failed
+                assert all_finite(a._tensors[0])
+                assert not any(a._is_banned(p) for p in honest_ids)
