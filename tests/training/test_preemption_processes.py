@@ -1,0 +1,169 @@
+"""SIGTERM on real peer processes: leave within the deadline, checkpoint, withdraw, restart.
+
+Peers are ``tests/training/preempt_peer.py`` processes (a tiny model, a TrainingStateAverager
+with a checkpoint directory); they meet through a bootstrap DHT in this test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dht import DHT
+from moshpit.training.store import StateStore
+
+pytestmark = pytest.mark.slow
+
+PEER = Path(__file__).with_name("preempt_peer.py")
+DEADLINE = 10.0
+
+
+class Peer:
+    """A peer process whose JSON events are collected by a reader thread."""
+
+    def __init__(self, tmp: Path, name: str, bootstrap: str, prefix: str, *extra: str) -> None:
+        self.dir = tmp / name
+        self.dir.mkdir(exist_ok=True)
+        command = [
+            sys.executable, str(PEER), "--initial-peers", bootstrap,
+            "--identity", str(self.dir / "peer.key"), "--checkpoint-dir", str(self.dir / "ckpt"),
+            "--prefix", prefix, "--deadline", str(DEADLINE), *extra,
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        self.events: list[dict] = []
+        self.stderr: list[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            event["t"] = time.monotonic()
+            with self._cond:
+                self.events.append(event)
+                self._cond.notify_all()
+
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            del self.stderr[:-200]
+
+    def wait_for(self, predicate, timeout: float) -> dict:
+        end = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for event in self.events:
+                    if predicate(event):
+                        return event
+                left = end - time.monotonic()
+                assert left > 0, f"timed out; stderr tail:\n{''.join(self.stderr[-30:])}"
+                self._cond.wait(left)
+
+    def rounds(self, after: float = 0.0) -> list[dict]:
+        with self._cond:
+            return [e for e in self.events if e["event"] == "round" and e["t"] > after]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def bootstrap():
+    dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
+def _state_record(dht: DHT, prefix: str, peer: str):
+    found = dht.get(f"{prefix}.state", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return None
+    entry = found.value.get(f"[owner:{peer}]")
+    return None if entry is None else entry.value
+
+
+def test_sigterm_mid_round_leaves_cleanly_and_restart_continues(bootstrap, tmp_path):
+    prefix = "sigterm"
+    addr = str(bootstrap.get_visible_maddrs()[0])
+    peers = [Peer(tmp_path, f"p{i}", addr, prefix) for i in range(3)]
+    victim = peers[0]
+    try:
+        ready = victim.wait_for(lambda e: e["event"] == "ready", 120)
+        for peer in peers:
+            peer.wait_for(
+                lambda e: e["event"] == "round" and e["succeeded"] and e["epoch"] >= 3, 120
+            )
+        # the victim serves its checkpoint: its state record is in the DHT
+        assert _state_record(bootstrap, prefix, ready["peer"]) is not None
+        last = victim.rounds()[-1]
+        time.sleep(0.3)  # let it enter the next round (5 tiny local steps, then step())
+        killed_at = time.monotonic()
+        victim.proc.send_signal(signal.SIGTERM)
+        code = victim.proc.wait(DEADLINE + 15)
+        left_after = time.monotonic() - killed_at
+        assert code == 0, "".join(victim.stderr[-30:])
+        assert left_after <= DEADLINE + 5  # process start-up noise aside, within its deadline
+        assert "Traceback" not in "".join(victim.stderr)
+        # it wrote a checkpoint of the epoch it had reached, and withdrew its announcement
+        epoch = max(e["epoch"] for e in victim.rounds())
+        assert epoch >= last["epoch"]
+        assert StateStore(victim.dir / "ckpt").latest().epoch == epoch
+        assert _state_record(bootstrap, prefix, ready["peer"]) is None
+        # survivors keep averaging with each other, never stalled by the leaver
+        for peer in peers[1:]:
+            peer.wait_for(
+                lambda e: e["event"] == "round" and e["succeeded"] and e["t"] > killed_at + 1, 60
+            )
+        for peer in peers[1:]:
+            after = peer.rounds(after=killed_at)
+            assert after and max(r["seconds"] for r in after) <= 4.0, after
+        # restart with the same identity: same PeerID, resumes from its checkpoint, catches up
+        again = Peer(tmp_path, "p0", addr, prefix)
+        peers.append(again)
+        back = again.wait_for(lambda e: e["event"] == "ready", 120)
+        assert back["peer"] == ready["peer"]
+        assert back["epoch"] == epoch
+        first = again.wait_for(lambda e: e["event"] == "round", 120)
+        assert first["epoch"] > epoch  # caught up with the survivors, who went on training
+    finally:
+        for peer in peers:
+            peer.stop()
+
+
+def test_without_the_handler_sigterm_kills_and_the_swarm_goes_on(bootstrap, tmp_path):
+    prefix = "sigterm-default"
+    addr = str(bootstrap.get_visible_maddrs()[0])
+    peers = [Peer(tmp_path, f"q{i}", addr, prefix, "--no-handler") for i in range(3)]
+    try:
+        for peer in peers:
+            peer.wait_for(lambda e: e["event"] == "round" and e["succeeded"], 120)
+        time.sleep(0.3)
+        killed_at = time.monotonic()
+        peers[0].proc.send_signal(signal.SIGTERM)
+        assert peers[0].proc.wait(10) == -signal.SIGTERM
+        for peer in peers[1:]:
+            peer.wait_for(
+                lambda e: e["event"] == "round" and e["succeeded"] and e["t"] > killed_at + 1, 60
+            )
+    finally:
+        for peer in peers:
+            peer.stop()
