@@ -609,6 +609,11 @@ class StateSharing:
             return await trio.to_thread.run_sync(fn)
         return fn()
 
+    def progress(self) -> dict[Any, int] | None:
+        """Verified bytes received per peer in the download under way (None if none runs)."""
+        dl = self._downloading
+        return dict(dl.bytes_by_peer) if dl is not None else None
+
     # ------------------------------------------------------------------ finding states
 
     async def _read_records(self) -> list[_Record]:
