@@ -135,3 +135,47 @@ def test_sigterm_mid_round_leaves_cleanly(bootstrap):
     finally:
         for w in workers:
             w.stop()
+
+
+def test_weight_bomb_from_another_process_leaves_honest_peers_finite(bootstrap):
+    """An attacker process holds 1e30 and steps with weight 1e9 (the largest accepted) in a
+    group with four honest demo workers; then the honest ones average twice without it.
+    Before the fix the float32 sum overflowed: every honest tensor became Inf and every
+    later step raised."""
+    import math
+    import sys
+
+    args = _args(rounds=3, group_size=5)
+    honest = [_start(i, bootstrap, args) for i in range(4)]
+    attacker = Worker(
+        -1,
+        [sys.executable, "-m", "tests.averaging.attacker_peer", "--bootstrap", bootstrap,
+         "--size", str(args.size), "--group-size", "5", "--rounds", "1"],
+    )  # fmt: skip
+    try:
+        initial = [_ready(w) for w in honest]
+        assert attacker.wait_for(lambda o: o["event"] == "ready", 90), attacker.stderr_tail
+        for w in [*honest, attacker]:
+            w.send_go()
+        reports = [_round(w, 0) for w in honest]
+        bomb = attacker.wait_for(lambda o: o["event"] == "round", 60)
+        assert bomb is not None and bomb["ok"] and len(bomb["members"]) == 5, bomb
+        # the attacker's weight counts as 100 x the median weight (1): its share is 100/104
+        want = (torch.stack(initial).double().sum(0) + 100 * 1e30) / 104
+        for rep in reports:
+            assert rep["ok"] and len(rep["members"]) == 5 and not rep["failed"], rep["reason"]
+            got = decode_tensor(rep["tensor"])
+            assert bool(torch.isfinite(got).all())
+            assert torch.allclose(got.double(), want, rtol=1e-5)
+        assert attacker.proc.wait(timeout=30) == 0
+        for r in (1, 2):
+            for w in honest:
+                w.send_go()
+            for w in honest:
+                rep = _round(w, r)
+                assert rep["ok"] and len(rep["members"]) == 4 and not rep["failed"], rep["reason"]
+                got = decode_tensor(rep["tensor"])
+                assert bool(torch.isfinite(got).all()) and math.isfinite(float(got.abs().max()))
+    finally:
+        for w in [*honest, attacker]:
+            w.stop()
