@@ -218,3 +218,25 @@ async def test_excluded_peer_step_result(autojump_clock, caplog):
         # from its point of view), but does not count their refusals as their failures
         assert r.failed == set(r.excluded)
         assert all("different chunk_numel settings" in why for why in r.excluded.values())
+
+
+def test_result_contributor_count_is_validated():
+    """``n`` is what a receiver's averaged_fraction rests on: out of range, or inconsistent
+    with the payload, it is a protocol violation of the reducer."""
+    import pytest
+
+    from compression import NoCompression
+    from moshpit.averaging.allreduce_protocol import ProtocolError, parse_result, result_msg
+
+    ct = NoCompression().compress(torch.ones(4))
+    assert parse_result(result_msg(0, ct, 0.5, 3), 0, 4).contributors == 3
+    assert parse_result(result_msg(0, None, 0.0, 0), 0, 4).ct is None
+    for bad in (result_msg(0, ct, 0.0, 0), result_msg(0, None, 0.0, 2)):
+        with pytest.raises(ProtocolError, match="contributors must"):
+            parse_result(bad, 0, 4)
+    for n in (-1, 1 << 17, 1.0, True):
+        with pytest.raises(ProtocolError, match="contributors"):
+            parse_result({**result_msg(0, ct, 0.0, 1), "n": n}, 0, 4)
+    old = {k: v for k, v in result_msg(0, ct, 0.0, 1).items() if k != "n"}  # a v1 result
+    with pytest.raises(ProtocolError, match="fields"):
+        parse_result(old, 0, 4)
