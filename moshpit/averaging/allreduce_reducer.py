@@ -269,8 +269,8 @@ class PartReducer:
                 values, dev, n = None, 0.0, 0
             if not math.isfinite(dev):  # cannot happen for finite float32 inputs; saturate
                 dev = sys.float_info.max
-            self.contributors_of[k] = n
             msg, local = await self._finalize_fn(k, values, dev, n)
+            self.contributors_of[k] = msg["n"]  # 0 if the finalizer withheld the result
             self._results[k] = msg
             if self.local is not None and self.local in self.active:
                 self._local_results[k] = local
