@@ -17,6 +17,7 @@ _LAZY = {
     "DHTNode": "dht.kademlia.node",
     "Averager": "moshpit.averaging.averager",
     "StepResult": "moshpit.averaging.averager",
+    "Optimizer": "moshpit.training.optimizer",
     "TrainingStateAverager": "moshpit.training.state_averager",
     "ProgressTracker": "moshpit.training.progress",
     "handle_preemption": "moshpit.training.preemption",

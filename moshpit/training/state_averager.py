@@ -140,6 +140,7 @@ class TrainingStateAverager:
             **averager_options,
         )  # fmt: skip
         self._pending: AveragingRound | None = None
+        self.last_round_deviation: float | None = None  # ||averaged - ours|| / ||ours||
         self._synchronized = not sync_on_start
         self._closed = False
         self._last_checkpoint_time = time.monotonic()
@@ -256,6 +257,11 @@ class TrainingStateAverager:
         self._maybe_checkpoint()
         return handle.wait() if wait else handle
 
+    @property
+    def round_running(self) -> bool:
+        """True while a background round started by ``step(wait=False)`` is not applied yet."""
+        return self._pending is not None
+
     def apply_pending(self) -> StepResult | None:
         """If a background round has finished, apply its result now (training thread)."""
         if self._pending is not None and self._pending.done():
@@ -287,12 +293,18 @@ class TrainingStateAverager:
             return
         if not handle.result.succeeded:
             return  # the buffers still hold the snapshot wherever nothing was averaged
+        delta_sq = norm_sq = 0.0
         with critical_section(), self.averager.get_tensors(), torch.no_grad():
             for tensor, buffer, snapshot in zip(
                 self._averaged_live(), self._buffers, self._snapshot, strict=True
             ):
                 buffer.sub_(snapshot)  # the buffer now holds this round's delta
                 tensor.add_(buffer.to(tensor.device, non_blocking=tensor.is_cuda))
+                delta_sq += float(torch.linalg.vector_norm(buffer, dtype=torch.float64)) ** 2
+                norm_sq += float(torch.linalg.vector_norm(snapshot, dtype=torch.float64)) ** 2
+        # how far this peer was from its group's mean, relative to its state's size: the
+        # divergence signal adaptive averaging periods (ADPSGD) feed on
+        self.last_round_deviation = (delta_sq / norm_sq) ** 0.5 if norm_sq > 0 else 0.0
 
     # ------------------------------------------------------------------ loading state
 
@@ -382,6 +394,12 @@ class TrainingStateAverager:
             self._publish(result.manifest)  # the sink now holds every chunk: serve it too
         logger.info("loaded the state of epoch %d from %d donor(s)", epoch, len(result.donors_used))
         return epoch
+
+    def synchronize(self) -> None:
+        """Catch up with the swarm once (what the first :meth:`step` does by itself)."""
+        self._check_open()
+        if not self._synchronized:
+            self._synchronize()
 
     def _synchronize(self) -> None:
         """Before the first round: catch up with the swarm if it is ahead of us."""

@@ -1,0 +1,259 @@
+"""``moshpit.Optimizer``: a plain PyTorch loop that trains with the swarm.
+
+The user's loop changes in one place (the optimizer)::
+
+    opt = moshpit.Optimizer(optimizer=torch.optim.Adam(model.parameters()), dht=dht,
+                            run_id="my-run", batch_size_per_step=32, target_batch_size=4096)
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+What ``step()`` does depends on the mode (``moshpit/training/modes/``):
+
+- ``sync``: accumulate gradients until the swarm has processed ``target_batch_size`` samples,
+  then average them (weighted by samples) and apply one identical optimizer step everywhere;
+- ``local``: local steps, with background parameter averaging every H steps, H adapted as in
+  ADPSGD;
+- ``diloco``: H inner steps, then an outer Nesterov step on the averaged pseudo-gradient.
+
+Common to every mode: a :class:`~moshpit.training.progress.ProgressTracker` under ``run_id``, a
+:class:`~moshpit.training.state_averager.TrainingStateAverager` that checkpoints the state,
+serves it to joiners and loads it when this peer is new or behind, and a gradient check that
+keeps a diverged peer (NaN/Inf gradients) from publishing anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moshpit.training.preemption import critical_section
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MODES", "Optimizer"]
+
+MODES = ("sync", "local", "diloco")
+
+
+class Optimizer:
+    """Wraps ``optimizer`` so that ``step()`` trains with every peer of ``run_id``.
+
+    :param optimizer: the local ``torch.optim.Optimizer`` (the inner optimizer in ``diloco``).
+    :param dht: a running ``moshpit.DHT``.
+    :param run_id: the run's name: peers with the same ``run_id`` train one model together.
+    :param batch_size_per_step: samples this peer processes per ``step()`` (override per call
+      with ``step(batch_size=...)``).
+    :param target_batch_size: ``sync``: samples the whole swarm accumulates per optimizer step
+      (must be >= ``batch_size_per_step``).
+    :param mode: ``"sync"``, ``"local"`` or ``"diloco"``.
+    :param checkpoint_dir: where checkpoints go (and what this peer serves to joiners).
+    :param extra_tensors: more state to keep in sync (e.g. ``model.buffers()``).
+    :param target_group_size: Moshpit group size of every averaging round.
+    :param averager_options: more options for the averagers (timeouts, bandwidth, ...).
+    :param load_state_timeout: how long a newcomer waits for donors before training alone.
+    :param mode_options: the mode's own knobs (see ``moshpit/training/modes/<mode>.py``).
+    """
+
+    def __init__(
+        self,
+        *,
+        optimizer: torch.optim.Optimizer,
+        dht: Any,
+        run_id: str,
+        batch_size_per_step: int,
+        target_batch_size: int | None = None,
+        mode: str = "sync",
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every_seconds: float | None = None,
+        extra_tensors: Iterable[torch.Tensor] = (),
+        target_group_size: int = 16,
+        averager_options: dict[str, Any] | None = None,
+        load_state_timeout: float = 30.0,
+        progress_ttl: float = 30.0,
+        **mode_options: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}; got {mode!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.Adam(model."
+                f"parameters())), got {type(optimizer).__name__}"
+            )
+        if not hasattr(dht, "run_coroutine"):
+            raise TypeError("dht must be a running moshpit.DHT")
+        if not isinstance(run_id, str) or not run_id or any(c in run_id for c in " \n["):
+            raise ValueError(f"run_id must be a non-empty name without spaces, got {run_id!r}")
+        _check_positive_int("batch_size_per_step", batch_size_per_step)
+        if target_batch_size is not None:
+            _check_positive_int("target_batch_size", target_batch_size)
+            if target_batch_size < batch_size_per_step:
+                raise ValueError(
+                    f"target_batch_size ({target_batch_size}) is smaller than "
+                    f"batch_size_per_step ({batch_size_per_step}): the swarm's batch must hold "
+                    "at least one local batch"
+                )
+        if mode == "sync" and target_batch_size is None:
+            raise ValueError("mode='sync' needs target_batch_size (samples per global step)")
+        self.inner = optimizer
+        self.dht = dht
+        self.run_id = run_id
+        self.batch_size_per_step = batch_size_per_step
+        self.target_batch_size = target_batch_size
+        self.mode_name = mode
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every_seconds = checkpoint_every_seconds
+        self.extra_tensors = list(extra_tensors)
+        self.target_group_size = target_group_size
+        self.averager_options = dict(averager_options or {})
+        self.load_state_timeout = float(load_state_timeout)
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.skipped_steps = 0  # local steps dropped for non-finite gradients
+        self._closed = False
+        self._started = False
+
+        from moshpit.training.modes import make_mode
+        from moshpit.training.progress import ProgressTracker
+
+        self.tracker = ProgressTracker(
+            dht, run_id, target_batch_size=target_batch_size, ttl=progress_ttl
+        )
+        try:
+            self.mode = make_mode(mode, self, **mode_options)
+        except BaseException:
+            self.tracker.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ the shared state
+
+    def make_state_averager(self, optimizer: torch.optim.Optimizer, **options: Any) -> Any:
+        """A TrainingStateAverager for ``optimizer`` with this Optimizer's common settings."""
+        from moshpit.training.state_averager import TrainingStateAverager
+
+        settings = dict(
+            dht=self.dht,
+            optimizer=optimizer,
+            prefix=self.run_id,
+            target_group_size=self.target_group_size,
+            checkpoint_dir=self.checkpoint_dir,
+            checkpoint_every_seconds=self.checkpoint_every_seconds,
+            extra_tensors=self.extra_tensors,
+            join_timeout=self.load_state_timeout,
+        )
+        settings.update(self.averager_options)
+        settings.update(options)
+        return TrainingStateAverager(**settings)
+
+    @property
+    def state(self) -> Any:
+        """The mode's TrainingStateAverager (what checkpoints and joiners see)."""
+        return self.mode.state
+
+    @property
+    def epoch(self) -> int:
+        """The global step number this peer is at."""
+        return self.mode.state.epoch
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        """One local step: see the module docstring for what each mode does with it."""
+        if self._closed:
+            raise RuntimeError("this moshpit.Optimizer was shut down")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        batch_size = self.batch_size_per_step if batch_size is None else batch_size
+        _check_positive_int("batch_size", batch_size)
+        if not self._started:
+            self._started = True
+            self.mode.on_start()
+        if not self._gradients_finite():
+            self.skipped_steps += 1
+            logger.warning(
+                "non-finite gradients at epoch %d: this step is dropped and nothing is sent "
+                "(%d dropped so far); lower the learning rate if this repeats",
+                self.epoch,
+                self.skipped_steps,
+            )
+            self.zero_grad()
+            return loss
+        with critical_section():
+            self.mode.step(batch_size)
+        return loss
+
+    def _gradients_finite(self) -> bool:
+        for p in self.params:
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return False
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.mode.zero_grad(set_to_none)
+
+    def load_state_from_peers(self, timeout: float | None = None) -> int:
+        """Adopt the swarm's newest state now; returns its epoch (see TrainingStateAverager)."""
+        epoch = self.mode.state.load_state_from_peers(
+            timeout=self.load_state_timeout if timeout is None else timeout
+        )
+        self.mode.on_state_loaded()
+        return epoch
+
+    # ------------------------------------------------------------------ state_dict
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "inner": self.inner.state_dict(),
+            "mode": self.mode_name,
+            "mode_state": self.mode.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("mode") != self.mode_name:
+            raise ValueError(
+                f"this state_dict was saved in mode {state.get('mode')!r}, not {self.mode_name!r}"
+            )
+        self.inner.load_state_dict(state["inner"])
+        self.mode.load_state_dict(state.get("mode_state", {}))
+        self.mode.state.epoch = int(state["epoch"])
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def leave_swarm(self, deadline: float = 25.0) -> None:
+        """Leave within ``deadline`` s (what ``moshpit.handle_preemption`` calls)."""
+        if self._closed:
+            return
+        self.mode.leave_swarm(deadline)
+        self.tracker.withdraw()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.mode.shutdown()
+        finally:
+            self.tracker.shutdown()
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
