@@ -1,4 +1,4 @@
-"""The Noise Protocol Framework state machine for ``Noise_XX_25519_ChaChaPoly_SHA256``.
+"""The Noise Protocol Framework state machine for ``Noise_XX_25519_{ChaChaPoly,AESGCM}_SHA256``.
 
 Written from the Noise specification (revision 34): CipherState, SymmetricState and
 HandshakeState, restricted to the one handshake pattern libp2p uses::
@@ -8,9 +8,17 @@ HandshakeState, restricted to the one handshake pattern libp2p uses::
       <- e, ee, s, es
       -> s, se
 
-Primitives come from ``cryptography``: X25519 for DH, ChaCha20-Poly1305 (nonce = 4 zero
-bytes || 64-bit little-endian counter) and SHA-256 with HMAC-based HKDF. This module knows
-nothing about libp2p payloads or sockets; ``noise.py`` drives it.
+Primitives come from ``cryptography``: X25519 for DH, SHA-256 with HMAC-based HKDF, and one
+of two cipher functions (spec section 12), picked per connection by a ``NoiseCipher``:
+
+* ``ChaChaPoly``: ChaCha20-Poly1305, nonce = 4 zero bytes || 64-bit *little*-endian counter
+  (libp2p's ``/noise``);
+* ``AESGCM``: AES-256-GCM, nonce = 4 zero bytes || 64-bit *big*-endian counter (faster where
+  the CPU has AES instructions; moshpit peers negotiate it between themselves).
+
+The cipher's name is part of the protocol name, which seeds ``h`` and ``ck``: two sides that
+disagree on the cipher fail the handshake instead of talking past each other. This module
+knows nothing about libp2p payloads or sockets; ``noise.py`` drives it.
 """
 
 from __future__ import annotations
@@ -18,27 +26,47 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from .errors import HandshakeError
 
-PROTOCOL_NAME = b"Noise_XX_25519_ChaChaPoly_SHA256"
 HASHLEN = 32
 DHLEN = 32
 TAGLEN = 16
 MAX_NONCE = 2**64 - 1  # reserved by the spec; reaching it means the session must end
 
 _XX_PATTERN: tuple[tuple[str, ...], ...] = (("e",), ("e", "ee", "s", "es"), ("s", "se"))
-_NONCE = struct.Struct("<4xQ")
+
+
+@dataclass(frozen=True)
+class NoiseCipher:
+    """A Noise cipher function: its name in the protocol name, AEAD class and nonce layout."""
+
+    name: str
+    aead: type[ChaCha20Poly1305] | type[AESGCM]
+    nonce: struct.Struct  # packs the 64-bit counter into the AEAD's 12-byte nonce
+
+    @property
+    def protocol_name(self) -> bytes:
+        return f"Noise_XX_25519_{self.name}_SHA256".encode()
+
+    def nonce_bytes(self, n: int) -> bytes:
+        return self.nonce.pack(n)
+
+
+CHACHAPOLY = NoiseCipher("ChaChaPoly", ChaCha20Poly1305, struct.Struct("<4xQ"))
+AESGCM_256 = NoiseCipher("AESGCM", AESGCM, struct.Struct(">4xQ"))  # 32-byte keys: AES-256
+PROTOCOL_NAME = CHACHAPOLY.protocol_name  # libp2p's /noise
 
 
 def nonce_bytes(n: int) -> bytes:
     """ChaChaPoly nonce: 32 bits of zeros followed by the little-endian 64-bit counter."""
-    return _NONCE.pack(n)
+    return CHACHAPOLY.nonce_bytes(n)
 
 
 def _raw_public(key: X25519PrivateKey) -> bytes:
@@ -68,17 +96,18 @@ def hkdf(chaining_key: bytes, input_key_material: bytes, outputs: int) -> list[b
 
 
 class CipherState:
-    """A ChaCha20-Poly1305 key with its nonce counter; one per direction after the handshake.
+    """An AEAD key with its nonce counter; one per direction after the handshake.
 
     The AEAD object is created once per key (creating it per frame costs more than the
     encryption of a small frame).
     """
 
-    __slots__ = ("aead", "n")
+    __slots__ = ("aead", "n", "_nonce")
 
-    def __init__(self, key: bytes | None = None) -> None:
-        self.aead: ChaCha20Poly1305 | None = ChaCha20Poly1305(key) if key is not None else None
+    def __init__(self, key: bytes | None = None, cipher: NoiseCipher = CHACHAPOLY) -> None:
+        self.aead: ChaCha20Poly1305 | AESGCM | None = cipher.aead(key) if key is not None else None
         self.n = 0
+        self._nonce = cipher.nonce
 
     def has_key(self) -> bool:
         return self.aead is not None
@@ -86,7 +115,7 @@ class CipherState:
     def next_nonce(self) -> bytes:
         if self.n >= MAX_NONCE:
             raise HandshakeError("Noise nonce space exhausted; the session must be re-established")
-        nonce = _NONCE.pack(self.n)
+        nonce = self._nonce.pack(self.n)
         self.n += 1
         return nonce
 
@@ -102,7 +131,7 @@ class CipherState:
             raise HandshakeError(
                 f"Noise ciphertext of {len(ciphertext)} bytes is shorter than a tag"
             )
-        nonce = _NONCE.pack(self.n)
+        nonce = self._nonce.pack(self.n)
         try:
             plaintext = self.aead.decrypt(nonce, ciphertext, ad)
         except InvalidTag:
@@ -114,22 +143,24 @@ class CipherState:
 
 
 class SymmetricState:
-    __slots__ = ("ck", "h", "cipher")
+    __slots__ = ("ck", "h", "cipher", "suite")
 
-    def __init__(self, protocol_name: bytes = PROTOCOL_NAME) -> None:
+    def __init__(self, suite: NoiseCipher = CHACHAPOLY) -> None:
+        self.suite = suite
+        protocol_name = suite.protocol_name
         if len(protocol_name) <= HASHLEN:
             self.h = protocol_name.ljust(HASHLEN, b"\0")
         else:
             self.h = hashlib.sha256(protocol_name).digest()
         self.ck = self.h
-        self.cipher = CipherState()
+        self.cipher = CipherState(cipher=suite)
 
     def mix_hash(self, data: bytes) -> None:
         self.h = hashlib.sha256(self.h + data).digest()
 
     def mix_key(self, input_key_material: bytes) -> None:
         self.ck, temp_k = hkdf(self.ck, input_key_material, 2)
-        self.cipher = CipherState(temp_k[:32])
+        self.cipher = CipherState(temp_k[:32], self.suite)
 
     def encrypt_and_hash(self, plaintext: bytes) -> bytes:
         ciphertext = self.cipher.encrypt_with_ad(self.h, plaintext)
@@ -143,7 +174,7 @@ class SymmetricState:
 
     def split(self) -> tuple[CipherState, CipherState]:
         k1, k2 = hkdf(self.ck, b"", 2)
-        return CipherState(k1[:32]), CipherState(k2[:32])
+        return CipherState(k1[:32], self.suite), CipherState(k2[:32], self.suite)
 
 
 class XXHandshakeState:
@@ -151,6 +182,7 @@ class XXHandshakeState:
 
     After the third message ``split()`` returns ``(send, receive)`` cipher states for this
     side. ``remote_static`` is available once the remote's ``s`` token was processed.
+    ``cipher`` picks the cipher function (both sides must use the same one).
     """
 
     def __init__(
@@ -159,9 +191,11 @@ class XXHandshakeState:
         static_key: X25519PrivateKey,
         prologue: bytes = b"",
         ephemeral_key: X25519PrivateKey | None = None,
+        cipher: NoiseCipher = CHACHAPOLY,
     ) -> None:
         self.initiator = initiator
-        self.symmetric = SymmetricState()
+        self.cipher = cipher
+        self.symmetric = SymmetricState(cipher)
         self.symmetric.mix_hash(prologue)
         self.s = static_key
         self.s_pub = _raw_public(static_key)

@@ -2,9 +2,11 @@
 
 Connection establishment is libp2p's: multistream-select ``/noise`` on the raw connection,
 the Noise XX handshake (which proves the remote's PeerID), multistream-select
-``/yamux/1.0.0`` on the secured channel, then yamux. Every stream negotiates its protocol
-with multistream-select; unary RPCs negotiate *lazily* (proposal, request and FIN leave in
-one write), so a call on a warm connection is one round trip.
+``/yamux/1.0.0`` on the secured channel, then yamux. Between two moshpit hosts the dialer's
+first proposal, ``/moshpit/noise-aesgcm/1.0.0`` (the same handshake with AES-256-GCM), is
+accepted instead; a libp2p peer answers ``na`` to it and gets ``/noise``. Every stream
+negotiates its protocol with multistream-select; unary RPCs negotiate *lazily* (proposal,
+request and FIN leave in one write), so a call on a warm connection is one round trip.
 
 Connections: at most one dial per peer is in flight (concurrent callers share it). If two
 peers dial each other at the same moment both connections are kept; new streams then go
@@ -44,7 +46,7 @@ from .errors import (
 from .identity import Identity, PeerID
 from .messages import DEFAULT_MAX_MESSAGE_SIZE, MessageReader, send_msg
 from .multiaddr import Multiaddr
-from .noise import noise_handshake
+from .noise import DEFAULT_SECURITY_PROTOCOLS, SECURITY_PROTOCOLS, noise_handshake
 from .peerstore import PeerStore
 from .transport import TCPTransport
 from .yamux import (
@@ -205,8 +207,10 @@ class Host:
         transport: Any,
         limits: HostLimits,
         nursery: trio.Nursery,
+        security_protocols: Sequence[str] = DEFAULT_SECURITY_PROTOCOLS,
     ) -> None:
         self.identity = identity
+        self.security_protocols = _check_security_protocols(security_protocols)
         self.peer_id: PeerID = identity.peer_id
         self.transport = transport
         self.limits = limits
@@ -238,14 +242,20 @@ class Host:
         identity: Identity | None = None,
         transport: Any = None,
         limits: HostLimits | None = None,
+        security_protocols: Sequence[str] = DEFAULT_SECURITY_PROTOCOLS,
     ) -> AsyncIterator[Host]:
-        """Run a host for the duration of the block; leaving it closes everything it owns."""
+        """Run a host for the duration of the block; leaving it closes everything it owns.
+
+        ``security_protocols``: what this host dials with (proposed in this order) and accepts;
+        ``("/noise",)`` turns the AES-GCM variant off (libp2p's ChaChaPoly only)."""
+        security_protocols = _check_security_protocols(security_protocols)  # before any task
         async with trio.open_nursery() as nursery:
             host = cls(
                 identity or Identity.generate(),
                 transport if transport is not None else TCPTransport(),
                 limits or HostLimits(),
                 nursery,
+                security_protocols,
             )
             try:
                 yield host
@@ -469,22 +479,34 @@ class Host:
         name: str,
         on_security_negotiated: Callable[[], None] | None = None,
     ) -> tuple[PeerID, YamuxSession]:
-        """multistream /noise -> Noise -> multistream /yamux -> yamux session (not yet run).
+        """multistream Noise variant -> Noise -> multistream /yamux -> yamux session (not yet run).
 
-        ``on_security_negotiated`` runs once /noise is agreed on (the accept path then grants
-        the remote the rest of the handshake time)."""
+        The dialer proposes ``security_protocols`` in order (AES-GCM first, ``/noise`` after an
+        ``na``); the listener accepts any of them. Against a moshpit listener the first
+        proposal is accepted, so this costs the same single round trip as ``/noise`` alone.
+        ``on_security_negotiated`` runs once a security protocol is agreed on (the accept path
+        then grants the remote the rest of the handshake time)."""
         timeout = self.limits.handshake_timeout
         try:
             if outbound:
-                _, stream = await multistream.negotiate_outbound(raw, [NOISE_PROTOCOL], timeout)
+                security, stream = await multistream.negotiate_outbound(
+                    raw, self.security_protocols, timeout
+                )
             else:
-                _, stream = await multistream.negotiate_inbound(raw, [NOISE_PROTOCOL], timeout)
+                security, stream = await multistream.negotiate_inbound(
+                    raw, frozenset(self.security_protocols), timeout
+                )
         except ProtocolNegotiationError as e:
             raise HandshakeError(f"security negotiation failed: {e}") from e
         if on_security_negotiated is not None:
             on_security_negotiated()
         secure = await noise_handshake(
-            stream, self.identity, initiator=outbound, expected_peer=expected, timeout=timeout
+            stream,
+            self.identity,
+            initiator=outbound,
+            expected_peer=expected,
+            timeout=timeout,
+            cipher=SECURITY_PROTOCOLS[security],
         )
         peer_id: PeerID = secure.remote_peer
         try:
@@ -1019,6 +1041,20 @@ class Host:
             )
             logger.debug("handler traceback", exc_info=True)
             await stream.send_msg({"err": f"{type(e).__name__}: {e}"[:4096]})
+
+
+def _check_security_protocols(protocols: Sequence[str]) -> tuple[str, ...]:
+    """Validate a Host's security protocol list (known ids, no repeats, at least one)."""
+    if isinstance(protocols, str):
+        protocols = (protocols,)
+    chosen = tuple(protocols)
+    unknown = [p for p in chosen if p not in SECURITY_PROTOCOLS]
+    if not chosen or unknown or len(set(chosen)) != len(chosen):
+        raise ValueError(
+            f"security_protocols must be a non-empty list without repeats drawn from "
+            f"{list(SECURITY_PROTOCOLS)}, got {list(chosen)}"
+        )
+    return chosen
 
 
 def _is_loopback(addr: str) -> bool:

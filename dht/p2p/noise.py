@@ -2,7 +2,7 @@
 
 Wire format (libp2p noise spec): every Noise message, handshake or transport, is sent as a
 2-byte big-endian length followed by that many bytes (so at most 65535, i.e. 65519 bytes of
-plaintext plus the 16-byte Poly1305 tag). The handshake is ``Noise_XX_25519_ChaChaPoly_SHA256``
+plaintext plus the 16-byte tag). The handshake is ``Noise_XX_25519_ChaChaPoly_SHA256``
 with an empty prologue; messages 2 and 3 carry a protobuf ``NoiseHandshakePayload``:
 
     identity_key = 1  (bytes: the libp2p protobuf PublicKey)
@@ -11,6 +11,11 @@ with an empty prologue; messages 2 and 3 carry a protobuf ``NoiseHandshakePayloa
 
 so each side proves that its libp2p identity owns the Noise static key. The dialer checks
 the responder's identity *before* revealing its own in message 3.
+
+Between moshpit peers the same handshake, payload and framing also run with AES-256-GCM as
+the cipher (``Noise_XX_25519_AESGCM_SHA256``) under the protocol id ``AESGCM_PROTOCOL_ID``;
+``SECURITY_PROTOCOLS`` maps each security protocol id to its cipher. libp2p peers only ever
+see ``/noise``.
 """
 
 from __future__ import annotations
@@ -24,9 +29,17 @@ from collections.abc import Sequence
 import trio
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
-from ._crypto_noise import TAGLEN, CipherState, XXHandshakeState, x25519_public_bytes
+from ._crypto_noise import (
+    AESGCM_256,
+    CHACHAPOLY,
+    TAGLEN,
+    CipherState,
+    NoiseCipher,
+    XXHandshakeState,
+    x25519_public_bytes,
+)
 from ._proto import WIRE_LEN, ProtobufDecodeError, encode_bytes_field, iter_fields
 from .errors import (
     HandshakeError,
@@ -40,7 +53,15 @@ from .identity import Identity, PeerID, decode_public_key, verify_ed25519
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_ID = "/noise"
+PROTOCOL_ID = "/noise"  # libp2p: Noise_XX_25519_ChaChaPoly_SHA256
+AESGCM_PROTOCOL_ID = "/moshpit/noise-aesgcm/1.0.0"  # moshpit only: Noise_XX_25519_AESGCM_SHA256
+SECURITY_PROTOCOLS: dict[str, NoiseCipher] = {
+    AESGCM_PROTOCOL_ID: AESGCM_256,
+    PROTOCOL_ID: CHACHAPOLY,
+}
+# What a moshpit dialer proposes, in order: the faster cipher first, libp2p's /noise as the
+# fallback (one extra round trip, only against peers that refuse the first).
+DEFAULT_SECURITY_PROTOCOLS: tuple[str, ...] = (AESGCM_PROTOCOL_ID, PROTOCOL_ID)
 SIGNATURE_PREFIX = b"noise-libp2p-static-key:"
 MAX_FRAME = 0xFFFF  # 2-byte length prefix
 MAX_PLAINTEXT = MAX_FRAME - TAGLEN  # 65519
@@ -54,7 +75,7 @@ _BULK_READ = 128 * 1024
 _IDLE_READ = 4096  # ... and dropped again after a read smaller than this
 _LEN = struct.Struct(">H")
 # cryptography >= 45 can encrypt/decrypt straight into our frame buffers (no extra copy).
-_HAS_INTO = hasattr(ChaCha20Poly1305, "encrypt_into")
+_HAS_INTO = hasattr(ChaCha20Poly1305, "encrypt_into") and hasattr(AESGCM, "encrypt_into")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,15 +166,19 @@ async def noise_handshake(
     initiator: bool,
     expected_peer: PeerID | None = None,
     timeout: float | None = 10.0,  # noqa: ASYNC109 - part of the documented API
+    cipher: NoiseCipher = CHACHAPOLY,
 ) -> SecureSession:
     """Run the libp2p Noise XX handshake on ``raw`` and return the encrypted session.
+
+    ``cipher`` is the one the security protocol negotiated on ``raw`` stands for
+    (``SECURITY_PROTOCOLS``); both sides must use the same, or the handshake fails.
 
     Raises HandshakeError (bad frames, signatures, decryption), PeerIDMismatchError (the remote
     proved an identity other than ``expected_peer``) and P2PTimeoutError (the remote stalled).
     The caller owns ``raw`` and should close it on any error.
     """
     static = X25519PrivateKey.generate()  # fresh per connection; identity binds it
-    state = XXHandshakeState(initiator=initiator, static_key=static)
+    state = XXHandshakeState(initiator=initiator, static_key=static, cipher=cipher)
     payload = _make_payload(identity, x25519_public_bytes(static))
     reader = _FrameReader(raw)
 
@@ -188,10 +213,12 @@ async def noise_handshake(
             send_cipher=send_cipher,
             receive_cipher=receive_cipher,
             initial=bytes(reader.buffer),
+            cipher=cipher,
         )
         logger.debug(
-            "noise handshake done (%s) with %s",
+            "noise handshake done (%s, %s) with %s",
             "outbound" if initiator else "inbound",
+            cipher.name,
             remote_peer.short(),
         )
         return session
@@ -221,8 +248,10 @@ class SecureSession(trio.abc.HalfCloseableStream):
         send_cipher: CipherState,
         receive_cipher: CipherState,
         initial: bytes = b"",
+        cipher: NoiseCipher = CHACHAPOLY,
     ) -> None:
         self.raw = raw
+        self.cipher = cipher  # which cipher function the handshake agreed on (for logs, tests)
         self.local_peer = local_peer
         self.remote_peer = remote_peer
         self._send = send_cipher
@@ -574,4 +603,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
         await self.raw.aclose()
 
     def __repr__(self) -> str:
-        return f"<SecureSession {self.local_peer.short()} <-> {self.remote_peer.short()}>"
+        return (
+            f"<SecureSession {self.local_peer.short()} <-> {self.remote_peer.short()} "
+            f"{self.cipher.name}>"
+        )
