@@ -1,13 +1,17 @@
 """Bulk throughput of the secure channel between two processes over loopback TCP.
 
-Modes, all measured in the same run so the results read as ratios:
-  raw    trio TCP, no security (the baseline)
-  noise  multistream /noise + Noise XX, then bulk data through SecureSession
-  host   the full stack: Host -> Noise -> yamux stream (encrypted + muxed)
+Modes, all measured in the same run (interleaved) so the results read as ratios:
+  raw              trio TCP, no security (the baseline)
+  noise            multistream /noise + Noise XX with ChaChaPoly, bulk data via SecureSession
+  noise-aesgcm     the same with /moshpit/noise-aesgcm/1.0.0 (Noise XX with AES-256-GCM)
+  host             the full stack: Host -> Noise -> yamux stream; two moshpit Hosts agree on
+                   AES-256-GCM
+  host-chachapoly  the full stack with the dialer offering only /noise (ChaChaPoly)
 
-Prints one JSON object per measurement and a summary line per mode with the median over
-the repetitions and its ratio to the raw median. Usage:
-  python benchmarks/bench_secure_channel.py [--mb 256] [--reps 5] [--modes raw,noise,host]
+Prints one JSON object per measurement and a summary line per mode with the median, range
+and CPU over the repetitions and the median's ratio to the raw median. Usage:
+  python benchmarks/bench_secure_channel.py [--mb 256] [--reps 5]
+      [--modes raw,noise,noise-aesgcm,host,host-chachapoly]
 """
 
 from __future__ import annotations
@@ -28,10 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dht.p2p.identity import Identity  # noqa: E402
 from dht.p2p.multistream import negotiate_inbound, negotiate_outbound  # noqa: E402
-from dht.p2p.noise import noise_handshake  # noqa: E402
+from dht.p2p.noise import (  # noqa: E402
+    AESGCM_PROTOCOL_ID,
+    PROTOCOL_ID,
+    SECURITY_PROTOCOLS,
+    noise_handshake,
+)
 
 CHUNK = 1 << 20
 PROTOCOL = "/bench/bulk/1.0.0"
+MODES = ("raw", "noise", "noise-aesgcm", "host", "host-chachapoly")
+# security protocol a bare-Noise mode negotiates; what a Host mode's dialer offers
+NOISE_MODES = {"noise": PROTOCOL_ID, "noise-aesgcm": AESGCM_PROTOCOL_ID}
+HOST_MODES = {"host": None, "host-chachapoly": (PROTOCOL_ID,)}  # None: the Host's default
 
 
 def _cpu() -> float:
@@ -52,10 +65,10 @@ async def _drain(stream, total: int) -> None:
 def _server(mode: str, total: int, queue) -> None:
     async def main() -> None:
         done = trio.Event()
-        if mode == "host":
+        if mode in HOST_MODES:
             from dht.p2p import Host
 
-            async with Host.open() as host:
+            async with Host.open() as host:  # a default Host accepts both ciphers
 
                 async def handler(stream) -> None:
                     await _drain(stream, total)
@@ -70,9 +83,14 @@ def _server(mode: str, total: int, queue) -> None:
 
         async def handle(raw) -> None:
             stream = raw
-            if mode == "noise":
-                _, stream = await negotiate_inbound(raw, {"/noise"})
-                stream = await noise_handshake(stream, Identity.generate(), initiator=False)
+            if mode in NOISE_MODES:
+                protocol, stream = await negotiate_inbound(raw, set(SECURITY_PROTOCOLS))
+                stream = await noise_handshake(
+                    stream,
+                    Identity.generate(),
+                    initiator=False,
+                    cipher=SECURITY_PROTOCOLS[protocol],
+                )
             await _drain(stream, total)
             done.set()
 
@@ -86,7 +104,7 @@ def _server(mode: str, total: int, queue) -> None:
     trio.run(main)
 
 
-async def _pump(stream, total: int) -> tuple[float, float, float]:
+async def _pump(stream, total: int) -> tuple[float, float, float, str]:
     buf = os.urandom(CHUNK)
     cpu0 = _cpu()
     t0 = time.perf_counter()
@@ -95,25 +113,33 @@ async def _pump(stream, total: int) -> tuple[float, float, float]:
         await stream.send_all(buf)
         sent += CHUNK
     server_cpu = float((await stream.receive_some()).decode())
-    return time.perf_counter() - t0, _cpu() - cpu0, server_cpu
+    return time.perf_counter() - t0, _cpu() - cpu0, server_cpu, ""
 
 
-def _client(mode: str, total: int, where) -> tuple[float, float, float]:
+def _client(mode: str, total: int, where) -> tuple[float, float, float, str]:
     async def main():
-        if mode == "host":
+        if mode in HOST_MODES:
             from dht.p2p import Host, Multiaddr
 
-            async with Host.open() as host:
+            offer = HOST_MODES[mode]
+            kwargs = {} if offer is None else {"security_protocols": offer}
+            async with Host.open(**kwargs) as host:
                 pid = await host.connect([Multiaddr(where)])
                 stream = await host.new_stream(pid, PROTOCOL)
-                return await _pump(stream, total)
+                (conn,) = host._conns[pid]
+                cipher = conn.session.conn.cipher.name  # what was negotiated, as a check
+                return (*(await _pump(stream, total))[:3], cipher)
         raw = await trio.open_tcp_stream("127.0.0.1", where)
         stream = raw
-        if mode == "noise":
-            _, stream = await negotiate_outbound(raw, ["/noise"])
-            stream = await noise_handshake(stream, Identity.generate(), initiator=True)
+        cipher = ""
+        if mode in NOISE_MODES:
+            protocol, stream = await negotiate_outbound(raw, [NOISE_MODES[mode]])
+            stream = await noise_handshake(
+                stream, Identity.generate(), initiator=True, cipher=SECURITY_PROTOCOLS[protocol]
+            )
+            cipher = stream.cipher.name
         async with raw:
-            return await _pump(stream, total)
+            return (*(await _pump(stream, total))[:3], cipher)
 
     return trio.run(main)
 
@@ -123,13 +149,14 @@ def run_once(mode: str, total: int) -> dict:
     proc = mp.Process(target=_server, args=(mode, total, queue))
     proc.start()
     try:
-        seconds, client_cpu, server_cpu_total = _client(mode, total, queue.get(timeout=60))
+        seconds, client_cpu, server_cpu_total, cipher = _client(mode, total, queue.get(timeout=60))
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
     return {
         "mode": mode,
+        "cipher": cipher or None,
         "bytes": total,
         "seconds": round(seconds, 4),
         "MB_per_s": round(total / seconds / 1e6, 1),
@@ -142,20 +169,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mb", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--modes", default="raw,noise,host")
+    parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
     modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
     total = args.mb << 20
-    results: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(args.reps):
-        for mode in modes:  # interleaved, so load changes hit every mode alike
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(args.reps):
+        # interleaved, rotating the order each round, so load changes hit every mode alike
+        for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:
             result = run_once(mode, total)
-            results[mode].append(result["MB_per_s"])
+            results[mode].append(result)
             print(json.dumps(result), flush=True)
-    baseline = statistics.median(results["raw"]) if "raw" in results else None
+    baseline = (
+        statistics.median(r["MB_per_s"] for r in results["raw"]) if "raw" in results else None
+    )
     for mode in modes:
-        median = statistics.median(results[mode])
-        summary = {"mode": mode, "summary": True, "median_MB_per_s": round(median, 1)}
+        rates = [r["MB_per_s"] for r in results[mode]]
+        client_cpu = [r["client_cpu_s"] for r in results[mode]]
+        median = statistics.median(rates)
+        summary = {
+            "mode": mode,
+            "summary": True,
+            "cipher": results[mode][0]["cipher"],
+            "median_MB_per_s": round(median, 1),
+            "range_MB_per_s": [min(rates), max(rates)],
+            "client_cpu_s_range": [min(client_cpu), max(client_cpu)],
+            "load_average": round(os.getloadavg()[0], 2),
+        }
         if baseline:
             summary["ratio_vs_raw"] = round(median / baseline, 3)
         print(json.dumps(summary), flush=True)
