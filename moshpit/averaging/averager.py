@@ -300,6 +300,8 @@ class Averager:
             is_banned=self._is_banned,
             schema=self.schema,
             schema_description=self.schema_description,
+            # one shared key (no grid bits): lead as soon as everyone declared has joined
+            start_when_all_joined=self.keys.num_bits == 0,
         )
         self._allreduce = _allreduce_services.acquire(self._host)
         self._started = True

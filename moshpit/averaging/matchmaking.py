@@ -15,11 +15,12 @@ Protocol (``/moshpit/matchmaking/1.0.0``, one stream per join attempt, msgpack m
    schema is refused first, with a reason starting "tensor schema mismatch"); an accepted
    follower keeps the stream open and later receives ``{"t": "group", "group": GroupInfo}``,
    a redirect (the leader merged into a better group) or a reject (the leader gave up).
-3. A leader finalizes as soon as it has ``target_group_size`` members; or as soon as every
-   peer declared under the key (same schema, not banned) follows it, as seen by a complete
-   read of the key made after its newest follower joined; or once ``min_matchmaking_time``
-   has passed with at least ``min_group_size`` members; or at the earliest deadline of its
-   members if it has enough by then.
+3. A leader finalizes as soon as it has ``target_group_size`` members; or (with
+   ``start_when_all_joined``, which the averager sets for keys without grid bits) as soon as
+   every peer declared under the key (same schema, not banned) follows it, as seen by a
+   complete read of the key made after its newest follower joined; or once
+   ``min_matchmaking_time`` has passed with at least ``min_group_size`` members; or at the
+   earliest deadline of its members if it has enough by then.
 
 No deadlock: requests only ever go from later to earlier peers in the total order (a leader
 rejects a request from a peer ordered before itself), a peer that follows someone redirects
@@ -308,6 +309,7 @@ class Matchmaker:
         poll_interval: float | None = None,
         schema: bytes | None = None,
         schema_description: str = "",
+        start_when_all_joined: bool = False,
     ):
         self._check_config(target_group_size, min_group_size, mode)
         for name, v in (
@@ -330,6 +332,8 @@ class Matchmaker:
         self.schema_description = schema_description[:MAX_WHY_CHARS]
         # {peer: why} for the peers with another tensor schema met in the last round
         self.last_schema_conflicts: dict[Any, str] = {}
+        # lead as soon as every peer declared under the key follows us (see _everyone_joined)
+        self.start_when_all_joined = start_when_all_joined
         self.poll_interval = poll_interval or min(0.25, max(0.02, min_matchmaking_time / 10))
         self._round: _Round | None = None
         self._lock = trio.Lock()
@@ -409,6 +413,8 @@ class Matchmaker:
         next_poll = trio.current_time()
         read_joins = -1  # rnd.joins when the last read of the key began
         while True:
+            # taken before this pass: a change (a join) while we read or probe wakes us at once
+            changed = rnd.changed
             now = trio.current_time()
             group = self._maybe_finalize(rnd, now)
             if group is not None:
@@ -416,11 +422,10 @@ class Matchmaker:
             if now >= rnd.deadline or rnd.finished:
                 logger.debug("matchmaking under %s timed out with %d member(s)", rnd.key, rnd.size)
                 return None
-            # read the key every poll_interval, and at once after a follower joined (to see
-            # whether anyone else is still on the way)
-            if (now >= next_poll or rnd.joins != read_joins) and (
-                rnd.size < self.target_group_size
-            ):
+            # read the key every poll_interval, and (start_when_all_joined) at once after a
+            # follower joined, to see whether anyone else is still on the way
+            reread = self.start_when_all_joined and rnd.joins != read_joins
+            if (now >= next_poll or reread) and rnd.size < self.target_group_size:
                 read_joins = rnd.joins
                 candidates = await self._read_declarations(rnd)
                 candidates = [
@@ -441,7 +446,7 @@ class Matchmaker:
                 next_poll = trio.current_time() + self.poll_interval
             wake = min(next_poll, rnd.deadline, self._finalize_time(rnd))
             with trio.move_on_at(max(wake, trio.current_time())):
-                await rnd.changed.wait()
+                await changed.wait()
 
     async def _read_declarations(self, rnd: _Round) -> list[Declaration]:
         """Read the key; return the declarations we may ask to lead us (not us, not banned,
@@ -490,8 +495,18 @@ class Matchmaker:
 
     def _everyone_joined(self, rnd: _Round) -> bool:
         """Every peer declared under our key (by a trusted read after the newest join)
-        follows us: nobody else is coming, so there is no reason to wait any longer."""
-        return rnd.declared is not None and rnd.declared.issubset(rnd.followers)
+        follows us: nobody else is visible, so (with ``start_when_all_joined``) we do not wait.
+
+        Off by default: on grid keys a leader waits up to min_matchmaking_time for peers that
+        have not declared yet, so that its group is the whole grid line (exact averaging).
+        The averager turns it on for the single shared key (0 key bits), where groups are
+        random subsets anyway and waiting for a target the swarm cannot fill only costs time.
+        """
+        return (
+            self.start_when_all_joined
+            and rnd.declared is not None
+            and rnd.declared.issubset(rnd.followers)
+        )
 
     def _finalize_time(self, rnd: _Round) -> float:
         """Earliest time at which a group of the current size may proceed (deadline if never)."""

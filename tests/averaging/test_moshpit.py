@@ -158,8 +158,7 @@ async def test_group_smaller_than_target_when_peers_are_missing(autojump_clock, 
         mean0, _, _ = stats(averagers)
         results = await step_all(averagers)
         assert all(r.succeeded and r.group_size == 3 for r in results)
-        # everyone declared under the key joined: the leader did not wait min_matchmaking_time
-        assert max(r.matchmaking_seconds for r in results) < 2.0
+        assert min(r.matchmaking_seconds for r in results) >= 2.0 - 1e-6
         _, _, spread = stats(averagers)
         assert spread < 1e-4
 
