@@ -179,6 +179,21 @@ async def test_tampered_ciphertext_rejected_under_both_ciphers(cipher):
         await sb.receive_some()
 
 
+async def test_aesgcm_copying_fallback_matches_the_fast_path(monkeypatch):
+    """cryptography < 45 (no encrypt_into/decrypt_into): same wire format under AES-GCM."""
+    import dht.p2p.noise as noise_mod
+
+    sa, sb = await _session_pair(AESGCM_256, AESGCM_256)
+    payload = os.urandom(2 * 65519 + 5)
+    await sa.send_all(payload)  # fast path
+    monkeypatch.setattr(noise_mod, "_HAS_INTO", False)
+    await sa.send_all(payload)  # fallback path
+    got = b""
+    while len(got) < 2 * len(payload):
+        got += await sb.receive_some()
+    assert got == payload * 2
+
+
 # --- Hosts ----------------------------------------------------------------------------------
 
 
