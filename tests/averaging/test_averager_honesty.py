@@ -260,3 +260,27 @@ async def test_full_weight_joiner_moves_the_mean(autojump_clock, virtual_dht_tim
     history, averagers = await run_swarm(tensors, rounds=1)
     assert all(res.succeeded and res.group_size == 3 for res in history[0])
     assert torch.allclose(averagers[0]._tensors[0], torch.full((6,), 10.0 / 3))
+
+
+async def test_dtypes_may_differ_within_a_schema(autojump_clock, virtual_dht_time):
+    """The schema leaves dtypes out: a bfloat16 peer and a float32 peer average together."""
+    tensors = [[torch.zeros(8)], [torch.ones(8, dtype=torch.bfloat16)]]
+    history, averagers = await run_swarm(tensors, rounds=1)
+    assert all(res.succeeded and res.group_size == 2 for res in history[0])
+    assert averagers[1]._tensors[0].dtype == torch.bfloat16
+    for av in averagers:
+        assert torch.allclose(av._tensors[0].float(), torch.full((8,), 0.5))
+
+
+async def test_astep_inside_get_tensors_on_the_loop_raises(autojump_clock, virtual_dht_time):
+    """Trio code: `with get_tensors(): await astep()` would wait for its own lock."""
+    net = MemoryNetwork(latency=0.002)
+    async with open_swarm(1, memory_network=net, seed=2, rpc_timeout=1.0) as swarm:
+        av = Averager([torch.ones(2)], dht=swarm.nodes[0], prefix="loop", target_group_size=2)
+        try:
+            with av.get_tensors():
+                with pytest.raises(AveragerLockError):
+                    await av.astep(timeout=5.0)
+            assert not av._lock.locked()
+        finally:
+            av.shutdown()
