@@ -5,6 +5,7 @@ Layout (format version 1, documented in docs/training-state.md, "Checkpoint form
     <dir>/LATEST                    which manifests are committed, newest first (text, checksummed)
     <dir>/manifests/<root hex>      a manifest's canonical msgpack bytes (SHA-256 = root)
     <dir>/chunks/<2 hex>/<64 hex>   a chunk's raw bytes, named by their SHA-256
+    <dir>/packs/<64 hex>            many small chunks in one file (header: digest, offset, size)
 
 Why this shape: a chunk is written once however many checkpoints share it, so saving a state
 whose tensors barely changed writes little, and the same directory is what a donor serves
@@ -12,6 +13,12 @@ chunks from (by digest). A commit is a chain of write-new, fsync, rename steps: 
 the manifest, then ``LATEST``; a crash (or ``kill -9``) at any point leaves ``LATEST`` naming
 either the previous or the new manifest, and everything that manifest names is already on
 disk. Old chunks are garbage-collected only after the new ``LATEST`` is durable.
+
+Small chunks (small tensors, the tails of big ones) go into pack files when a save has many of
+them: a file per 16 KiB tensor would cost a create, a rename and a directory entry each, and a
+model with thousands of small tensors would checkpoint far slower than ``torch.save``. Packs are
+invisible through the API (:meth:`StateStore.read_chunk` etc. work by digest). On Linux a save
+flushes everything with one ``syncfs`` instead of an fsync per file.
 
 Everything read back is verified against its hash, so a damaged disk gives
 :class:`CheckpointCorruptError` naming the tensor, never a silently wrong model.
@@ -22,13 +29,16 @@ one process may share it). Readers in other processes are fine.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import pathlib
 import secrets
+import struct
+import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +81,13 @@ TMP_PREFIX = ".tmp-"
 # small tensors do not cost one thread hand-off each while big states still spread over threads.
 BATCH_BYTES = 4 << 20
 BATCH_FILES = 64
+PACK_MAGIC = b"moshpit-pack v1\n"
+PACK_COUNT = struct.Struct("<I")
+PACK_ENTRY = struct.Struct("<32sQQ")  # digest, offset in the file, size
+PACK_CHUNK_MAX = 256 << 10  # a chunk shorter than a full chunk and at most this is packed...
+PACK_MIN_CHUNKS = 8  # ...when a save has at least this many new ones (else written loose)
+PACK_MAX_BYTES = 64 << 20
+IOV_MAX = 1024
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -94,6 +111,21 @@ class _Shared:
     lock: threading.Lock = field(default_factory=threading.Lock)
     pending: set[bytes] = field(default_factory=set)  # put_chunk()ed, not yet committed
     dirty_dirs: set[str] = field(default_factory=set)  # renamed into, dir not yet fsynced
+    # the pack index: file names seen in packs/ (valid or not), entries of the valid ones,
+    # digest -> (pack, offset, size), and packed copies that failed verification
+    pack_names: frozenset[str] = frozenset()
+    packs: dict[str, tuple[tuple[bytes, int, int], ...]] = field(default_factory=dict)
+    where: dict[bytes, tuple[str, int, int]] = field(default_factory=dict)
+    bad: set[tuple[str, bytes]] = field(default_factory=set)
+
+    def rebuild_where(self) -> None:
+        """Call with ``lock`` held."""
+        self.bad = {(p, d) for p, d in self.bad if p in self.packs}
+        self.where = {}
+        for name, entries in self.packs.items():
+            for digest, offset, size in entries:
+                if (name, digest) not in self.bad:
+                    self.where.setdefault(digest, (name, offset, size))
 
 
 _shared_lock = threading.Lock()
@@ -121,15 +153,52 @@ def _fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
+Buffer = bytes | bytearray | memoryview
 
 
-def _write_atomic(final: pathlib.Path, data: bytes | bytearray | memoryview, sync: bool) -> None:
-    """Write ``data`` to a tmp file next to ``final``, fsync it, rename it over ``final``.
+def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
+    """Write every part, in order, with as few syscalls as writev allows."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    i = 0
+    while i < len(views):
+        written = os.writev(fd, views[i : i + IOV_MAX])
+        while written and i < len(views):
+            if written >= len(views[i]):
+                written -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][written:]
+                written = 0
+
+
+def _syncfs_function() -> Callable[[int], int] | None:
+    """libc's syncfs (Linux): one call makes every file written so far durable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNCFS = _syncfs_function()
+
+
+def _syncfs(path: pathlib.Path) -> None:
+    assert _SYNCFS is not None
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _SYNCFS(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(final: pathlib.Path, data: Buffer | Sequence[Buffer], sync: bool) -> None:
+    """Write ``data`` (one buffer or a list of parts) to a tmp file next to ``final``, fsync it
+    if ``sync``, rename it over ``final``.
 
     The caller fsyncs the directory (once for many files) before relying on the rename.
     """
@@ -140,7 +209,7 @@ def _write_atomic(final: pathlib.Path, data: bytes | bytearray | memoryview, syn
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            _write_all(fd, data)
+            _write_all(fd, data if isinstance(data, (list, tuple)) else [data])
             if sync:
                 os.fsync(fd)
         finally:
@@ -232,6 +301,7 @@ class StateStore:
         self.keep = keep
         self.durable = durable
         self._chunks = self.directory / "chunks"
+        self._packs = self.directory / "packs"
         self._manifests = self.directory / "manifests"
         self._latest = self.directory / "LATEST"
         try:
@@ -243,9 +313,9 @@ class StateStore:
         self._shared = _shared_for(self.directory)
 
     def _create_dirs(self) -> None:
-        if (self._chunks / "ff").is_dir() and self._manifests.is_dir():
+        if (self._chunks / "ff").is_dir() and self._manifests.is_dir() and self._packs.is_dir():
             return
-        for path in (self.directory, self._chunks, self._manifests):
+        for path in (self.directory, self._chunks, self._manifests, self._packs):
             path.mkdir(parents=True, exist_ok=True)
         for i in range(256):
             (self._chunks / f"{i:02x}").mkdir(exist_ok=True)
@@ -256,6 +326,71 @@ class StateStore:
     def __repr__(self) -> str:
         return f"StateStore({str(self.directory)!r}, keep={self.keep})"
 
+    # ------------------------------------------------------------------ the pack index
+
+    def _refresh_packs(self) -> None:
+        """Bring the in-memory pack index up to date with packs/ (another process may write)."""
+        try:
+            names = frozenset(n for n in os.listdir(self._packs) if not n.startswith(TMP_PREFIX))
+        except FileNotFoundError:
+            names = frozenset()
+        shared = self._shared
+        with shared.lock:
+            if names == shared.pack_names:
+                return
+            known = shared.pack_names
+        added = {name: self._read_pack_header(name) for name in names - known}
+        with shared.lock:
+            for name in list(shared.packs):
+                if name not in names:
+                    del shared.packs[name]
+            shared.packs.update({n: e for n, e in added.items() if e is not None})
+            shared.pack_names = names
+            shared.rebuild_where()
+
+    def _read_pack_header(self, name: str) -> tuple[tuple[bytes, int, int], ...] | None:
+        """A pack's entries, or None (logged) if its header is damaged: its chunks are then
+        missing, which loading reports per tensor and a download repairs."""
+        path = self._packs / name
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(len(PACK_MAGIC) + PACK_COUNT.size)
+                if len(head) < len(PACK_MAGIC) + PACK_COUNT.size or not head.startswith(PACK_MAGIC):
+                    raise ValueError("not a moshpit pack of this version")
+                (count,) = PACK_COUNT.unpack_from(head, len(PACK_MAGIC))
+                if count * PACK_ENTRY.size > size:
+                    raise ValueError("entry count past the end of the file")
+                table = f.read(count * PACK_ENTRY.size)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            logger.warning("pack %s in %s is unusable: %s", name[:16], self.directory, e)
+            return None
+        header = head + table
+        if len(table) != count * PACK_ENTRY.size or hashlib.sha256(header).hexdigest() != name:
+            logger.warning("pack %s in %s has a damaged header: ignored", name[:16], self.directory)
+            return None
+        entries = tuple(PACK_ENTRY.iter_unpack(table))
+        for _, offset, length in entries:
+            if offset < len(header) or offset + length > size or length > MAX_CHUNK_BYTES:
+                logger.warning("pack %s in %s has a bad entry: ignored", name[:16], self.directory)
+                return None
+        return entries
+
+    def _packed(self, digest: bytes) -> tuple[str, int, int] | None:
+        with self._shared.lock:
+            return self._shared.where.get(digest)
+
+    def _present(self, digest: bytes) -> bool:
+        """Stored loose or packed (the pack index as of the last refresh)."""
+        return self._chunk_path(digest).is_file() or self._packed(digest) is not None
+
+    def _mark_bad(self, name: str, digest: bytes) -> None:
+        with self._shared.lock:
+            self._shared.bad.add((name, digest))
+            self._shared.rebuild_where()
+
     # ------------------------------------------------------------------ chunks
 
     def _chunk_path(self, digest: bytes) -> pathlib.Path:
@@ -264,11 +399,15 @@ class StateStore:
 
     def has_chunk(self, digest: bytes) -> bool:
         _check_digest(digest)
-        return self._chunk_path(digest).is_file()
+        if self._chunk_path(digest).is_file():
+            return True
+        self._refresh_packs()
+        return self._packed(digest) is not None
 
     def read_chunk(self, digest: bytes) -> bytes | None:
         """A chunk's bytes, or None if absent. A chunk whose bytes do not match its digest is
-        deleted (and None returned): the network path must never serve corrupt bytes."""
+        deleted, or forgotten if it is in a pack (and None returned): the network path must
+        never serve corrupt bytes."""
         _check_digest(digest)
         path = self._chunk_path(digest)
         try:
@@ -277,20 +416,67 @@ class StateStore:
                 data = f.read(MAX_CHUNK_BYTES + 1) if size <= MAX_CHUNK_BYTES else None
                 inode = os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
-            return None
+            data = inode = None
         except OSError as e:
             raise CheckpointError(
                 f"cannot read chunk {digest.hex()} in {self.directory}: {e}"
             ) from e
-        if data is not None and hashlib.sha256(data).digest() == digest:
-            return data
+        if inode is not None:
+            if data is not None and hashlib.sha256(data).digest() == digest:
+                return data
+            logger.warning(
+                "chunk %s in %s does not match its digest (damaged disk?): deleted",
+                digest.hex()[:16],
+                self.directory,
+            )
+            self._discard_corrupt(path, inode)
+        self._refresh_packs()
+        location = self._packed(digest)
+        if location is None:
+            return None
+        buffer = bytearray(location[2])
+        problem = self._read_packed(digest, location, memoryview(buffer), {})
+        return bytes(buffer) if problem is None else None
+
+    def _read_packed(
+        self,
+        digest: bytes,
+        location: tuple[str, int, int],
+        target: memoryview,
+        fds: dict[str, int],
+    ) -> str | None:
+        """Read a packed chunk into ``target`` (its exact size) and verify it; returns what is
+        wrong, or None. A bad copy is forgotten (logged). ``fds`` caches open packs."""
+        name, offset, size = location
+        try:
+            fd = fds.get(name)
+            if fd is None:
+                fd = fds[name] = os.open(self._packs / name, os.O_RDONLY | os.O_CLOEXEC)
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [target[got:]], offset + got)
+                if n == 0:
+                    break
+                got += n
+        except FileNotFoundError:
+            return "is missing (its pack was removed)"
+        except OSError as e:
+            return f"cannot be read ({e})"
+        if got != size:
+            problem = "is cut short in its pack"
+        elif hashlib.sha256(target).digest() != digest:
+            problem = "does not match its digest (damaged)"
+        else:
+            return None
         logger.warning(
-            "chunk %s in %s does not match its digest (damaged disk?): deleted",
+            "chunk %s in pack %s of %s %s: not used",
             digest.hex()[:16],
+            name[:16],
             self.directory,
+            problem,
         )
-        self._discard_corrupt(path, inode)
-        return None
+        self._mark_bad(name, digest)
+        return problem
 
     def _discard_corrupt(self, path: pathlib.Path, inode: int) -> None:
         """Delete a corrupt chunk file unless a good copy was renamed over it meanwhile."""
@@ -311,14 +497,14 @@ class StateStore:
             raise ValueError(f"chunk bytes do not hash to {digest.hex()}")
         with self._shared.lock:  # before the existence check: see _collect_garbage
             self._shared.pending.add(digest)
-        path = self._chunk_path(digest)
-        if path.is_file():
+        if self.has_chunk(digest):
             return
-        self._write_chunk(path, data)
+        self._write_loose(digest, data, self.durable)
 
-    def _write_chunk(self, path: pathlib.Path, data: bytes | bytearray | memoryview) -> None:
+    def _write_loose(self, digest: bytes, data: Buffer, sync: bool) -> None:
+        path = self._chunk_path(digest)
         try:
-            _write_atomic(path, data, self.durable)
+            _write_atomic(path, data, sync)
         except OSError as e:
             raise CheckpointError(
                 f"cannot write chunk {path.name} into {self.directory}: {e}"
@@ -327,39 +513,122 @@ class StateStore:
             with self._shared.lock:
                 self._shared.dirty_dirs.add(str(path.parent))
 
+    def _write_packs(self, items: Sequence[tuple[bytes, Buffer]], sync: bool) -> None:
+        """Write small chunks as pack files of at most PACK_MAX_BYTES and index them."""
+        start = 0
+        while start < len(items):
+            end, total = start, 0
+            while end < len(items) and (
+                end == start or total + len(items[end][1]) <= PACK_MAX_BYTES
+            ):
+                total += len(items[end][1])
+                end += 1
+            group = items[start:end]
+            start = end
+            offset = len(PACK_MAGIC) + PACK_COUNT.size + len(group) * PACK_ENTRY.size
+            entries = []
+            for digest, data in group:
+                entries.append((digest, offset, len(data)))
+                offset += len(data)
+            header = (
+                PACK_MAGIC
+                + PACK_COUNT.pack(len(entries))
+                + b"".join(PACK_ENTRY.pack(*e) for e in entries)
+            )
+            name = hashlib.sha256(header).hexdigest()
+            try:
+                _write_atomic(self._packs / name, [header, *(d for _, d in group)], sync)
+            except OSError as e:
+                raise CheckpointError(f"cannot write a pack into {self.directory}: {e}") from e
+            with self._shared.lock:
+                self._shared.packs[name] = tuple(entries)
+                self._shared.pack_names = self._shared.pack_names | {name}
+                for digest, off, size in entries:
+                    self._shared.where.setdefault(digest, (name, off, size))
+                if self.durable:
+                    self._shared.dirty_dirs.add(str(self._packs))
+
     def missing_chunks(self, manifest: Manifest) -> dict[bytes, int]:
         """The chunks of ``manifest`` this store lacks, with their sizes."""
-        return {d: s for d, s in manifest.chunk_refs().items() if not self.has_chunk(d)}
+        self._refresh_packs()
+        return {d: s for d, s in manifest.chunk_refs().items() if not self._present(d)}
 
     # ------------------------------------------------------------------ commits
+
+    def _store_new(
+        self,
+        pieces: Sequence[Buffer],
+        full_chunk: int,
+        expected: Sequence[tuple[bytes, int]] | None = None,
+    ) -> list[bytes]:
+        """Hash ``pieces`` (in the pool) and store those this store lacks; returns digests.
+
+        With ``expected`` ((digest, size) per piece), a piece that does not match raises
+        ValueError. Full-size chunks are written loose by the workers right after hashing;
+        short ones are packed if there are many. On Linux every file is made durable by one
+        syncfs at the end, elsewhere by an fsync per file plus the directories at commit.
+        """
+        self._refresh_packs()
+        batch_sync = self.durable and _SYNCFS is not None
+        sync_each = self.durable and not batch_sync
+
+        def packable(size: int) -> bool:
+            return size < full_chunk and size <= PACK_CHUNK_MAX
+
+        def work(batch: range) -> list[bytes]:
+            out = []
+            for i in batch:
+                piece = pieces[i]
+                digest = hashlib.sha256(piece).digest()
+                if expected is not None and (digest, len(piece)) != expected[i]:
+                    raise ValueError(
+                        f"chunk {expected[i][0].hex()} given to save() does not match its "
+                        "digest or size: was a tensor modified while it was being saved?"
+                    )
+                if not packable(len(piece)) and not self._present(digest):
+                    self._write_loose(digest, piece, sync_each)
+                out.append(digest)
+            return out
+
+        digests: list[bytes] = []
+        pool = _executor()
+        sizes = [len(p) for p in pieces]
+        for part in _results([pool.submit(work, b) for b in _batches(sizes)]):
+            digests.extend(part)
+        small: dict[bytes, Buffer] = {}
+        for digest, piece in zip(digests, pieces, strict=True):
+            if packable(len(piece)) and digest not in small and not self._present(digest):
+                small[digest] = piece
+        if len(small) >= PACK_MIN_CHUNKS:
+            self._write_packs(list(small.items()), sync_each)
+        else:
+            for digest, piece in small.items():
+                self._write_loose(digest, piece, sync_each)
+        if batch_sync:
+            with self._shared.lock:  # syncfs covers every rename done before it
+                self._shared.dirty_dirs.clear()
+            try:
+                _syncfs(self.directory)
+            except OSError as e:
+                raise CheckpointError(f"cannot flush {self.directory} to disk: {e}") from e
+        return digests
 
     def save(self, manifest: Manifest, chunks: Mapping[bytes, bytes | memoryview]) -> None:
         """Write the chunks this store lacks (each verified), then commit ``manifest``."""
         with self._shared.commit_lock:
             history = self._history_for_write()
             refs = manifest.chunk_refs()
-            todo = [d for d in refs if not self.has_chunk(d)]
+            self._refresh_packs()
+            todo = [d for d in refs if not self._present(d)]
             for digest in todo:
                 if digest not in chunks:
                     raise CheckpointError(
                         f"chunk {digest.hex()} of the manifest is neither in the store nor in "
                         "the chunks given to save()"
                     )
-            sizes = [refs[d] for d in todo]
-
-            def write(batch: range) -> None:
-                for i in batch:
-                    digest, data = todo[i], chunks[todo[i]]
-                    if len(data) != sizes[i] or hashlib.sha256(data).digest() != digest:
-                        raise ValueError(
-                            f"chunk {digest.hex()} given to save() does not match its digest "
-                            "or size: was a tensor modified while it was being saved?"
-                        )
-                    self._write_chunk(self._chunk_path(digest), data)
-
-            pool = _executor()
-            for _ in _results([pool.submit(write, b) for b in _batches(sizes)]):
-                pass
+            self._store_new(
+                [chunks[d] for d in todo], manifest.chunk_bytes, [(d, refs[d]) for d in todo]
+            )
             self._commit_locked(manifest, history)
 
     def commit(self, manifest: Manifest) -> None:
@@ -403,7 +672,7 @@ class StateStore:
         logger.debug("committed state %s (epoch %d)", root.hex()[:16], manifest.epoch)
         try:
             self._collect_garbage(history, {root: manifest})
-        except OSError as e:  # the commit stands; leftovers go next time
+        except (OSError, CheckpointError) as e:  # the commit stands; leftovers go next time
             logger.warning("garbage collection in %s failed: %s", self.directory, e)
 
     def _history_for_write(self) -> list[bytes]:
@@ -422,7 +691,8 @@ class StateStore:
 
     def _collect_garbage(self, history: list[bytes], known: dict[bytes, Manifest]) -> None:
         """Delete manifests not in ``history``, chunks none of them reference (unless pending),
-        and tmp files whose writer is gone."""
+        packs with no such chunk, and tmp files whose writer is gone; repack packs that are
+        mostly garbage."""
         live: set[bytes] = set()
         for root in history:
             manifest = known.get(root)
@@ -466,6 +736,7 @@ class StateStore:
                         removed_chunks += 1
                     except FileNotFoundError:
                         pass
+        removed_other += self._collect_packs(live)
         if removed_chunks or removed_other:
             logger.debug(
                 "collected %d chunks and %d other files in %s",
@@ -473,6 +744,56 @@ class StateStore:
                 removed_other,
                 self.directory,
             )
+
+    def _collect_packs(self, live: set[bytes]) -> int:
+        """Delete packs without a live chunk; copy the live chunks of packs that are less than
+        half live into a new pack (durable first), then delete those. Returns files removed."""
+        removed = 0
+        for entry in os.scandir(self._packs):
+            if entry.name.startswith(TMP_PREFIX):
+                removed += self._remove_if_stale_tmp(entry.path)
+        self._refresh_packs()
+        with self._shared.lock:
+            packs = dict(self._shared.packs)
+            wanted = live | self._shared.pending
+        dead, sparse = [], []
+        for name, entries in packs.items():
+            live_bytes = sum(size for digest, _, size in entries if digest in wanted)
+            if not any(digest in wanted for digest, _, _ in entries):
+                dead.append(name)
+            elif 2 * live_bytes < sum(size for _, _, size in entries):
+                sparse.append(name)
+        if sparse:
+            kept = {d for name, e in packs.items() if name not in sparse for d, _, _ in e}
+            moved: dict[bytes, Buffer] = {}
+            fds: dict[str, int] = {}
+            try:
+                for name in sparse:
+                    for digest, offset, size in packs[name]:
+                        if digest not in wanted or digest in kept or digest in moved:
+                            continue
+                        if self._chunk_path(digest).is_file():
+                            continue
+                        buffer = memoryview(bytearray(size))
+                        if self._read_packed(digest, (name, offset, size), buffer, fds) is None:
+                            moved[digest] = buffer
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            if moved:
+                self._write_packs(list(moved.items()), self.durable)
+                if self.durable:
+                    _fsync_dir(self._packs)
+            dead += sparse
+        for name in dead:
+            try:
+                os.unlink(self._packs / name)
+                removed += 1
+            except FileNotFoundError:
+                pass
+        if dead:
+            self._refresh_packs()
+        return removed
 
     @staticmethod
     def _remove_if_stale_tmp(path: str) -> int:
@@ -537,9 +858,11 @@ class StateStore:
         """Every tensor of ``manifest``, in order, each chunk verified against its digest.
 
         Chunks are read straight into one preallocated buffer per tensor. A missing or corrupt
-        chunk raises :class:`CheckpointCorruptError` naming the tensor (a corrupt chunk file is
-        deleted, so that :meth:`missing_chunks` reports it and a download can replace it).
+        chunk raises :class:`CheckpointCorruptError` naming the tensor (a corrupt chunk is
+        deleted or forgotten, so that :meth:`missing_chunks` reports it and a download can
+        replace it).
         """
+        self._refresh_packs()
         buffers = [torch.empty(spec.nbytes, dtype=torch.uint8) for spec in manifest.tensors]
         jobs: list[tuple[int, int, ChunkRef]] = []  # (tensor index, offset, chunk)
         for index, spec in enumerate(manifest.tensors):
@@ -550,18 +873,26 @@ class StateStore:
         views = [memoryview(b.numpy()).cast("B") if b.numel() else None for b in buffers]
 
         def read(batch: range) -> None:
-            for j in batch:
-                index, offset, ref = jobs[j]
-                view = views[index]
-                target = view[offset : offset + ref.size] if view is not None else None
-                problem = self._read_verified(ref, target)
-                if problem is not None:
-                    spec = manifest.tensors[index]
-                    raise CheckpointCorruptError(
-                        f"tensor {spec.name!r} of the checkpoint in {self.directory} (epoch "
-                        f"{manifest.epoch}) cannot be restored: chunk {ref.digest.hex()} "
-                        f"{problem}; load an older checkpoint or download the state from peers"
+            fds: dict[str, int] = {}
+            try:
+                for j in batch:
+                    index, offset, ref = jobs[j]
+                    view = views[index]
+                    target = (
+                        view[offset : offset + ref.size] if view is not None else memoryview(b"")
                     )
+                    problem = self._read_verified(ref, target, fds)
+                    if problem is not None:
+                        spec = manifest.tensors[index]
+                        raise CheckpointCorruptError(
+                            f"tensor {spec.name!r} of the checkpoint in {self.directory} "
+                            f"(epoch {manifest.epoch}) cannot be restored: chunk "
+                            f"{ref.digest.hex()} {problem}; load an older checkpoint or "
+                            "download the state from peers"
+                        )
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
 
         pool = _executor()
         sizes = [ref.size for _, _, ref in jobs]
@@ -572,42 +903,51 @@ class StateStore:
             for flat, spec in zip(buffers, manifest.tensors, strict=True)
         ]
 
-    def _read_verified(self, ref: ChunkRef, target: memoryview | None) -> str | None:
-        """Read one chunk into ``target``; returns what is wrong with it, or None."""
+    def _read_verified(self, ref: ChunkRef, target: memoryview, fds: dict[str, int]) -> str | None:
+        """Read one chunk into ``target`` from its file or its pack; returns what is wrong
+        with it, or None. A corrupt chunk file is deleted (a packed copy may still serve)."""
         path = self._chunk_path(ref.digest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return "is missing"
+            fd = None
         except OSError as e:
             return f"cannot be read ({e})"
-        try:
-            st = os.fstat(fd)
-            if st.st_size != ref.size:
-                problem = f"is {st.st_size} bytes, expected {ref.size}"
-            else:
-                got = 0
-                while target is not None and got < ref.size:
-                    n = os.readv(fd, [target[got:]])
-                    if n == 0:
-                        break
-                    got += n
-                data = target if target is not None else b""
-                if got != ref.size:
-                    problem = f"is shorter than {ref.size} bytes"
-                elif hashlib.sha256(data).digest() != ref.digest:
-                    problem = "does not match its digest (damaged)"
+        problem = "is missing"
+        if fd is not None:
+            try:
+                st = os.fstat(fd)
+                if st.st_size != ref.size:
+                    problem = f"is {st.st_size} bytes, expected {ref.size}"
                 else:
-                    return None
-        except OSError as e:
-            return f"cannot be read ({e})"
-        finally:
-            os.close(fd)
-        logger.warning(
-            "chunk %s in %s: %s; deleted", ref.digest.hex()[:16], self.directory, problem
-        )
-        self._discard_corrupt(path, st.st_ino)
-        return problem + " (deleted)"
+                    got = 0
+                    while got < ref.size:
+                        n = os.readv(fd, [target[got:]])
+                        if n == 0:
+                            break
+                        got += n
+                    if got != ref.size:
+                        problem = f"is shorter than {ref.size} bytes"
+                    elif hashlib.sha256(target).digest() != ref.digest:
+                        problem = "does not match its digest (damaged)"
+                    else:
+                        return None
+            except OSError as e:
+                return f"cannot be read ({e})"
+            finally:
+                os.close(fd)
+            logger.warning(
+                "chunk %s in %s: %s; deleted", ref.digest.hex()[:16], self.directory, problem
+            )
+            self._discard_corrupt(path, st.st_ino)
+            problem += " (deleted)"
+        location = self._packed(ref.digest)
+        if location is None:
+            return problem
+        if location[2] != ref.size:
+            return f"is {location[2]} bytes in its pack, expected {ref.size}"
+        packed_problem = self._read_packed(ref.digest, location, target, fds)
+        return None if packed_problem is None else packed_problem
 
 
 # ---------------------------------------------------------------------- LATEST and versions
@@ -687,9 +1027,9 @@ def save_state(
     """Checkpoint CPU tensors: the same manifest as :func:`build_manifest`, committed to
     ``store``.
 
-    Hashing and writing run together in the store's thread pool, each chunk written right
-    after it is hashed and only if the store lacks it. The tensors must not change until this
-    returns (pass a snapshot).
+    Hashing and writing run together in the store's thread pool, each full chunk written
+    right after it is hashed and only if the store lacks it (small ones go into a pack). The
+    tensors must not change until this returns (pass a snapshot).
     """
     named = list(named_tensors)
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -709,22 +1049,7 @@ def save_state(
 
     with store._shared.commit_lock:
         history = store._history_for_write()
-
-        def hash_and_write(batch: range) -> list[bytes]:
-            digests = []
-            for i in batch:
-                digest = hashlib.sha256(pieces[i]).digest()
-                path = store._chunk_path(digest)
-                if not path.is_file():
-                    store._write_chunk(path, pieces[i])
-                digests.append(digest)
-            return digests
-
-        pool = _executor()
-        digests: list[bytes] = []
-        futures = [pool.submit(hash_and_write, b) for b in _batches([len(p) for p in pieces])]
-        for part in _results(futures):
-            digests.extend(part)
+        digests = store._store_new(pieces, chunk_bytes)
         specs = []
         position = 0
         for name, dtype, shape, count in layout:

@@ -15,8 +15,12 @@ import sys
 import torch
 
 # The kill -9 fuzz needs saves that take tens of milliseconds so that kills land mid-write:
-# ~12 MiB over 7 tensors (1 MiB chunks). Tensor "shared" is the same in A and B (its chunks are
-# written once), the rest differ, plus an empty tensor and a small non-float one.
+# ~12 MiB in big tensors (1 MiB chunks, written loose). Tensor "shared" is the same in A and B
+# (its chunks are written once), the rest differ, plus an empty tensor and a small non-float
+# one, and 32 small tensors that go into a pack: 8 of them the same in A and B, so each commit
+# leaves the other state's pack a quarter live and garbage collection repacks it.
+SMALL = 32
+SMALL_SHARED = 8
 SHAPES = {
     "shared": (256, 1024),
     "w1": (512, 1024),
@@ -41,6 +45,9 @@ def make_states() -> dict[str, list[tuple[str, torch.Tensor]]]:
             else:
                 tensor = torch.randn(shape, generator=gen)
             named.append((name, tensor))
+        for i in range(SMALL):
+            small_gen = torch.Generator().manual_seed(100 + i + (0 if i < SMALL_SHARED else seed))
+            named.append((f"norm{i}.weight", torch.randn(64 + 8 * i, generator=small_gen)))
         states[label] = named
     return states
 

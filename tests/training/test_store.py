@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from moshpit.training import store as store_module
 from moshpit.training.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -20,7 +21,14 @@ from moshpit.training.errors import (
     NoCheckpointError,
 )
 from moshpit.training.manifest import Manifest, build_manifest, chunk_digest
-from moshpit.training.store import StateStore, load_state, save_state
+from moshpit.training.store import (
+    PACK_COUNT,
+    PACK_ENTRY,
+    PACK_MAGIC,
+    StateStore,
+    load_state,
+    save_state,
+)
 
 CHUNK = 4096  # small chunks so that the tests' tensors span several
 
@@ -423,3 +431,142 @@ def test_non_durable_store_round_trips(tmp_path: pathlib.Path) -> None:
 def test_keep_must_be_positive(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ValueError):
         StateStore(tmp_path, keep=0)
+
+
+# ---------------------------------------------------------------------- packs of small chunks
+
+
+def small_state(seed: int, count: int = 40) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(f"norm{i}.weight", torch.randn(100 + i, generator=gen)) for i in range(count)]
+
+
+def packs(directory: pathlib.Path) -> dict[str, list[tuple[bytes, int, int]]]:
+    """Every pack's entries, parsed as docs/training-state.md describes the format."""
+    out = {}
+    for path in (directory / "packs").iterdir():
+        data = path.read_bytes()
+        assert data.startswith(PACK_MAGIC)
+        (count,) = PACK_COUNT.unpack_from(data, len(PACK_MAGIC))
+        start = len(PACK_MAGIC) + PACK_COUNT.size
+        header = data[: start + count * PACK_ENTRY.size]
+        assert hashlib.sha256(header).hexdigest() == path.name
+        out[path.name] = list(PACK_ENTRY.iter_unpack(header[start:]))
+    return out
+
+
+def stored(directory: pathlib.Path) -> set[bytes]:
+    loose = {bytes.fromhex(name) for name in chunk_files(directory)}
+    return loose | {d for entries in packs(directory).values() for d, _, _ in entries}
+
+
+def test_small_tensors_share_a_pack(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    big = ("big", torch.randn((2 << 20) // 4 + 1000))  # 2 full 1 MiB chunks and a short one
+    named = [*small_state(1), big]
+    manifest = save_state(store, named, 1)
+    assert manifest.root == build_manifest(named, 1)[0].root
+    (entries,) = packs(tmp_path).values()
+    small = {ref.digest for spec in manifest.tensors for ref in spec.chunks if ref.size < 1 << 20}
+    assert {d for d, _, _ in entries} == small  # 40 small tensors + the big one's tail
+    full = {ref.digest for ref in manifest.tensors[-1].chunks if ref.size == 1 << 20}
+    assert {bytes.fromhex(n) for n in chunk_files(tmp_path)} == full
+    assert_same(named, load_state(StateStore(tmp_path))[1])
+
+    # the serving API does not care where a chunk lives
+    other = StateStore(tmp_path)
+    _, chunks = build_manifest(named, 1)
+    for digest in small:
+        assert other.has_chunk(digest)
+        assert other.read_chunk(digest) == bytes(chunks[digest])
+    assert other.missing_chunks(manifest) == {}
+
+    # explicit save() packs too
+    second, chunks = build_manifest(small_state(2), 2)
+    store.save(second, chunks)
+    assert len(packs(tmp_path)) == 2
+    assert_same(small_state(2), store.load_tensors(store.latest()))
+
+
+def test_unchanged_small_tensors_are_not_repacked(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path, keep=2)
+    first = small_state(3)
+    save_state(store, first, 1)
+    (old,) = packs(tmp_path)
+    old_stat = (tmp_path / "packs" / old).stat()
+    second = [(n, t + 1 if i < 10 else t) for i, (n, t) in enumerate(first)]
+    m2 = save_state(store, second, 2)
+    now = packs(tmp_path)
+    assert set(now) - {old} and len(now) == 2
+    (new,) = set(now) - {old}
+    assert {d for d, _, _ in now[new]} == {spec.chunks[0].digest for spec in m2.tensors[:10]}
+    same = (tmp_path / "packs" / old).stat()
+    assert (same.st_ino, same.st_mtime_ns) == (old_stat.st_ino, old_stat.st_mtime_ns)
+    assert_same(second, load_state(store)[1])
+
+
+def test_mostly_dead_packs_are_repacked_and_dead_ones_removed(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path, keep=1)
+    first = small_state(4)
+    m1 = save_state(store, first, 1)
+    (p1,) = packs(tmp_path)
+    # 30 of 40 change: the first pack is a quarter live, so its 10 live chunks move
+    second = [(n, t + 1 if i < 30 else t) for i, (n, t) in enumerate(first)]
+    m2 = save_state(store, second, 2)
+    now = packs(tmp_path)
+    assert p1 not in now and len(now) == 2
+    assert sorted(len(e) for e in now.values()) == [10, 30]
+    assert stored(tmp_path) == set(m2.chunk_refs())
+    assert_same(second, load_state(StateStore(tmp_path))[1])
+    # everything changes: both packs are dead and removed
+    third = [(n, t + 2) for n, t in first]
+    m3 = save_state(store, third, 3)
+    assert len(packs(tmp_path)) == 1 and stored(tmp_path) == set(m3.chunk_refs())
+    assert not set(m1.chunk_refs()) & stored(tmp_path)
+
+
+def test_corrupt_packed_chunk_names_the_tensor_and_is_not_served(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = StateStore(tmp_path)
+    named = small_state(5)
+    manifest = save_state(store, named, 1)
+    ((name, entries),) = packs(tmp_path).items()
+    victim = manifest.tensors[7]
+    digest = victim.chunks[0].digest
+    (offset,) = [o for d, o, _ in entries if d == digest]
+    path = tmp_path / "packs" / name
+    data = bytearray(path.read_bytes())
+    data[offset + 3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+    fresh = StateStore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="moshpit.training.store"):
+        with pytest.raises(CheckpointCorruptError, match="'norm7.weight'.*does not match"):
+            load_state(fresh)
+    assert "not used" in caplog.text
+    assert fresh.read_chunk(digest) is None
+    assert not fresh.has_chunk(digest)
+    assert fresh.missing_chunks(manifest) == {digest: victim.chunks[0].size}
+    # its neighbours in the pack still serve
+    assert fresh.read_chunk(manifest.tensors[8].chunks[0].digest) is not None
+    # a peer sends the good chunk: stored loose, which wins over the damaged packed copy
+    fresh.put_chunk(digest, build_manifest(named, 1)[1][digest])
+    assert_same(named, load_state(fresh)[1])
+
+
+def test_damaged_pack_header_makes_its_chunks_missing(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = StateStore(tmp_path)
+    manifest = save_state(store, small_state(6), 1)
+    ((name, _),) = packs(tmp_path).items()
+    path = tmp_path / "packs" / name
+    data = bytearray(path.read_bytes())
+    data[len(PACK_MAGIC) + PACK_COUNT.size + 40] ^= 0x01  # an entry's offset
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(store_module, "_shared", {})  # a new process: no pack index in memory
+    fresh = StateStore(tmp_path)
+    with pytest.raises(CheckpointCorruptError, match="'norm0.weight'.*is missing"):
+        load_state(fresh)
+    assert len(fresh.missing_chunks(manifest)) == 40
