@@ -21,10 +21,10 @@ Two ways to drive it, as with the averager:
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import logging
 import math
-import statistics
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -50,6 +50,7 @@ __all__ = [
 MAX_EPOCH = 2**53  # beyond this an epoch (or sample count) is not a number a trainer produces
 MAX_SAMPLES = 2**53
 MAX_SAMPLES_PER_SECOND = 1e12
+MAX_RECORDS = 4096  # records read per key (what one DHT node stores per key, too)
 MAX_IGNORED_REASONS = 64  # cap on GlobalProgress.ignored (a flood of junk subkeys stays small)
 EWMA_DECAY = 0.9  # per report: weight kept by the older samples/seconds sums
 
@@ -163,7 +164,7 @@ def parse_progress_records(
         if value is not None:
             ignored["?"] = "the progress key holds a plain value, not per-peer records"
         return peers, ignored
-    for subkey, entry in value.items():
+    for subkey, entry in list(value.items())[:MAX_RECORDS]:
         peer = peer_of_subkey(subkey)
         if peer is None:
             _note(ignored, str(subkey)[:80], "subkey is not [owner:<PeerID>] (unsigned)")
@@ -186,6 +187,16 @@ def parse_progress_records(
 def _note(ignored: dict[str, str], peer: str, reason: str) -> None:
     if len(ignored) < MAX_IGNORED_REASONS or peer in ignored:
         ignored[peer] = reason
+
+
+def median_without(ordered: list[float], index: int) -> float:
+    """The median of sorted ``ordered`` without its element at ``index`` (len >= 2)."""
+    remaining = len(ordered) - 1
+
+    def kth(k: int) -> float:
+        return ordered[k] if k < index else ordered[k + 1]
+
+    return (kth((remaining - 1) // 2) + kth(remaining // 2)) / 2
 
 
 def _upper_median(values: list[float]) -> float:
@@ -249,14 +260,13 @@ def aggregate(
     if own is not None:
         epoch = max(epoch, own.epoch)
 
-    # throughput clamp against the median of the others
-    all_sps = [p.samples_per_second for p in everyone]
+    # throughput clamp against the median of the others (O(n log n): records are many)
+    ordered = sorted(p.samples_per_second for p in everyone)
     clamped_sps: dict[str, float] = {}
-    for i, p in enumerate(everyone):
+    for p in everyone:
         sps = p.samples_per_second
-        others = all_sps[:i] + all_sps[i + 1 :]
-        if p is not own and others:
-            cap = max_throughput_ratio * statistics.median(others)
+        if p is not own and len(ordered) > 1:
+            cap = max_throughput_ratio * median_without(ordered, bisect.bisect_left(ordered, sps))
             if sps > cap:
                 _note(notes, p.peer_id, f"samples/s {sps:.4g} clamped to {cap:.4g} (x median)")
                 sps = cap
@@ -574,10 +584,13 @@ class ProgressTracker:
             if self._scope is not None:
                 self._scope.cancel()
             return
-        try:
-            self.withdraw()
-        except (RuntimeError, concurrent.futures.CancelledError, TimeoutError) as e:
-            logger.info("progress tracker (%s): could not withdraw: %r", self.prefix, e)
+        if _in_trio():  # on the DHT's own thread: waiting for the loop would deadlock
+            logger.info("progress tracker (%s): shut down from trio, not withdrawn", self.prefix)
+        else:
+            try:
+                self.withdraw()
+            except (RuntimeError, concurrent.futures.CancelledError, TimeoutError) as e:
+                logger.info("progress tracker (%s): could not withdraw: %r", self.prefix, e)
         self._closed = True
         if self._service is not None:
             self._service.cancel()
@@ -587,6 +600,8 @@ class ProgressTracker:
     def _call(self, async_fn: Any, timeout: float | None) -> Any:
         if self._facade is None:
             raise RuntimeError("this tracker runs on a DHTNode: await the a* methods")
+        if _in_trio():
+            raise RuntimeError("this blocks on the DHT's loop: from trio code await the a* methods")
 
         async def run(_dht: Any, _node: Any) -> Any:
             return await async_fn()
@@ -698,3 +713,12 @@ class ProgressTracker:
     def withdraw(self, timeout: float | None = None) -> None:
         """Sync :meth:`awithdraw`. A later :meth:`report` publishes again."""
         self._call(self.awithdraw, timeout if timeout is not None else self.request_timeout)
+
+
+def _in_trio() -> bool:
+    """True on a thread that runs a trio loop (where blocking on the DHT would deadlock)."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return False
+    return True

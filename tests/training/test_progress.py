@@ -7,6 +7,8 @@ reading virtual time, so expirations and rates are exact and nothing depends on 
 from __future__ import annotations
 
 import math
+import random
+import statistics
 
 import pytest
 import trio
@@ -17,6 +19,7 @@ from moshpit.training.progress import (
     PeerProgress,
     ProgressTracker,
     aggregate,
+    median_without,
     owner_subkey,
     parse_progress_record,
     progress_key,
@@ -77,6 +80,21 @@ def test_throughput_is_clamped_to_a_multiple_of_the_median_of_the_others():
     assert view.samples_per_second == 3 * 10 + 100
     assert "clamped" in view.ignored["liar"]
     assert "a" not in view.ignored
+
+
+def test_median_without_one_element_matches_the_definition():
+    rng = random.Random(5)
+    for n in range(2, 12):
+        values = sorted(rng.choice([0.0, 1.0, 2.5, 7.0, 1e6]) for _ in range(n))
+        for i in range(n):
+            assert median_without(values, i) == statistics.median(values[:i] + values[i + 1 :])
+
+
+def test_many_records_aggregate():
+    peers = [rec(f"p{i}", 3, samples=10, sps=1.0 + i % 7, time=100) for i in range(4000)]
+    view = aggregate([*peers, rec("liar", 3, samples=10**9, sps=1e9, time=100)], now=100)
+    assert view.num_peers == 4001 and view.epoch == 3
+    assert "clamped" in view.ignored["liar"] and len(view.ignored) == 1
 
 
 def test_samples_are_clamped_to_what_the_throughput_could_produce():
@@ -368,3 +386,15 @@ def test_facade_trackers_publish_in_the_background_and_withdraw_on_shutdown():
             b.report(4, 0)
         a.shutdown()
         a.shutdown()  # idempotent
+
+
+async def test_blocking_calls_refuse_to_run_inside_trio():
+    from dht import DHT
+
+    dht = DHT()
+    try:
+        tracker = ProgressTracker(dht, PREFIX, start=False)
+        with pytest.raises(RuntimeError, match="await the a"):
+            tracker.refresh(timeout=5)
+    finally:
+        await trio.to_thread.run_sync(dht.shutdown)
