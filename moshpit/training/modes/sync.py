@@ -1,0 +1,333 @@
+"""``mode="sync"``: one optimizer step per ``target_batch_size`` samples of the whole swarm.
+
+Each ``step()`` adds ``grad * batch_size`` to CPU sums and reports ``(epoch, samples)`` to the
+progress tracker (``opt.tracker``). Once the swarm's samples at this epoch reach the target (the
+tracker's view, refreshed at most every ``refresh_period`` seconds, or this peer's own count
+alone), the peers of that epoch average their mean gradients weighted by samples (one round
+under ``{run_id}.grads.{epoch}``: peers of other epochs never join it), copy the result into
+``.grad`` and call the inner optimizer: every member of the round applies the same update to
+the same parameters, so they stay bit-identical. Then ``epoch += 1`` and the sums restart.
+
+What happens when a round does not go as planned:
+
+- nobody else trains at our epoch or later (a lone peer, or the others fell behind): apply our
+  own accumulated gradient and go on alone; peers that come back catch up by loading our state;
+- someone is already past our epoch (we missed their round, or we are a late joiner): load the
+  newest state from the donors (the peers with a ``checkpoint_dir`` serve theirs after every
+  epoch) instead of stepping on stale parameters;
+- others are at our epoch but no group formed in time: keep the gradients and keep
+  accumulating; the next ``step()`` tries again.
+
+Compression (``compression=``) is any codec or a ``TwoWayCompression`` (error feedback on
+both directions, BytePS-Compress), or a ``compression.GraVAC`` controller, which then picks the
+top-k factor of the sender side from the compression gain. ``dgc=True`` turns on Deep Gradient
+Compression (``moshpit/training/dgc.py``; the inner optimizer must then be momentum-free SGD).
+``delay_averaging=True`` runs epoch ``e``'s round in the background while the next batches are
+computed and applies its result one step late (see docs/training.md, "sync").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from compression import GraVAC, NoCompression, TwoWayCompression
+from moshpit.training.errors import NoDonorError
+from moshpit.training.grad_averager import GradientAverager, GradientRound
+from moshpit.training.modes.base import TrainingMode, params_of
+
+logger = logging.getLogger(__name__)
+
+
+class SyncMode(TrainingMode):
+    """Knobs: ``refresh_period`` (s between two reads of the swarm's progress, default: the
+    tracker's ``min_refresh_period``), ``round_timeout`` (s, default: the averager's own
+    timeouts), ``compression``, ``dgc`` (False) with ``dgc_options`` (``compression`` is then
+    chosen by DGC), ``delay_averaging`` (False), ``checkpoint_every_epochs`` (1 when a
+    ``checkpoint_dir`` is given: what donors serve to joiners and laggards)."""
+
+    name = "sync"
+
+    def __init__(
+        self,
+        optimizer: Any,
+        *,
+        refresh_period: float | None = None,
+        round_timeout: float | None = None,
+        compression: Any = None,
+        dgc: bool = False,
+        dgc_options: dict[str, Any] | None = None,
+        delay_averaging: bool = False,
+        checkpoint_every_epochs: int | None = 1,
+    ) -> None:
+        super().__init__(optimizer)
+        if dgc and compression is not None:
+            raise ValueError("dgc=True chooses its own compression; drop compression=")
+        if not dgc and dgc_options:
+            raise ValueError("dgc_options need dgc=True")
+        self.target = int(optimizer.target_batch_size)
+        self.refresh_period = (
+            float(refresh_period)
+            if refresh_period is not None
+            else optimizer.tracker.min_refresh_period
+        )
+        self.round_timeout = round_timeout
+        self.delay_averaging = delay_averaging
+        self.gravac: GraVAC | None = None
+        if isinstance(compression, GraVAC):
+            self.gravac = compression
+            compression = TwoWayCompression(compression.as_codec(), NoCompression())
+        self.compression = compression
+        self.dgc = None
+        if dgc:
+            from moshpit.training.dgc import DGC
+
+            options = dict(dgc_options or {})
+            self.dgc = DGC(**options)
+            if self.dgc.momentum_correction:
+                for group in optimizer.inner.param_groups:
+                    if group.get("momentum", 0) or group.get("nesterov", False):
+                        raise ValueError(
+                            "dgc=True keeps the momentum itself (momentum correction): give "
+                            "it a momentum-free optimizer, e.g. torch.optim.SGD(params, lr=...), "
+                            "and set dgc_options={'momentum': ...}"
+                        )
+        options: dict[str, Any] = {}
+        if optimizer.checkpoint_dir is not None and checkpoint_every_epochs is not None:
+            options["checkpoint_every_epochs"] = checkpoint_every_epochs
+        # the state averager only checkpoints, serves and loads: gradients keep peers in sync
+        self.state = optimizer.make_state_averager(optimizer.inner, **options)
+        averager_options = dict(optimizer.averager_options)
+        averager_options.pop("compression", None)
+        self.grads = GradientAverager(
+            params_of(optimizer.inner),
+            dht=optimizer.dht,
+            run_id=optimizer.run_id,
+            target_group_size=optimizer.target_group_size,
+            **averager_options,
+        )
+        self._default_compression = optimizer.averager_options.get("compression")
+        self._last_refresh = -float("inf")
+        self._next_catch_up = -float("inf")
+        self._alone = False  # a round found nobody and the tracker shows nobody at our epoch
+        self._pending: GradientRound | None = None  # delayed averaging: the round in flight
+        self._dgc_snapshot: dict[str, Any] | None = None
+        # counters (for users and tests)
+        self.global_steps = 0
+        self.rounds_succeeded = 0
+        self.rounds_failed = 0
+        self.solo_steps = 0
+        self.state_loads = 0
+        self.last_result: Any = None
+        self.last_group_size = 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def on_state_loaded(self) -> None:
+        """New parameters: what we accumulated (and DGC/EF residuals) no longer applies."""
+        self.grads.reset()
+        if self.dgc is not None:
+            self.dgc.reset()
+        for spec in (self.compression, self._default_compression):
+            if isinstance(spec, TwoWayCompression):
+                spec.reset()
+        if self.gravac is not None:
+            self.gravac.reset()
+        self.report_progress(0)
+
+    def step(self, batch_size: int) -> None:
+        self._collect_delayed(wait=False)
+        self.grads.accumulate(batch_size)
+        self.report_progress(self.grads.samples)
+        view = self._view()
+        if view.epoch > self.state.epoch:
+            # two or more peers are past us (the tracker's rule): their parameters moved on
+            if time.monotonic() >= self._next_catch_up:
+                self._catch_up(f"the swarm is at epoch {view.epoch}")
+            return
+        if not self._ready(view):
+            return
+        self._global_step(view)
+
+    def _view(self, force: bool = False) -> Any:
+        """The swarm's progress, read from the DHT at most every ``refresh_period`` s."""
+        now = time.monotonic()
+        if force or now - self._last_refresh >= self.refresh_period:
+            self._last_refresh = now
+            try:
+                return self.opt.tracker.refresh(timeout=self.opt.tracker.request_timeout * 2)
+            except Exception as e:  # noqa: BLE001 - a failed read: use the last view
+                logger.debug("progress refresh failed (%r); using the last view", e)
+        return self.opt.tracker.global_progress
+
+    def _ready(self, view: Any) -> bool:
+        """Our own count alone, or the swarm's at our epoch, reached the target."""
+        if self.grads.samples >= self.target:
+            return True
+        return view.epoch == self.state.epoch and view.samples_accumulated >= self.target
+
+    def _others(self, view: Any) -> tuple[list[Any], list[Any]]:
+        """(peers at our epoch, peers past it), from the tracker's records, without us."""
+        me = str(self.opt.tracker.peer_id)
+        others = [p for p in view.peers if p.peer_id != me]
+        same = [p for p in others if p.epoch == self.state.epoch]
+        ahead = [p for p in others if p.epoch > self.state.epoch]
+        return same, ahead
+
+    def _global_step(self, view: Any) -> None:
+        epoch, samples = self.state.epoch, self.grads.samples
+        same, ahead = self._others(view)
+        if ahead:
+            if time.monotonic() >= self._next_catch_up:
+                self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
+            return
+        if same:
+            self._alone = False
+        # alone only once a failed round confirmed it: the view may predate others' reports
+        solo = self._alone
+        self._collect_delayed(wait=True)
+        update = self.grads.local_mean()
+        num_peers = max(1, view.num_peers)
+        self._dgc_snapshot = None
+        if self.dgc is not None:
+            if not solo and not self.delay_averaging:  # a failed round must not consume u, v
+                self._dgc_snapshot = self.dgc.state_dict()
+            update = self.dgc.compress(update, epoch, num_workers=num_peers)
+        self.grads.load_buffers(update)
+        if solo:
+            self._apply(solo=True)
+            return
+        round_ = self.grads.start_round(
+            epoch, weight=samples, timeout=self.round_timeout, compression=self._codec(num_peers)
+        )
+        if self.delay_averaging:
+            # epoch e's round runs while the batches of e + 1 are computed; applied late
+            self._pending = round_
+            self._advance()
+            return
+        self._finish_round(round_)
+
+    def _codec(self, num_peers: int) -> Any:
+        if self.dgc is not None:
+            from moshpit.training.dgc import dgc_compression
+
+            return dgc_compression(self.dgc.core.density, num_peers)
+        return self.compression if self.compression is not None else self._default_compression
+
+    def flush(self) -> None:
+        """Delayed averaging: wait for the round in flight and apply it (e.g. before eval)."""
+        self._collect_delayed(wait=True)
+
+    def _finish_round(self, round_: GradientRound) -> None:
+        result = round_.result()
+        self.last_result = result
+        if result.succeeded:
+            self.rounds_succeeded += 1
+            self.last_group_size = result.group_size
+            self._apply()
+            return
+        self.rounds_failed += 1
+        view = self._view(force=True)
+        same, ahead = self._others(view)
+        if ahead:
+            self._catch_up(f"no round at epoch {round_.epoch} ({result.reason}); others moved on")
+        elif not same:
+            logger.info("no other peer at epoch %d: training alone", round_.epoch)
+            self._alone = True
+            self._apply(solo=True)
+        else:
+            # the others have not reached the target yet or arrived late: the sums are kept
+            # (DGC takes back what it selected for this round, so nothing is lost)
+            if self.dgc is not None and self._dgc_snapshot is not None:
+                self.dgc.load_state_dict(self._dgc_snapshot)
+            logger.info("no gradient round at epoch %d (%s); retrying", round_.epoch, result.reason)
+
+    def _apply(self, solo: bool = False) -> None:
+        """The buffers hold this epoch's update: step the inner optimizer and move on."""
+        self.grads.write_grads()
+        self.opt.inner.step()
+        self.opt.inner.zero_grad(set_to_none=True)
+        if solo:
+            self.solo_steps += 1
+        self._advance()
+
+    def _advance(self) -> None:
+        self.global_steps += 1
+        self.state.epoch += 1
+        self.grads.reset()
+        self.report_progress(0)
+        if self._pending is None:  # delayed: checkpoint once the update is applied
+            self.state._maybe_checkpoint()
+
+    def _collect_delayed(self, wait: bool) -> None:
+        """Delayed averaging: apply the finished round of the previous epoch (one step late)."""
+        round_ = self._pending
+        if round_ is None or not (wait or round_.done()):
+            return
+        self._pending = None
+        result = round_.result()
+        self.last_result = result
+        if result.succeeded:
+            self.rounds_succeeded += 1
+            self.last_group_size = result.group_size
+        else:
+            # the epoch already moved on: apply our own part rather than lose it
+            self.rounds_failed += 1
+            logger.warning(
+                "delayed round of epoch %d failed (%s): applying the local gradient",
+                round_.epoch,
+                result.reason,
+            )
+        self.grads.write_grads()
+        self.opt.inner.step()
+        self.opt.inner.zero_grad(set_to_none=True)
+        self.state._maybe_checkpoint()
+
+    def _catch_up(self, why: str) -> None:
+        """Load the swarm's newest state instead of stepping on stale parameters."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        logger.info("epoch %d is behind (%s): loading state from peers", self.state.epoch, why)
+        before = self.state.epoch
+        self.state._synchronized = False  # look for a newer state again (synchronize() once)
+        try:
+            self.state.synchronize()
+        except NoDonorError as e:
+            logger.warning("could not load state (%s): keeping ours", e)
+        if self.state.epoch != before:
+            self.state_loads += 1
+        else:  # no donor serves a newer state yet: look again a little later, not every step
+            self._next_catch_up = time.monotonic() + 2 * self.refresh_period
+        self.on_state_loaded()
+
+    # ------------------------------------------------------------------ state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if self.dgc is not None:
+            state["dgc"] = self.dgc.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.dgc is not None and "dgc" in state:
+            self.dgc.load_state_dict(state["dgc"])
+
+    def leave_swarm(self, deadline: float) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        super().leave_swarm(deadline)
+
+    def shutdown(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        super().shutdown()
+
+
+MODE = SyncMode

@@ -1,0 +1,288 @@
+"""``mode="sync"`` on real ``moshpit.DHT`` facades over loopback TCP (one process, threads).
+
+Each peer's loop records which batches it accumulated at which epoch, so the tests can replay
+the same training in a single process and compare parameters: the swarm must equal one
+process training on the same global batches.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+import torch
+
+import moshpit
+from compression import GraVAC, TopK, TwoWayCompression
+from dht import DHT
+from moshpit.training.grad_averager import grads_prefix
+
+# a full group proceeds at once; min_matchmaking_time only bounds how long a leader waits for
+# a peer that noticed the target late (generous: the machine is shared)
+FAST = dict(
+    min_matchmaking_time=3.0, request_timeout=2.0, allreduce_timeout=10.0, initial_group_bits=""
+)
+BATCH = 8
+W_TRUE = torch.tensor([1.0, -2.0, 0.5, 3.0])
+
+
+def _data(n: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=gen)
+    return x, x @ W_TRUE + 0.1 * torch.randn(n, generator=gen)
+
+
+X, Y = _data()
+
+
+@pytest.fixture
+def make_dhts():
+    made: list[DHT] = []
+
+    def make(n: int) -> list[DHT]:
+        first = made[0] if made else None
+        for _ in range(n):
+            peers = first.get_visible_maddrs() if first is not None else []
+            dht = DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            made.append(dht)
+            first = first or dht
+        return made[-n:]
+
+    yield make
+    for dht in reversed(made):
+        dht.shutdown()
+
+
+def _model() -> torch.nn.Module:
+    model = torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.fill_(0.25)
+        model.bias.fill_(-0.5)
+    return model
+
+
+def _opt(dht, model, tmp_path=None, name="p", **kwargs):
+    settings = dict(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        dht=dht,
+        run_id="sync-test",
+        batch_size_per_step=BATCH,
+        target_batch_size=3 * BATCH,
+        mode="sync",
+        target_group_size=3,
+        averager_options=FAST,
+        load_state_timeout=5.0,
+        checkpoint_dir=None if tmp_path is None else tmp_path / name,
+        progress_ttl=6.0,
+    )
+    settings.update(kwargs)
+    return moshpit.Optimizer(**settings)
+
+
+def _same(xs, ys) -> bool:
+    return all(torch.equal(x.detach(), y.detach()) for x, y in zip(xs, ys, strict=True))
+
+
+def _loss(model, idx):
+    return torch.nn.functional.mse_loss(model(X[idx]).squeeze(-1), Y[idx])
+
+
+class Peer:
+    """One training loop: batches chosen by (peer, step), params recorded at every epoch."""
+
+    def __init__(self, index: int, model: torch.nn.Module, opt: moshpit.Optimizer):
+        self.index, self.model, self.opt = index, model, opt
+        self.consumed: list[tuple[int, torch.Tensor]] = []  # (epoch, batch indices)
+        self.params_at: dict[int, list[torch.Tensor]] = {}
+        self.steps = 0
+
+    def batch(self) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(1000 * self.index + self.steps)
+        return torch.randint(0, len(X), (BATCH,), generator=gen)
+
+    def train(self, until_epoch: int, pause: float = 0.02, max_steps: int = 2000) -> None:
+        while self.opt.epoch < until_epoch and self.steps < max_steps:
+            idx = self.batch()
+            epoch = self.opt.epoch
+            _loss(self.model, idx).backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            self.steps += 1
+            self.consumed.append((epoch, idx))
+            if self.opt.epoch != epoch:
+                self.params_at[self.opt.epoch] = [
+                    p.detach().clone() for p in self.model.parameters()
+                ]
+            threading.Event().wait(pause)  # stands for a real model's compute time
+
+
+def _train_all(peers: list[Peer], until_epoch: int) -> None:
+    with concurrent.futures.ThreadPoolExecutor(len(peers)) as pool:
+        for future in [pool.submit(p.train, until_epoch) for p in peers]:
+            future.result(timeout=120)
+
+
+def _replay(peers: list[Peer], epochs: int) -> list[torch.Tensor]:
+    """Single-process SGD on the same global batches: mean gradient of all batches of epoch e."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for epoch in range(epochs):
+        batches = [idx for p in peers for e, idx in p.consumed if e == epoch]
+        opt.zero_grad()
+        _loss(model, torch.cat(batches)).backward()  # equal batch sizes: mean of means
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_three_peers_take_identical_steps_equal_to_one_process(make_dhts):
+    dhts = make_dhts(3)
+    models = [_model() for _ in dhts]
+    peers = [Peer(i, m, _opt(d, m)) for i, (d, m) in enumerate(zip(dhts, models, strict=True))]
+    epochs = 4
+    try:
+        _train_all(peers, epochs)
+        for p in peers:
+            mode = p.opt.mode
+            assert mode.rounds_succeeded == epochs, (p.index, mode.rounds_failed)
+            assert mode.solo_steps == mode.state_loads == 0
+            assert p.opt.epoch == epochs
+        for epoch in range(1, epochs + 1):  # bit-identical after every epoch
+            first = peers[0].params_at[epoch]
+            for p in peers[1:]:
+                assert _same(first, p.params_at[epoch])
+        # every global batch held at least target_batch_size samples
+        for epoch in range(epochs):
+            assert sum(len(i) for p in peers for e, i in p.consumed if e == epoch) >= 3 * BATCH
+        expected = _replay(peers, epochs)
+        for got, want in zip(peers[0].model.parameters(), expected, strict=True):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    finally:
+        for p in peers:
+            p.opt.shutdown()
+
+
+def test_lone_peer_trains_alone_like_one_process(make_dhts):
+    (dht,) = make_dhts(1)
+    model = _model()
+    peer = Peer(0, model, _opt(dht, model))
+    try:
+        peer.train(until_epoch=3, pause=0.0)
+        mode = peer.opt.mode
+        assert mode.solo_steps == 3 and mode.rounds_succeeded == 0
+        assert peer.steps == 9  # 3 local batches of 8 per global batch of 24
+        expected = _replay([peer], 3)
+        for got, want in zip(model.parameters(), expected, strict=True):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    finally:
+        peer.opt.shutdown()
+
+
+def test_nan_gradients_publish_nothing(make_dhts):
+    (dht,) = make_dhts(1)
+    model = _model()
+    opt = _opt(dht, model)
+    try:
+        _loss(model, torch.arange(BATCH)).backward()
+        opt.step()
+        assert opt.mode.grads.samples == BATCH
+        reported = opt.tracker.local_progress()
+        model(torch.full((2, 4), float("nan"))).sum().backward()
+        opt.step()
+        assert opt.skipped_steps == 1
+        assert opt.mode.grads.samples == BATCH  # nothing accumulated
+        assert all(bool(torch.isfinite(s).all()) for s in opt.mode.grads.sums)
+        assert opt.tracker.local_progress().samples == reported.samples
+    finally:
+        opt.shutdown()
+
+
+def test_late_joiner_and_laggard_load_state_instead_of_stepping(make_dhts, tmp_path):
+    dhts = make_dhts(3)
+    models = [_model() for _ in dhts]
+    fast = dict(FAST, min_matchmaking_time=1.5)
+    peers = [
+        Peer(i, m, _opt(d, m, tmp_path, name=f"p{i}", averager_options=fast))
+        for i, (d, m) in enumerate(zip(dhts[:2], models[:2], strict=True))
+    ]
+    late = None
+    try:
+        _train_all(peers, 2)
+        for p in peers:  # what donors serve: their newest epoch
+            p.opt.state.save_checkpoint(wait=True)
+        # a newcomer with other weights: its first step loads the swarm's state, not ours
+        with torch.no_grad():
+            models[2].weight.fill_(7.0)
+        late = Peer(2, models[2], _opt(dhts[2], models[2], tmp_path, "p2", averager_options=fast))
+        _loss(models[2], late.batch()).backward()
+        late.opt.step()
+        late.opt.zero_grad()
+        assert late.opt.epoch == 2
+        assert _same(models[2].parameters(), peers[0].params_at[2])
+        _train_all([*peers, late], 4)
+        for p in [*peers, late]:
+            assert p.opt.epoch == 4
+        assert _same(peers[0].params_at[4], late.params_at[4])
+        # the late peer pauses while the other two go on: two peers are past it
+        _train_all(peers, 6)
+        before = late.opt.mode.global_steps
+        late.train(until_epoch=6, max_steps=200)
+        assert late.opt.mode.state_loads >= 1
+        assert late.opt.mode.global_steps == before  # it never stepped on stale parameters
+        assert late.opt.epoch == 6
+        assert _same(models[2].parameters(), peers[0].params_at[6])
+    finally:
+        for p in [*peers, late]:
+            if p is not None:
+                p.opt.shutdown()
+
+
+def test_gravac_and_two_way_compression_keep_peers_identical(make_dhts):
+    dhts = make_dhts(2)
+    models = [_model() for _ in dhts]
+    controller = GraVAC(theta_min=2, theta_max=4, window=2, epsilon=0.5)
+    options = [
+        dict(compression=controller),
+        dict(compression=TwoWayCompression(TopK(0.5, exact=True), TopK(0.5, exact=True))),
+    ]
+    for kwargs in options:
+        peers = [
+            Peer(i, m, _opt(d, m, target_batch_size=2 * BATCH, target_group_size=2, **kwargs))
+            for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+        ]
+        try:
+            start = peers[0].opt.epoch
+            _train_all(peers, start + 3)
+            for p in peers:
+                assert p.opt.mode.rounds_succeeded >= 2
+            last = max(peers[0].params_at)
+            assert _same(peers[0].params_at[last], peers[1].params_at[last])
+        finally:
+            for p in peers:
+                p.opt.shutdown()
+    assert controller.calls > 0
+
+
+def test_delayed_averaging_applies_the_same_update_one_step_late(make_dhts):
+    dhts = make_dhts(2)
+    models = [_model() for _ in dhts]
+    peers = [
+        Peer(
+            i, m, _opt(d, m, target_batch_size=2 * BATCH, target_group_size=2, delay_averaging=True)
+        )
+        for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+    ]
+    try:
+        _train_all(peers, 3)
+        for p in peers:
+            p.opt.mode.flush()
+            assert p.opt.mode.rounds_succeeded == 3
+        assert _same(models[0].parameters(), models[1].parameters())
+    finally:
+        for p in peers:
+            p.opt.shutdown()
+
+
+def test_epoch_rounds_use_their_own_prefix():
+    assert grads_prefix("run", 3) != grads_prefix("run", 4)
+    assert grads_prefix("run", 3).startswith("run.grads.")
