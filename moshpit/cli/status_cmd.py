@@ -199,8 +199,9 @@ def health_verdict(snapshot: Snapshot, stall_after: float) -> tuple[bool, str]:
         return False, (
             f"no donor serves the current epoch {view.epoch}: joiners cannot load state{newest}"
         )
-    behind = len(view.peers) - at_epoch
-    tail = f", {behind} behind" if behind else ""
+    behind = sum(1 for p in view.peers if p.epoch < view.epoch)
+    ahead = len(view.peers) - at_epoch - behind  # at most one honest-looking peer, or liars
+    tail = (f", {behind} behind" if behind else "") + (f", {ahead} ahead" if ahead else "")
     return True, (
         f"healthy: {at_epoch} peers at epoch {view.epoch}{tail}, "
         f"{len(serving)} donors serve epoch {view.epoch}"

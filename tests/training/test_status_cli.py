@@ -190,7 +190,7 @@ def test_verdicts():
     partial = Donor("c", 4, 1, False, "00" * 32)
     healthy, line = health_verdict(snapshot(fresh, [partial]), 60)
     assert not healthy and line.endswith("joiners cannot load state (no donors at all)")
-    behind = [*fresh, PeerProgress("z", 2, 0, 1.0, 99.0)]
-    assert health_verdict(snapshot(behind, [serving]), 60)[1] == (
-        "healthy: 2 peers at epoch 4, 1 behind, 1 donors serve epoch 4"
+    mixed = [*fresh, PeerProgress("y", 2, 0, 1.0, 99.0), PeerProgress("z", 9, 0, 1.0, 99.0)]
+    assert health_verdict(snapshot(mixed, [serving]), 60)[1] == (
+        "healthy: 2 peers at epoch 4, 1 behind, 1 ahead, 1 donors serve epoch 4"
     )
