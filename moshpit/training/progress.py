@@ -434,7 +434,7 @@ class ProgressTracker:
             elif samples >= self._samples and now > self._report_time:
                 self._ewma_samples = EWMA_DECAY * self._ewma_samples + (samples - self._samples)
                 self._ewma_seconds = EWMA_DECAY * self._ewma_seconds + (now - self._report_time)
-            changed = epoch != self._epoch or samples != self._samples
+            changed = self._withdrawn or epoch != self._epoch or samples != self._samples
             self._epoch, self._samples, self._report_time = epoch, samples, now
             self._withdrawn = False
             if changed:
