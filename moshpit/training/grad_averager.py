@@ -99,6 +99,11 @@ class GradientAverager:
         self.buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
         self.samples = 0
         self.batches = 0
+        # failure counts and bans outlive the per-epoch averagers: a peer that sent NaN or
+        # stalled in two rounds is not grouped with for ``ban_seconds``, whatever the epoch.
+        # Both are only touched on the DHT's trio thread (by the averagers).
+        self._failures: dict[Any, int] = {}
+        self._banned_until: dict[Any, float] = {}
 
     def accumulate(self, batch_size: int) -> None:
         """Add ``grad * batch_size`` of every parameter (a missing grad counts as zero)."""
@@ -144,6 +149,8 @@ class GradientAverager:
             target_group_size=self.target_group_size,
             **options,
         )
+        averager._failures = self._failures
+        averager._banned_until = self._banned_until
         weight = float(min(max(weight, 0.0), MAX_WEIGHT))
         future = averager.step(weight=weight, timeout=timeout, wait=False)
         return GradientRound(epoch, averager, future)

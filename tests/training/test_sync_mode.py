@@ -96,6 +96,7 @@ class Peer:
         self.consumed: list[tuple[int, torch.Tensor]] = []  # (epoch, batch indices)
         self.params_at: dict[int, list[torch.Tensor]] = {}
         self.steps = 0
+        self.excluded: set[str] = set()  # peers the rounds left out for bad input
 
     def batch(self) -> torch.Tensor:
         gen = torch.Generator().manual_seed(1000 * self.index + self.steps)
@@ -110,6 +111,9 @@ class Peer:
             self.opt.zero_grad()
             self.steps += 1
             self.consumed.append((epoch, idx))
+            result = self.opt.mode.last_result
+            if result is not None:
+                self.excluded |= {str(peer) for peer in result.excluded}
             if self.opt.epoch != epoch:
                 self.params_at[self.opt.epoch] = [
                     p.detach().clone() for p in self.model.parameters()
@@ -279,6 +283,55 @@ def test_delayed_averaging_applies_the_same_update_one_step_late(make_dhts):
             assert p.opt.mode.rounds_succeeded == 3
         assert _same(models[0].parameters(), models[1].parameters())
     finally:
+        for p in peers:
+            p.opt.shutdown()
+
+
+def test_nan_gradients_from_the_network_move_nobody(make_dhts, monkeypatch):
+    """An attacker joins every epoch's round with NaN gradients and a huge sample count: the
+    honest peers exclude it (logged reason) and train exactly as if it were not there."""
+    # the attacker shares this process: lift the sender's own refusal to send NaN (honest
+    # peers' tensors are finite anyway); what is tested is the receivers' exclusion
+    monkeypatch.setattr("moshpit.averaging.allreduce._all_finite", lambda tensors: True)
+    dhts = make_dhts(3)
+    models = [_model() for _ in dhts[:2]]
+    fast = dict(FAST, min_matchmaking_time=1.5)
+    peers = [
+        Peer(i, m, _opt(d, m, averager_options=fast))
+        for i, (d, m) in enumerate(zip(dhts[:2], models, strict=True))
+    ]
+    stop = threading.Event()
+    attacker_results = []
+
+    def attack() -> None:
+        poison = [torch.full(p.shape, float("nan")) for p in models[0].parameters()]
+        while not stop.is_set():
+            epoch = peers[0].opt.epoch
+            averager = moshpit.Averager(
+                poison, dhts[2], grads_prefix("sync-test", epoch), target_group_size=3, **fast
+            )
+            try:
+                attacker_results.append(averager.step(weight=1e9, timeout=4.0))
+            finally:
+                averager.shutdown()
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            attacker = pool.submit(attack)
+            _train_all(peers, 3)
+            stop.set()
+            attacker.result(timeout=30)
+        attacker_id = str(dhts[2].peer_id)
+        assert any(len(r.members) >= 2 for r in attacker_results)  # it did get into rounds
+        assert any(attacker_id in p.excluded for p in peers)
+        for p in peers:
+            assert p.opt.mode.rounds_succeeded == 3
+        assert _same(peers[0].params_at[3], peers[1].params_at[3])
+        expected = _replay(peers, 3)
+        for got, want in zip(models[0].parameters(), expected, strict=True):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    finally:
+        stop.set()
         for p in peers:
             p.opt.shutdown()
 

@@ -222,11 +222,20 @@ class SyncMode(TrainingMode):
     def _finish_round(self, round_: GradientRound) -> None:
         result = round_.result()
         self.last_result = result
-        if result.succeeded:
+        if result.succeeded and result.averaged_fraction >= 1.0:
             self.rounds_succeeded += 1
             self.last_group_size = result.group_size
             self._apply()
             return
+        if result.succeeded:
+            # parts kept local values (a reducer failed or its own input was bad): applying
+            # them would make the members' parameters differ, so this round counts as failed
+            logger.warning(
+                "gradient round of epoch %d averaged only %.1f%% of the values (%s); retrying",
+                round_.epoch,
+                100 * result.averaged_fraction,
+                result.reason or ", ".join(f"{p}: {w}" for p, w in result.excluded.items()),
+            )
         self.rounds_failed += 1
         view = self._view(force=True)
         same, ahead = self._others(view)
