@@ -20,8 +20,9 @@ ask complete donors first for the chunks fewest peers hold (rarest first).
 Wire (unary RPC on :data:`STATE_PROTOCOL`, one handler per Host dispatching by prefix):
 
 * ``{"prefix", "op": "manifest", "root"}`` -> ``{"manifest": bytes | None}``
-* ``{"prefix", "op": "have", "root"}`` -> ``{"have": bitmap | None}`` (bit ``i`` = the ``i``-th
-  distinct chunk of the manifest, in manifest order)
+* ``{"prefix", "op": "have", "root"}`` -> ``{"have": bitmap | None, "pending": bitmap}`` (bit
+  ``i`` = the ``i``-th distinct chunk of the manifest, in manifest order; ``pending``: chunks a
+  joiner is fetching right now)
 * ``{"prefix", "op": "chunks", "digests": [...]}`` -> ``{"chunks": [bytes | None, ...]}`` (a
   prefix of the request up to ``batch_bytes``; None = not held) or ``{"busy": True}`` when the
   donor already runs ``max_concurrent_uploads`` uploads.
@@ -69,7 +70,7 @@ MAX_PREFIX_CHARS = 256
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_ERROR_CHARS = 512
 MAX_RESPONSE_BYTES = 16 << 20  # a batch of chunks (batch_bytes, at least one chunk <= 8 MiB)
-MAX_RECORD_BYTES = 1 << 50
+MAX_RECORD_NUMBER = 1 << 53  # epochs and byte counts above this are not plausible
 MAX_FAILURES = 3  # consecutive failed calls before a peer is dropped from this download
 BUSY_BACKOFF = (0.05, 2.0)  # first and largest wait after a "busy" answer, seconds
 _OWNER_SUBKEY = re.compile(r"^\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]$")
@@ -239,7 +240,7 @@ def _parse_record(subkey: Any, value: Any, peer_from_base58: Callable[[str], Any
     for name, number in (("epoch", epoch), ("bytes", nbytes)):
         if isinstance(number, bool) or not isinstance(number, int):
             raise ValueError(f"{name} must be an integer")
-        if not 0 <= number <= MAX_RECORD_BYTES * 8:
+        if not 0 <= number < MAX_RECORD_NUMBER:
             raise ValueError(f"{name} out of range")
     if not isinstance(complete, bool):
         raise ValueError("complete must be a bool")
@@ -287,6 +288,8 @@ class _Holder:
     complete: bool
     have: set[int] = field(default_factory=set)  # for partial holders: indices they hold
     missing: set[int] = field(default_factory=set)  # indices they said they do not hold
+    asked: set[int] = field(default_factory=set)  # indices requested from it, under way
+    pending: set[int] = field(default_factory=set)  # partial holder: indices it is fetching
     in_flight: int = 0
     in_flight_bytes: int = 0
     failures: int = 0
@@ -306,7 +309,10 @@ class _Download:
         self.sizes = list(refs.values())
         self.data: list[bytes | None] = [None] * len(self.digests)
         self.remaining: set[int] = set(range(len(self.digests)))
-        self.assigned: set[int] = set()
+        self.in_flight: dict[int, int] = {}  # chunk -> requests for it under way (1, or 2)
+        self.verifying: set[int] = set()  # arrived, hash being checked
+        self.requested_at: dict[int, float] = {}  # chunk -> when its first request went out
+        self.typical = math.inf  # moving average of how long a request takes, seconds
         self.holders: dict[Any, _Holder] = {}
         self.order = list(range(len(self.digests)))
         random.shuffle(self.order)  # joiners start at different chunks, so they can swap
@@ -322,30 +328,66 @@ class _Download:
         return (h.complete or i in h.have) and i not in h.missing
 
     def pick(self, h: _Holder, batch_bytes: int, max_count: int) -> list[int]:
-        """Chunks for ``h`` to send next: rarest first (fewest partial holders), so complete
-        donors spend their upload on what other joiners cannot give us."""
-        candidates = [
-            i
-            for i in self.order
-            if i not in self.assigned and i in self.remaining and self.holds(h, i)
-        ]
-        if not candidates:
-            return []
-        partial = [p for p in self.holders.values() if not p.complete and not p.gone]
-        if h.complete and partial:
-            rarity = {i: sum(1 for p in partial if i in p.have) for i in candidates}
-            candidates.sort(key=rarity.__getitem__)  # stable: keeps the random order on ties
+        """Chunks for ``h`` to send next.
+
+        Rarest first (fewest partial holders), so complete donors spend their upload on what
+        other joiners cannot give us. A batch is at most an equal share of the unrequested
+        bytes among all workers, so the last chunks are spread over every holder instead of
+        queueing behind one. Endgame: once every missing chunk is requested, an idle holder
+        may ask again for one whose request is overdue (twice the typical request time; the
+        first verified answer wins), so one slow peer cannot hold up the end."""
+        unrequested = [i for i in self.order if i in self.remaining and i not in self.in_flight]
+        candidates = [i for i in unrequested if self.holds(h, i)]
+        if candidates:
+            partial = [p for p in self.holders.values() if not p.complete and not p.gone]
+            if h.complete and partial:
+                # chunks other joiners hold or are fetching count as less rare, so donors are
+                # asked for what nobody has yet, and the swarm spreads the rest
+                rarity = {
+                    i: sum(1 for p in partial if i in p.have or i in p.pending) for i in candidates
+                }
+                candidates.sort(key=rarity.__getitem__)  # stable: random order on ties
+            workers = max(1, sum(x.workers for x in self.holders.values() if not x.gone))
+            share = sum(self.sizes[i] for i in unrequested) // workers
+            limit = min(batch_bytes, share)
+        else:
+            overdue = trio.current_time() - 2 * self.typical
+            candidates = [
+                i
+                for i in self.order
+                if self.in_flight.get(i) == 1
+                and self.requested_at.get(i, math.inf) < overdue
+                and i not in h.asked
+                and i not in self.verifying
+                and self.holds(h, i)
+            ]
+            limit = 0  # one chunk
         batch, total = [], 0
         for i in candidates:
-            if batch and (total + self.sizes[i] > batch_bytes or len(batch) >= max_count):
+            if batch and (total + self.sizes[i] > limit or len(batch) >= max_count):
                 break
             batch.append(i)
             total += self.sizes[i]
-        self.assigned.update(batch)
+        now = trio.current_time()
+        for i in batch:
+            self.in_flight[i] = self.in_flight.get(i, 0) + 1
+            self.requested_at.setdefault(i, now)
+        h.asked.update(batch)
         return batch
 
-    def release(self, indices: Sequence[int]) -> None:
-        self.assigned.difference_update(indices)
+    def took(self, seconds: float) -> None:
+        """A request was answered after ``seconds``: update the typical request time."""
+        self.typical = seconds if self.typical == math.inf else 0.8 * self.typical + 0.2 * seconds
+
+    def release(self, h: _Holder, indices: Sequence[int]) -> None:
+        for i in indices:
+            left = self.in_flight.get(i, 0) - 1
+            if left > 0:
+                self.in_flight[i] = left
+            else:
+                self.in_flight.pop(i, None)
+                self.requested_at.pop(i, None)
+        h.asked.difference_update(indices)
         self.notify()
 
 
@@ -492,7 +534,11 @@ class StateSharing:
             served = self._served_by_root(_digest(request.get("root"), "root"))
             reply: dict[str, Any] = {"manifest": served.packed if served is not None else None}
         elif op == "have":
-            reply = {"have": self._have(_digest(request.get("root"), "root"))}
+            root = _digest(request.get("root"), "root")
+            reply = {"have": self._have(root)}
+            dl = self._downloading
+            if dl is not None and dl.manifest.root == root:
+                reply["pending"] = _bitmap([i in dl.in_flight for i in range(len(dl.data))])
         elif op == "chunks":
             digests = request.get("digests")
             if not isinstance(digests, list) or not 0 < len(digests) <= MAX_DIGESTS_PER_REQUEST:
@@ -619,7 +665,10 @@ class StateSharing:
     async def _read_records(self) -> list[_Record]:
         found = None
         with trio.move_on_after(self.request_timeout):
-            found = await self.node.get(self.key, latest=True)
+            try:
+                found = await self.node.get(self.key, latest=True)
+            except Exception as e:  # noqa: BLE001 - a failed lookup reads as "nobody yet"
+                logger.info("could not read %s from the DHT: %s", self.key, e)
         if found is None or not isinstance(found.value, dict):
             return []
         records = []
@@ -678,7 +727,10 @@ class StateSharing:
     def _ban(self, peer: Any, why: str, misbehaving: dict[Any, str]) -> None:
         logger.warning("banning %s for %.0fs: %s", _short(peer), self.ban_seconds, why)
         misbehaving.setdefault(peer, why)
-        self._banned[peer] = trio.current_time() + self.ban_seconds
+        now = trio.current_time()
+        if len(self._banned) >= MAX_RECORDS:  # bounded: forget expired bans first
+            self._banned = {p: t for p, t in self._banned.items() if t > now}
+        self._banned[peer] = now + self.ban_seconds
 
     # ------------------------------------------------------------------ downloading
 
@@ -747,13 +799,17 @@ class StateSharing:
         """Poll the DHT until some peer announces a complete state (NoDonorError at deadline)."""
         wait = min(0.5, self.refresh_interval)
         while True:
-            records = [r for r in await self._read_records() if not self._banned_now(r.peer)]
+            found = await self._read_records()
+            records = [r for r in found if not self._banned_now(r.peer)]
             if any(r.complete for r in records):
                 return records
             if trio.current_time() + wait >= deadline:
+                banned = len(found) - len(records)
                 raise NoDonorError(
-                    f"no peer announced a state under {self.key!r} in time: is the prefix "
-                    "right, and does some peer in the run have a checkpoint to serve?"
+                    f"no peer announced a state under {self.key!r} in time"
+                    + (f" (ignoring {banned} banned donor(s))" if banned else "")
+                    + ": is the prefix right, and does some peer in the run have a checkpoint "
+                    "to serve?"
                 )
             await trio.sleep(wait)
             wait = min(wait * 2, 5.0)
@@ -882,6 +938,9 @@ class StateSharing:
         if isinstance(bitmap, bytes) and len(bitmap) == (n + 7) // 8:
             h.have = _from_bitmap(bitmap, n)
             h.missing.difference_update(h.have)
+            pending = reply.get("pending")
+            if isinstance(pending, bytes) and len(pending) == len(bitmap):
+                h.pending = _from_bitmap(pending, n) - h.have
             dl.notify()
 
     async def _worker(
@@ -907,7 +966,7 @@ class StateSharing:
                     pause = await self._fetch_batch(dl, h, batch, sink, misbehaving)
                 finally:
                     h.in_flight -= 1
-                    dl.release(batch)
+                    dl.release(h, batch)
                 if pause:
                     await trio.sleep(pause)
         finally:
@@ -927,6 +986,7 @@ class StateSharing:
             # what we asked this peer for before this batch comes first on the same link
             expect = sum(dl.sizes[i] for i in batch)
             h.in_flight_bytes += expect
+            started = trio.current_time()
             try:
                 reply = await self._request(h.peer, request, expect_bytes=h.in_flight_bytes)
             finally:
@@ -952,6 +1012,8 @@ class StateSharing:
         if not isinstance(reply, dict):
             self._drop_bad(h, "sent a malformed chunk response", misbehaving)
             return 0.0
+        if reply.get("busy") is not True:
+            dl.took(trio.current_time() - started)
         if reply.get("busy") is True:
             h.busy_until = trio.current_time() + h.busy_wait * (0.5 + random.random())
             h.busy_wait = min(h.busy_wait * 2, BUSY_BACKOFF[1])
@@ -971,11 +1033,13 @@ class StateSharing:
                     h, f"sent chunk {dl.digests[i].hex()[:16]} with the wrong size", misbehaving
                 )
                 return 0.0
-            else:
+            elif dl.data[i] is None and i not in dl.verifying:  # else: an endgame duplicate
                 got.append((i, data))
         if not got:
             return 0.0
         digests = dl.digests
+        claimed = [i for i, _ in got]
+        dl.verifying.update(claimed)
 
         def verify_and_keep() -> int | None:
             """Index into ``got`` of the first bad chunk; good ones before it go to the sink."""
@@ -986,7 +1050,10 @@ class StateSharing:
                     sink.put_chunk(digests[i], data)
             return None
 
-        bad = await self._offload(verify_and_keep, nbytes=sum(len(d) for _, d in got))
+        try:
+            bad = await self._offload(verify_and_keep, nbytes=sum(len(d) for _, d in got))
+        finally:
+            dl.verifying.difference_update(claimed)
         for i, data in got[: len(got) if bad is None else bad]:
             if dl.data[i] is None:
                 dl.data[i] = data

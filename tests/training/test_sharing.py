@@ -336,7 +336,6 @@ async def test_joiners_serve_each_other_while_downloading(autojump_clock, virtua
         from_joiners = sum(n for r in results for p, n in r.bytes_by_peer.items() if p in joiners)
         assert from_joiners > 0
         # the donor sent less than one full copy per joiner: the rest came from other joiners
-        assert peers[0].sharing.stats["bytes_served"] + from_joiners == 4 * manifest.total_bytes
         assert peers[0].sharing.stats["bytes_served"] < 4 * manifest.total_bytes
 
 
