@@ -1,0 +1,392 @@
+"""``mode="diloco"``: H inner steps, then one outer Nesterov step on the averaged pseudo-gradient.
+
+DiLoCo (Douillard et al., arXiv 2311.08105). Every peer holds the shared parameters ``θ`` (CPU
+float32 copies) and the outer optimizer's momentum; both live in the mode's
+TrainingStateAverager (built over the outer optimizer), so checkpoints and joiners get exactly
+them. The inner optimizer (the one the user passed, AdamW in the paper) and its statistics stay
+local.
+
+One outer round, after ``inner_steps`` local steps:
+
+1. ``Δ = θ - θ_local`` (the pseudo-gradient) into CPU buffers;
+2. ``Δ`` is averaged (weighted by the samples each peer processed this round) with the peers
+   of the same outer epoch: each epoch has its own averaging prefix ``{run_id}.outer.{epoch}``,
+   so a peer that missed rounds never mixes a stale ``Δ`` into the others' round;
+   ``compression=`` compresses it on the wire (``"fp16"``, ``"8bit"``, ``"topk"`` with error
+   feedback on both directions, any codec / ``TwoWayCompression``, or a ``compression.GraVAC``
+   controller that picks the top-k factor from the compression gain);
+3. ``θ.grad = mean Δ``, outer step (SGD, ``outer_lr`` 0.7, ``outer_momentum`` 0.9, Nesterov:
+   the paper's defaults), and ``θ`` is copied into the model. Every member of the round gets the
+   same mean ``Δ`` (each reducer uses the decoded value it sends), so peers that started the
+   round from the same ``θ`` and momentum end it bit-identical.
+
+When a round does not go as planned:
+
+- someone is past our epoch (we missed rounds, or joined late): load ``θ`` + momentum from the
+  donors (peers with a ``checkpoint_dir`` serve theirs after every outer step) and restart the
+  inner loop from it, instead of applying a stale pseudo-gradient;
+- nobody else trains at our epoch (a lone peer): after a round that found nobody, apply our own
+  ``Δ`` and go on alone;
+- others are at our epoch but no group formed in time: keep training and retry the round at
+  the next ``step()``.
+
+The epoch counts outer steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from compression import (
+    Codec,
+    ErrorFeedback,
+    Float16,
+    GraVAC,
+    TopK,
+    TwoWayCompression,
+    Uniform8Bit,
+)
+from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
+from moshpit.averaging.averager import Averager, StepResult
+from moshpit.training.errors import NoDonorError
+from moshpit.training.modes.base import TrainingMode, params_of
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DiLoCoMode", "outer_prefix"]
+
+COMPRESSION_NAMES = ("none", "fp16", "8bit", "topk")
+
+
+def outer_prefix(run_id: str, epoch: int) -> str:
+    """The averaging prefix of outer epoch ``epoch`` (one key space per epoch)."""
+    return f"{run_id}.outer.{int(epoch)}"
+
+
+class _RegroupingFeedback(ErrorFeedback):
+    """Error feedback whose keys (flat ranges of the all-reduce) may change shape.
+
+    The butterfly all-reduce keys residuals by ``(part, chunk)``; when the group's size changes
+    the ranges move and a residual no longer fits its key. It is dropped (logged) instead of
+    failing the round: what it held is lost once, the invariant holds again from there on.
+    """
+
+    def compress_with_decoded(self, tensor: torch.Tensor, key: Any, **kwargs: Any) -> Any:
+        residual = self.residual(key)
+        if residual is not None and (
+            residual.shape != tensor.shape or residual.device != tensor.device
+        ):
+            logger.debug("error-feedback key %r changed shape (new group): residual dropped", key)
+            self.reset(key)
+        return super().compress_with_decoded(tensor, key, **kwargs)
+
+
+def _two_way(sender: Codec, reducer: Codec) -> TwoWayCompression:
+    spec = TwoWayCompression(sender, reducer)
+    spec.sender = _RegroupingFeedback(sender)
+    spec.reducer = _RegroupingFeedback(reducer)
+    return spec
+
+
+def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC | None]:
+    """(what the averager gets, the GraVAC controller if any) for the ``compression=`` knob."""
+    if compression is None or compression == "none":
+        return None, None
+    if isinstance(compression, str):
+        if compression == "fp16":
+            return Float16(), None
+        if compression == "8bit":
+            return _two_way(Uniform8Bit(outliers=False), Uniform8Bit(outliers=False)), None
+        if compression == "topk":
+            if not 0 < topk_density <= 1:
+                raise ValueError(f"topk_density must be in (0, 1], got {topk_density!r}")
+            codec = TopK(topk_density)
+            return _two_way(codec, TopK(topk_density)), None
+        raise ValueError(
+            f"compression must be one of {', '.join(map(repr, COMPRESSION_NAMES))}, a codec, a "
+            f"TwoWayCompression or a GraVAC controller; got {compression!r}"
+        )
+    if isinstance(compression, GraVAC):
+        # the same controller on both directions: the factor follows the gain of what is sent
+        codec = compression.as_codec()
+        return _two_way(codec, codec), compression
+    if isinstance(compression, (Codec, TwoWayCompression)):
+        return compression, None
+    raise TypeError(
+        f"compression must be a name, a codec, a TwoWayCompression or a GraVAC controller, "
+        f"not {type(compression).__name__}"
+    )
+
+
+class DiLoCoMode(TrainingMode):
+    """Knobs: ``inner_steps`` (H, default 500), ``outer_lr`` (0.7), ``outer_momentum`` (0.9),
+    ``nesterov`` (True), ``compression`` (None, ``"fp16"``, ``"8bit"``, ``"topk"``, a codec, a
+    ``TwoWayCompression`` or a ``GraVAC``), ``topk_density`` (0.01), ``round_timeout`` (s,
+    default: the averager's own timeouts), ``refresh_period`` (s between reads of the swarm's
+    progress), ``checkpoint_every_epochs`` (1 when a ``checkpoint_dir`` is given: what donors
+    serve to joiners and laggards)."""
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        optimizer: Any,
+        *,
+        inner_steps: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        compression: Any = None,
+        topk_density: float = 0.01,
+        round_timeout: float | None = None,
+        refresh_period: float | None = None,
+        checkpoint_every_epochs: int | None = 1,
+    ) -> None:
+        super().__init__(optimizer)
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"inner_steps must be a positive integer, got {inner_steps!r}")
+        if not outer_lr > 0:
+            raise ValueError(f"outer_lr must be positive, got {outer_lr!r}")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        self.inner_steps = inner_steps
+        self.round_timeout = round_timeout
+        self.refresh_period = (
+            float(refresh_period)
+            if refresh_period is not None
+            else optimizer.tracker.min_refresh_period
+        )
+        self.compression, self.gravac = make_compression(compression, topk_density)
+        self.params = params_of(optimizer.inner)
+        # θ: the shared parameters, float32 on the CPU whatever the model's device and dtype
+        self.theta = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        self.outer = torch.optim.SGD(
+            self.theta,
+            lr=float(outer_lr),
+            momentum=float(outer_momentum),
+            nesterov=bool(nesterov and outer_momentum > 0),
+        )
+        options: dict[str, Any] = {"average_optimizer_statistics": False}
+        if optimizer.checkpoint_dir is not None and checkpoint_every_epochs is not None:
+            options["checkpoint_every_epochs"] = checkpoint_every_epochs
+        # checkpoints, serves and loads θ + momentum; its own averaging is never used (the
+        # pseudo-gradient is averaged by the per-epoch averager below)
+        self.state = optimizer.make_state_averager(self.outer, **options)
+        self.averager_options = dict(optimizer.averager_options)
+        self.averager_options.pop("compression", None)
+        if self.compression is None:
+            self.compression = optimizer.averager_options.get("compression")
+        self.deltas = [torch.zeros_like(t) for t in self.theta]
+        self.local_steps = 0  # inner steps since the round's θ
+        self.samples = 0
+        self._alone = False
+        self._last_refresh = -float("inf")
+        # counters (for users, tests and benchmarks)
+        self.outer_steps = 0
+        self.rounds_succeeded = 0
+        self.rounds_failed = 0
+        self.solo_steps = 0
+        self.state_loads = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.last_result: StepResult | None = None
+
+    # ------------------------------------------------------------------ start and state
+
+    def on_start(self) -> None:
+        if self.state.epoch == 0:
+            # a fresh run: the model as the user left it is θ (they may have loaded weights
+            # after building the optimizer); a restored checkpoint or a donor's state wins
+            self._theta_from_model()
+        super().on_start()
+
+    def _theta_from_model(self) -> None:
+        with torch.no_grad():
+            for theta, p in zip(self.theta, self.params, strict=True):
+                theta.copy_(p.detach().to("cpu", torch.float32))
+
+    def on_state_loaded(self) -> None:
+        """θ was replaced: the inner loop restarts from it (residuals refer to the old one)."""
+        self._model_from_theta()
+        self.local_steps = 0
+        self.samples = 0
+        spec = self.compression
+        if isinstance(spec, TwoWayCompression):
+            spec.reset()
+        if self.gravac is not None:
+            self.gravac.reset()
+        self.report_progress(0)
+
+    def _model_from_theta(self) -> None:
+        with torch.no_grad():
+            for p, theta in zip(self.params, self.theta, strict=True):
+                p.copy_(theta.to(device=p.device, dtype=p.dtype))
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self, batch_size: int) -> None:
+        self.opt.inner.step()
+        self.local_steps += 1
+        self.samples += batch_size
+        self.report_progress(self.samples)
+        if self.local_steps >= self.inner_steps:
+            self._outer_round()
+
+    def _view(self, force: bool = False) -> Any:
+        now = time.monotonic()
+        if force or now - self._last_refresh >= self.refresh_period:
+            self._last_refresh = now
+            try:
+                return self.opt.tracker.refresh(timeout=self.opt.tracker.request_timeout * 2)
+            except Exception as e:  # noqa: BLE001 - a failed read: use the last view
+                logger.debug("progress refresh failed (%r); using the last view", e)
+        return self.opt.tracker.global_progress
+
+    def _others(self, view: Any) -> tuple[list[Any], list[Any]]:
+        """(peers at our epoch, peers past it), from the tracker's records, without us."""
+        me = str(self.opt.tracker.peer_id)
+        others = [p for p in view.peers if p.peer_id != me]
+        same = [p for p in others if p.epoch == self.state.epoch]
+        ahead = [p for p in others if p.epoch > self.state.epoch]
+        return same, ahead
+
+    def _outer_round(self) -> None:
+        epoch = self.state.epoch
+        same, ahead = self._others(self._view())
+        if ahead:
+            self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
+            return
+        if same:
+            self._alone = False
+        self._load_deltas()
+        if self._alone:
+            self._apply(solo=True)
+            return
+        result = self._average(epoch)
+        self.last_result = result
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        if result.succeeded:
+            self.rounds_succeeded += 1
+            if result.averaged_fraction < 1.0:
+                logger.warning(
+                    "outer round %d averaged %.0f%% of the pseudo-gradient: parts kept local "
+                    "values, so θ may differ between peers from now on",
+                    epoch,
+                    100 * result.averaged_fraction,
+                )
+            self._apply()
+            return
+        self.rounds_failed += 1
+        same, ahead = self._others(self._view(force=True))
+        if ahead:
+            self._catch_up(f"no round at epoch {epoch} ({result.reason}); others moved on")
+        elif not same:
+            logger.info("no other peer at outer epoch %d: training alone", epoch)
+            self._alone = True
+            self._apply(solo=True)
+        else:  # the others are still in their inner steps: keep going, retry next step
+            logger.info("no outer round at epoch %d (%s); retrying", epoch, result.reason)
+
+    def _load_deltas(self) -> None:
+        """``Δ = θ - θ_local`` into the buffers the round averages."""
+        with torch.no_grad():
+            for delta, theta, p in zip(self.deltas, self.theta, self.params, strict=True):
+                delta.copy_(theta)
+                delta.sub_(p.detach().to("cpu", torch.float32))
+
+    def _average(self, epoch: int) -> StepResult:
+        options = dict(self.averager_options)
+        if self.compression is not None:
+            options["compression"] = self.compression
+        averager = Averager(
+            self.deltas,
+            dht=self.opt.dht,
+            prefix=outer_prefix(self.opt.run_id, epoch),
+            target_group_size=self.opt.target_group_size,
+            **options,
+        )
+        try:
+            weight = float(min(max(self.samples, 1), MAX_WEIGHT))
+            return averager.step(weight=weight, timeout=self.round_timeout)
+        finally:
+            averager.shutdown()
+
+    def _apply(self, solo: bool = False) -> None:
+        """Outer step with the buffers' (mean) Δ, then restart the inner loop from the new θ."""
+        for theta, delta in zip(self.theta, self.deltas, strict=True):
+            theta.grad = delta
+        self.outer.step()
+        for theta in self.theta:
+            theta.grad = None
+        self._model_from_theta()
+        self.outer_steps += 1
+        if solo:
+            self.solo_steps += 1
+        self.local_steps = 0
+        self.samples = 0
+        self.state.epoch += 1
+        self.report_progress(0)
+        self.state._maybe_checkpoint()
+
+    def _catch_up(self, why: str) -> None:
+        """Adopt the swarm's θ and momentum instead of applying a stale pseudo-gradient."""
+        before = self.state.epoch
+        logger.info("outer epoch %d is behind (%s): loading state from peers", before, why)
+        self.state._synchronized = False  # look for a newer state again
+        try:
+            self.state.synchronize()
+        except NoDonorError as e:
+            logger.warning("could not load state (%s)", e)
+        if self.state.epoch != before:
+            self.state_loads += 1
+            self.on_state_loaded()
+            return
+        # nobody serves a newer state (no checkpoint_dir anywhere?): do not stall forever
+        logger.warning(
+            "no donor serves the swarm's newer state: applying our own pseudo-gradient alone; "
+            "give peers a checkpoint_dir so that laggards can catch up"
+        )
+        self._load_deltas()
+        self._apply(solo=True)
+
+    # ------------------------------------------------------------------ state_dict
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "theta": [t.clone() for t in self.theta],
+            "outer": self.outer.state_dict(),
+            "local_steps": self.local_steps,
+            "samples": self.samples,
+        }
+        if isinstance(self.compression, TwoWayCompression):
+            state["compression"] = self.compression.state_dict()
+        if self.gravac is not None:
+            state["gravac"] = self.gravac.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        theta = state.get("theta")
+        if theta is not None:
+            if len(theta) != len(self.theta) or any(
+                a.shape != b.shape for a, b in zip(theta, self.theta, strict=True)
+            ):
+                raise ValueError("this state_dict's θ does not fit the model's parameters")
+            with torch.no_grad():
+                for mine, saved in zip(self.theta, theta, strict=True):
+                    mine.copy_(saved)
+        if "outer" in state:
+            self.outer.load_state_dict(state["outer"])
+        self.local_steps = int(state.get("local_steps", 0))
+        self.samples = int(state.get("samples", 0))
+        if isinstance(self.compression, TwoWayCompression) and "compression" in state:
+            self.compression.load_state_dict(state["compression"])
+        if self.gravac is not None and "gravac" in state:
+            self.gravac.load_state_dict(state["gravac"])
+
+
+MODE = DiLoCoMode
