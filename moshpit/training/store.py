@@ -196,14 +196,14 @@ def _syncfs(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(final: pathlib.Path, data: Buffer | Sequence[Buffer], sync: bool) -> None:
+def _write_atomic(final: str | os.PathLike, data: Buffer | Sequence[Buffer], sync: bool) -> None:
     """Write ``data`` (one buffer or a list of parts) to a tmp file next to ``final``, fsync it
     if ``sync``, rename it over ``final``.
 
     The caller fsyncs the directory (once for many files) before relying on the rename.
     """
     name = f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-    tmp = str(final.parent / name)
+    tmp = os.path.join(os.path.dirname(final), name)
     with _in_flight_lock:
         _in_flight.add(name)
     try:
@@ -301,6 +301,7 @@ class StateStore:
         self.keep = keep
         self.durable = durable
         self._chunks = self.directory / "chunks"
+        self._chunks_str = str(self._chunks)
         self._packs = self.directory / "packs"
         self._manifests = self.directory / "manifests"
         self._latest = self.directory / "LATEST"
@@ -384,7 +385,7 @@ class StateStore:
 
     def _present(self, digest: bytes) -> bool:
         """Stored loose or packed (the pack index as of the last refresh)."""
-        return self._chunk_path(digest).is_file() or self._packed(digest) is not None
+        return os.path.isfile(self._chunk_path(digest)) or self._packed(digest) is not None
 
     def _mark_bad(self, name: str, digest: bytes) -> None:
         with self._shared.lock:
@@ -393,13 +394,13 @@ class StateStore:
 
     # ------------------------------------------------------------------ chunks
 
-    def _chunk_path(self, digest: bytes) -> pathlib.Path:
-        hexd = digest.hex()
-        return self._chunks / hexd[:2] / hexd
+    def _chunk_path(self, digest: bytes) -> str:
+        hexd = digest.hex()  # a str, not a Path: this runs for every chunk of every save
+        return f"{self._chunks_str}/{hexd[:2]}/{hexd}"
 
     def has_chunk(self, digest: bytes) -> bool:
         _check_digest(digest)
-        if self._chunk_path(digest).is_file():
+        if os.path.isfile(self._chunk_path(digest)):
             return True
         self._refresh_packs()
         return self._packed(digest) is not None
@@ -478,7 +479,7 @@ class StateStore:
         self._mark_bad(name, digest)
         return problem
 
-    def _discard_corrupt(self, path: pathlib.Path, inode: int) -> None:
+    def _discard_corrupt(self, path: str, inode: int) -> None:
         """Delete a corrupt chunk file unless a good copy was renamed over it meanwhile."""
         try:
             if os.stat(path).st_ino == inode:
@@ -507,11 +508,11 @@ class StateStore:
             _write_atomic(path, data, sync)
         except OSError as e:
             raise CheckpointError(
-                f"cannot write chunk {path.name} into {self.directory}: {e}"
+                f"cannot write chunk {digest.hex()} into {self.directory}: {e}"
             ) from e
         if self.durable:
             with self._shared.lock:
-                self._shared.dirty_dirs.add(str(path.parent))
+                self._shared.dirty_dirs.add(os.path.dirname(path))
 
     def _write_packs(self, items: Sequence[tuple[bytes, Buffer]], sync: bool) -> None:
         """Write small chunks as pack files of at most PACK_MAX_BYTES and index them."""
@@ -772,7 +773,7 @@ class StateStore:
                     for digest, offset, size in packs[name]:
                         if digest not in wanted or digest in kept or digest in moved:
                             continue
-                        if self._chunk_path(digest).is_file():
+                        if os.path.isfile(self._chunk_path(digest)):
                             continue
                         buffer = memoryview(bytearray(size))
                         if self._read_packed(digest, (name, offset, size), buffer, fds) is None:
@@ -848,10 +849,10 @@ class StateStore:
                 f"manifest {path} is truncated or damaged (its bytes do not hash to its name); "
                 "restore this checkpoint from a backup or download the state from peers"
             )
-        _check_manifest_version(data, path)
         try:
             return Manifest.from_bytes(data)
         except ManifestError as e:
+            _check_manifest_version(data, path)  # an authentic manifest of another version?
             raise CheckpointCorruptError(f"manifest {path} is not a valid manifest: {e}") from None
 
     def load_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
