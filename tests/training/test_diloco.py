@@ -193,3 +193,169 @@ def test_peers_end_every_outer_step_bit_identical(make_dhts, compression):
             assert compression.calls > 0
     finally:
         _shutdown(peers)
+
+
+def test_bytes_sent_per_inner_step_fall_with_h(make_dhts):
+    dhts = make_dhts(2)
+    per_step = {}
+    per_round = {}
+    for h in (1, 4):
+        models = [_model() for _ in dhts]
+        peers = [
+            Peer(i, m, _opt(d, m, run_id=f"bytes-{h}", inner_steps=h))
+            for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+        ]
+        try:
+            _train_all(peers, 8 // h)
+            modes = [p.opt.mode for p in peers]
+            assert all(m.rounds_succeeded == 8 // h and m.rounds_failed == 0 for m in modes)
+            assert all(p.steps == 8 for p in peers)
+            sent = sum(m.bytes_sent for m in modes)
+            assert sent > 0
+            per_step[h] = sent / 16
+            per_round[h] = sent / sum(m.rounds_succeeded for m in modes)
+        finally:
+            _shutdown(peers)
+    assert per_round[1] == per_round[4]  # a round costs the same whatever H
+    assert per_step[1] == 4 * per_step[4]
+
+
+def test_lone_peer_applies_its_own_pseudo_gradient(make_dhts):
+    (dht,) = make_dhts(1)
+    model = _model()
+    peer = Peer(0, model, _opt(dht, model, inner_steps=2))
+    try:
+        peer.train(until_epoch=2, pause=0.0)
+        mode = peer.opt.mode
+        assert mode.solo_steps == 2 and mode.rounds_succeeded == 0 and peer.steps == 4
+        # the same in one process: 2 inner SGD steps, then Nesterov SGD on θ - θ_local
+        ref = _model()
+        theta = [p.detach().clone() for p in ref.parameters()]
+        outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
+        inner = torch.optim.SGD(ref.parameters(), lr=0.05)
+        for epoch in range(2):
+            for e, idx in peer.consumed:
+                if e == epoch:
+                    inner.zero_grad()
+                    _loss(ref, idx).backward()
+                    inner.step()
+            for t, p in zip(theta, ref.parameters(), strict=True):
+                t.grad = t - p.detach()
+            outer.step()
+            with torch.no_grad():
+                for t, p in zip(theta, ref.parameters(), strict=True):
+                    p.copy_(t)
+        for got, want in zip(mode.theta, theta, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    finally:
+        peer.opt.shutdown()
+
+
+def test_joiner_and_laggard_load_theta_and_momentum(make_dhts, tmp_path):
+    dhts = make_dhts(3)
+    models = [_model() for _ in dhts]
+    peers = [
+        Peer(i, m, _opt(d, m, tmp_path, name=f"p{i}", target_group_size=3))
+        for i, (d, m) in enumerate(zip(dhts[:2], models[:2], strict=True))
+    ]
+    late = None
+    try:
+        _train_all(peers, 2)  # checkpoint_every_epochs=1: both serve epoch 2
+        for p in peers:
+            p.opt.state._writing.result(timeout=10)
+        with torch.no_grad():
+            models[2].weight.fill_(7.0)  # a newcomer's own weights never reach the swarm
+        opt = _opt(dhts[2], models[2], tmp_path, name="p2", target_group_size=3)
+        late = Peer(2, models[2], opt)
+        _loss(models[2], late.batch()).backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.epoch == 2
+        assert _same(opt.mode.theta, peers[0].theta_at[2])
+        momentum = [opt.mode.outer.state[t]["momentum_buffer"] for t in opt.mode.theta]
+        assert _same(momentum, peers[0].momentum_at[2])
+        late.steps = 1
+        _train_all([*peers, late], 4)
+        for p in [*peers, late]:
+            assert p.opt.epoch == 4
+        assert _same(peers[0].theta_at[4], late.theta_at[4])
+        # the late peer pauses while the other two go on without it
+        fast = dict(FAST, min_matchmaking_time=1.0)
+        for p in peers:
+            p.opt.mode.averager_options = fast
+            p.opt.target_group_size = 2
+        _train_all(peers, 6)
+        for p in peers:
+            p.opt.state._writing.result(timeout=10)
+        outer_steps = late.opt.mode.outer_steps
+        late.train(until_epoch=6, max_steps=late.steps + 3)
+        assert late.opt.mode.state_loads == 1
+        assert late.opt.mode.outer_steps == outer_steps  # no stale pseudo-gradient applied
+        assert late.opt.epoch == 6
+        assert _same(late.opt.mode.theta, peers[0].theta_at[6])
+        assert _same(models[2].parameters(), peers[0].theta_at[6])
+    finally:
+        _shutdown([*peers, late])
+
+
+def test_outer_epochs_never_share_an_averaging_key():
+    assert outer_prefix("run", 3) != outer_prefix("run", 4)
+    assert outer_prefix("run", 3) == "run.outer.3"
+
+
+def test_compression_names_and_errors():
+    assert make_compression(None, 0.01) == (None, None)
+    codec, _ = make_compression("fp16", 0.01)
+    assert isinstance(codec, Float16)
+    for name in ("8bit", "topk"):
+        spec, gravac = make_compression(name, 0.1)
+        assert isinstance(spec, TwoWayCompression) and gravac is None
+        assert isinstance(spec.sender, _RegroupingFeedback)
+    controller = GraVAC()
+    spec, gravac = make_compression(controller, 0.1)
+    assert gravac is controller and isinstance(spec, TwoWayCompression)
+    with pytest.raises(ValueError, match="compression must be one of"):
+        make_compression("zip", 0.1)
+    with pytest.raises(ValueError, match="topk_density"):
+        make_compression("topk", 0.0)
+    with pytest.raises(TypeError, match="compression must be"):
+        make_compression(3, 0.1)
+
+
+def test_error_feedback_survives_a_new_group_size():
+    spec, _ = make_compression("topk", 0.5)
+    spec.compress_send(torch.arange(8.0), (0, 0))
+    assert spec.sender.residual((0, 0)).shape == (8,)
+    spec.compress_send(torch.arange(6.0), (0, 0))  # the group grew: parts are shorter
+    assert spec.sender.residual((0, 0)).shape == (6,)
+
+
+def test_bad_knobs_and_state_dict_round_trip(make_dhts):
+    (dht,) = make_dhts(1)
+    model = _model()
+    with pytest.raises(ValueError, match="inner_steps"):
+        _opt(dht, model, inner_steps=0)
+    with pytest.raises(ValueError, match="outer_momentum"):
+        _opt(dht, model, outer_momentum=1.0)
+    opt = _opt(dht, model, inner_steps=2)
+    try:
+        for _ in range(5):
+            _loss(model, torch.arange(BATCH)).backward()
+            opt.step()
+            opt.zero_grad()
+        state = opt.state_dict()
+        assert state["epoch"] == 2 and state["mode_state"]["local_steps"] == 1
+        other_model = _model()
+        other = _opt(dht, other_model, run_id="other-run", inner_steps=2)
+        try:
+            other.load_state_dict(state)
+            assert other.epoch == 2 and other.mode.local_steps == 1
+            assert _same(other.mode.theta, opt.mode.theta)
+            momentum = [other.mode.outer.state[t]["momentum_buffer"] for t in other.mode.theta]
+            assert _same(
+                momentum, [opt.mode.outer.state[t]["momentum_buffer"] for t in opt.mode.theta]
+            )
+        finally:
+            other.shutdown()
+    finally:
+        opt.shutdown()
