@@ -570,3 +570,67 @@ def test_damaged_pack_header_makes_its_chunks_missing(
     with pytest.raises(CheckpointCorruptError, match="'norm0.weight'.*is missing"):
         load_state(fresh)
     assert len(fresh.missing_chunks(manifest)) == 40
+
+
+# ---------------------------------------------------------------------- durability order
+
+
+def spy_fsync(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the path of every fsynced file or directory (tmp names before their rename)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to name fds")
+def test_without_syncfs_every_file_and_directory_is_fsynced(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "_SYNCFS", None)  # as on macOS
+    synced = spy_fsync(monkeypatch)
+    store = StateStore(tmp_path / "ckpt")
+    synced.clear()
+    named = [*small_state(7), ("big", torch.randn((2 << 20) // 4))]
+    manifest = save_state(store, named, 1)
+    root = tmp_path / "ckpt"
+    big = [ref.digest.hex() for ref in manifest.tensors[-1].chunks]
+    files = [p for p in synced if os.path.basename(p).startswith(".tmp-")]
+    dirs = {p for p in synced if os.path.isdir(p)}
+    assert len(files) == 2 + 1 + 2  # two loose chunks, one pack, the manifest, LATEST
+    assert {str(root / "chunks" / h[:2]) for h in big} | {
+        str(root / "packs"),
+        str(root / "manifests"),
+        str(root),
+    } <= dirs
+    # LATEST is the last file written and its directory the last thing synced
+    assert synced[-1] == str(root)
+    assert_same(named, load_state(store)[1])
+
+
+@pytest.mark.skipif(store_module._SYNCFS is None, reason="syncfs(2) is Linux-only")
+def test_with_syncfs_one_flush_covers_the_chunks(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = store_module._SYNCFS
+
+    def syncfs(fd: int) -> int:
+        calls.append(fd)
+        return real(fd)
+
+    monkeypatch.setattr(store_module, "_SYNCFS", syncfs)
+    synced = spy_fsync(monkeypatch)
+    store = StateStore(tmp_path)
+    synced.clear()
+    named = [*small_state(8), ("big", torch.randn((2 << 20) // 4))]
+    save_state(store, named, 1)
+    assert len(calls) == 1
+    files = [p for p in synced if os.path.basename(p).startswith(".tmp-")]
+    assert len(files) == 2  # only the manifest and LATEST, after the syncfs
+    assert_same(named, load_state(store)[1])
