@@ -81,6 +81,9 @@ class StepResult:
     least one other peer; the rest kept their local values. For an aux peer (no tensors of
     its own): the share of the part it reduced that combined >= 2 peers' contributions.
     ``gathered`` maps every group member to the metadata it passed as ``gather=``.
+    ``group_deviation``: the group's spread before averaging, the sum over parts of
+    ``sum_i w_i ||x_i - mean||^2 / sum_i w_i``; the same number for every member (adaptive
+    averaging periods use it to decide alike); None unless every part came back.
     """
 
     succeeded: bool
@@ -99,6 +102,7 @@ class StepResult:
     timed_out: bool = False
     next_group_key: str = ""
     averaged_fraction: float = 0.0
+    group_deviation: float | None = None
 
     @property
     def group_size(self) -> int:
@@ -625,6 +629,7 @@ class Averager:
             bytes_received=result.bytes_received,
             timed_out=result.timed_out,
             next_group_key=next_key,
+            group_deviation=result.deviation,
         )
 
     def _out_buffers(self) -> list[torch.Tensor] | None:

@@ -141,6 +141,8 @@ class TrainingStateAverager:
         )  # fmt: skip
         self._pending: AveragingRound | None = None
         self.last_round_deviation: float | None = None  # ||averaged - ours|| / ||ours||
+        # sqrt(the group's variance) / ||the group's mean||: the same for every member
+        self.last_group_spread: float | None = None
         self._synchronized = not sync_on_start
         self._closed = False
         self._last_checkpoint_time = time.monotonic()
@@ -293,11 +295,12 @@ class TrainingStateAverager:
             return
         if not handle.result.succeeded:
             return  # the buffers still hold the snapshot wherever nothing was averaged
-        delta_sq = norm_sq = 0.0
+        delta_sq = norm_sq = mean_sq = 0.0
         with critical_section(), self.averager.get_tensors(), torch.no_grad():
             for tensor, buffer, snapshot in zip(
                 self._averaged_live(), self._buffers, self._snapshot, strict=True
             ):
+                mean_sq += float(torch.linalg.vector_norm(buffer, dtype=torch.float64)) ** 2
                 buffer.sub_(snapshot)  # the buffer now holds this round's delta
                 tensor.add_(buffer.to(tensor.device, non_blocking=tensor.is_cuda))
                 delta_sq += float(torch.linalg.vector_norm(buffer, dtype=torch.float64)) ** 2
@@ -305,6 +308,10 @@ class TrainingStateAverager:
         # how far this peer was from its group's mean, relative to its state's size: the
         # divergence signal adaptive averaging periods (ADPSGD) feed on
         self.last_round_deviation = (delta_sq / norm_sq) ** 0.5 if norm_sq > 0 else 0.0
+        spread = handle.result.group_deviation
+        self.last_group_spread = (
+            (spread / mean_sq) ** 0.5 if spread is not None and mean_sq > 0 else None
+        )
 
     # ------------------------------------------------------------------ loading state
 

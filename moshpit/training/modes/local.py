@@ -54,6 +54,7 @@ class LocalMode(TrainingMode):
         self.samples = 0  # since the last round started
         self.rounds_started = 0
         self.rounds_succeeded = 0
+        self.bytes_sent = 0
         self._last_lr = self._lr()
 
     def _lr(self) -> float | None:
@@ -85,10 +86,14 @@ class LocalMode(TrainingMode):
             self._account(result)
 
     def _account(self, result: Any) -> None:
+        self.bytes_sent += result.bytes_sent
         if result.succeeded:
             self.rounds_succeeded += 1
             self.state.epoch += 1
-            self.period.update(self.state.last_round_deviation)
+            # the group's spread is the same number for every member, so peers that average
+            # together take the same period decisions; our own deviation when it is unknown
+            spread = self.state.last_group_spread
+            self.period.update(spread if spread is not None else self.state.last_round_deviation)
 
     def state_dict(self) -> dict[str, Any]:
         return {"period": self.period.state_dict(), "local_steps": self.local_steps}

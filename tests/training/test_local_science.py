@@ -1,0 +1,91 @@
+"""ADPSGD science of ``mode="local"`` on the 8x8 digits, with real DHTs on loopback.
+
+The experiment harness is ``benchmarks/bench_modes.py`` (the same code the benchmark runs):
+peers are threads of this process, each with its own ``moshpit.DHT`` and ``moshpit.Optimizer``,
+drawing their own batches from the same training set. Rounds block (``wait_for_rounds=True``)
+so that the number of rounds is what the period rule asks for, not what the machine's load
+allows; the runs are then deterministic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from dht import DHT
+from moshpit.training.state_averager import TrainingStateAverager
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_modes", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_modes.py"
+)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def _check_adpsgd(fixed: dict, adaptive: dict, peers: int) -> None:
+    assert fixed["period_history"] == [1]
+    assert fixed["rounds"] == [fixed["steps"]] * peers  # period 1: a round after every step
+    history = adaptive["period_history"]
+    assert history[0] == 1 and history[-1] >= 8  # the period grew as training settled
+    assert history == sorted(history)  # never shortened (no learning-rate drop here)
+    # the group's spread is the same for every member: all peers took the same decisions
+    assert len(set(adaptive["rounds"])) == 1
+    assert max(adaptive["rounds"]) <= 0.5 * max(fixed["rounds"])
+    assert abs(fixed["accuracy"] - adaptive["accuracy"]) <= 1.0
+    assert fixed["accuracy"] >= 90.0  # the task was actually learned
+
+
+def test_adpsgd_period_grows_and_halves_the_rounds_at_equal_accuracy():
+    fixed, adaptive, summary = bench.adpsgd(peers=2, seed=0, steps=150)
+    _check_adpsgd(fixed, adaptive, peers=2)
+    assert summary["claim_holds"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_adpsgd_claim_with_three_peers_and_longer_training(seed):
+    fixed, adaptive, summary = bench.adpsgd(peers=3, seed=seed, steps=400)
+    _check_adpsgd(fixed, adaptive, peers=3)
+    assert summary["claim_holds"]
+
+
+def test_group_spread_is_the_same_for_every_member():
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = DHT(initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averagers = []
+    try:
+        values = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 2.0, 9.0])]
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        for dht, p in zip((first, second), params, strict=True):
+            averagers.append(
+                TrainingStateAverager(
+                    dht=dht,
+                    optimizer=torch.optim.SGD([p], lr=0.1),
+                    prefix="spread-test",
+                    target_group_size=2,
+                    sync_on_start=False,
+                    min_matchmaking_time=3.0,
+                    request_timeout=2.0,
+                    allreduce_timeout=10.0,
+                    initial_group_bits="",
+                )
+            )
+        rounds = [a.step(wait=False) for a in averagers]
+        for r in rounds:
+            assert r.wait(timeout=30).succeeded
+        mean = (values[0] + values[1]) / 2
+        variance = sum(float(((v - mean) ** 2).sum()) for v in values) / 2
+        expected = (variance / float((mean**2).sum())) ** 0.5
+        spreads = [a.last_group_spread for a in averagers]
+        assert spreads[0] == pytest.approx(expected, rel=1e-6)
+        assert spreads[0] == spreads[1]
+        # each peer's own deviation differs (relative to its own norm): not what the rule uses
+        assert averagers[0].last_round_deviation != averagers[1].last_round_deviation
+    finally:
+        for a in averagers:
+            a.shutdown()
+        second.shutdown()
+        first.shutdown()
