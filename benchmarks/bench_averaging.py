@@ -77,10 +77,12 @@ def _codec(name: str):
 
 def worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--bootstrap", default=None, help="maddr to join; none: be the first peer")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--gloo-port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (DHT, averaging)")
+    p.add_argument("--gloo-addr", default="127.0.0.1", help="address of rank 0's gloo store")
     args = p.parse_args(argv)
     # P processes share the machine's cores: one OpenMP thread per torch op in every thread
     # (torch.set_num_threads alone does not reach the DHT's trio thread, where the all-reduce
@@ -94,20 +96,24 @@ def worker(argv: list[str]) -> int:
     from moshpit.averaging.averager import Averager
 
     torch.set_num_threads(1)
-    dht = DHT(
-        initial_peers=[args.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=120
-    )
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args.gloo_port}",
-        rank=args.rank,
-        world_size=args.world,
-    )
 
     def emit(obj: dict) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
+    dht = DHT(
+        initial_peers=[args.bootstrap] if args.bootstrap else [],
+        host_maddrs=[f"/ip4/{args.host}/tcp/0"],
+        startup_timeout=120,
+    )
+    # the first peer of a namespace testbed is also the others' bootstrap peer
+    emit({"event": "dht", "maddr": str(dht.get_visible_maddrs()[0])})
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.gloo_addr}:{args.gloo_port}",
+        rank=args.rank,
+        world_size=args.world,
+    )
     emit({"event": "ready"})
     averager = None
     tensor = None
@@ -185,11 +191,19 @@ def worker(argv: list[str]) -> int:
 # parent
 
 
+def worker_env(**extra: str) -> dict[str, str]:
+    """Environment for worker processes: the checkout on PYTHONPATH, one OpenMP thread."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
 class Proc:
-    def __init__(self, cmd: list[str]):
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    def __init__(self, cmd: list[str], popen=subprocess.Popen, **env: str):
+        """``popen`` lets a caller start the worker elsewhere (e.g. in a network namespace)."""
+        self.p = popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=worker_env(**env)
         )
 
     def send(self, obj: dict) -> None:
@@ -245,71 +259,7 @@ def run_peers(
     try:
         for p in procs:
             p.recv("ready")
-        for numel in sizes:
-            gloo_rows = _all(procs, {"cmd": "gloo", "numel": numel, "reps": gloo_reps}, "gloo")
-            gloo = statistics.median(r["seconds"] for r in gloo_rows)
-            gloo_cpu = statistics.mean(r["cpu_s"] for r in gloo_rows)
-            print(
-                json.dumps(
-                    {"kind": "gloo", "peers": num_peers, "numel": numel, "seconds": gloo,
-                     "cpu_s_per_peer": round(gloo_cpu, 4)}
-                ),
-                flush=True,
-            )  # fmt: skip
-            for codec in codecs:
-                prefix = f"bench-{num_peers}-{numel}-{codec}"
-                _all(
-                    procs,
-                    {"cmd": "setup", "numel": numel, "codec": codec, "prefix": prefix},
-                    "setup",
-                )
-                _all(procs, {"cmd": "step"}, "step")  # warm-up round (first-use allocations, dials)
-                per_round = []
-                for _ in range(rounds):
-                    per_round.append(_all(procs, {"cmd": "step"}, "step"))
-                _all(procs, {"cmd": "teardown"}, "teardown")
-                ok = all(s["ok"] and s["group"] == num_peers for rnd in per_round for s in rnd)
-                step_s = statistics.median(max(s["step_s"] for s in rnd) for rnd in per_round)
-                mm_s = statistics.median(max(s["matchmaking_s"] for s in rnd) for rnd in per_round)
-                # the last peer to call step() waits only for the group to form: pure overhead
-                mm_last_s = statistics.median(
-                    min(s["matchmaking_s"] for s in rnd) for rnd in per_round
-                )
-                ar_each = [round(max(s["allreduce_s"] for s in rnd), 3) for rnd in per_round]
-                ar_s = statistics.median(max(s["allreduce_s"] for s in rnd) for rnd in per_round)
-                cpu_s = statistics.median(
-                    statistics.mean(s["cpu_s"] for s in rnd) for rnd in per_round
-                )
-                sent = statistics.mean(s["bytes_sent"] for rnd in per_round for s in rnd)
-                peaks = [
-                    s["peak_extra"] for rnd in per_round for s in rnd if s["peak_extra"] is not None
-                ]
-                peak = max(peaks) if peaks else None
-                row = {
-                    "kind": "averaging",
-                    "peers": num_peers,
-                    "numel": numel,
-                    "codec": codec,
-                    "rounds": rounds,
-                    "all_ok": ok,
-                    "step_s": round(step_s, 4),
-                    "matchmaking_s": round(mm_s, 4),
-                    "matchmaking_last_peer_s": round(mm_last_s, 4),
-                    "allreduce_s": round(ar_s, 4),
-                    "allreduce_s_per_round": ar_each,
-                    "step_cpu_s_per_peer": round(cpu_s, 4),
-                    "gloo_cpu_s_per_peer": round(gloo_cpu, 4),
-                    "step_cpu_vs_gloo_cpu": round(cpu_s / gloo_cpu, 2) if gloo_cpu > 0 else None,
-                    "gloo_s": round(gloo, 4),
-                    "allreduce_vs_gloo": round(ar_s / gloo, 2) if gloo > 0 else None,
-                    "bytes_sent_per_peer": int(sent),
-                    "tensor_bytes": numel * 4,
-                    "peak_extra_mem_bytes": peak,
-                    "peak_extra_mem_vs_tensor": round(peak / (numel * 4), 2)
-                    if peak is not None
-                    else None,
-                }
-                print(json.dumps(row), flush=True)
+        run_configs(procs, num_peers, sizes, codecs, rounds, gloo_reps)
         for p in procs:
             p.send({"cmd": "exit"})
         for p in procs:
@@ -320,6 +270,84 @@ def run_peers(
                 p.p.kill()
                 p.p.wait()
         bootstrap.shutdown()
+
+
+def run_configs(
+    procs: list[Proc],
+    num_peers: int,
+    sizes: list[int],
+    codecs: list[str],
+    rounds: int,
+    gloo_reps: int,
+    extra: dict | None = None,
+) -> list[dict]:
+    """gloo baseline then every codec on each size; prints and returns the JSON rows.
+
+    ``extra`` is merged into every row (e.g. the link rate of a WAN testbed run).
+    """
+    extra = extra or {}
+    rows: list[dict] = []
+    for numel in sizes:
+        gloo_rows = _all(procs, {"cmd": "gloo", "numel": numel, "reps": gloo_reps}, "gloo")
+        gloo = statistics.median(r["seconds"] for r in gloo_rows)
+        gloo_cpu = statistics.mean(r["cpu_s"] for r in gloo_rows)
+        row = {"kind": "gloo", "peers": num_peers, "numel": numel, "seconds": gloo,
+               "cpu_s_per_peer": round(gloo_cpu, 4), **extra}  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        for codec in codecs:
+            prefix = f"bench-{num_peers}-{numel}-{codec}"
+            _all(
+                procs,
+                {"cmd": "setup", "numel": numel, "codec": codec, "prefix": prefix},
+                "setup",
+            )
+            _all(procs, {"cmd": "step"}, "step")  # warm-up round (first-use allocations, dials)
+            per_round = []
+            for _ in range(rounds):
+                per_round.append(_all(procs, {"cmd": "step"}, "step"))
+            _all(procs, {"cmd": "teardown"}, "teardown")
+            ok = all(s["ok"] and s["group"] == num_peers for rnd in per_round for s in rnd)
+            step_s = statistics.median(max(s["step_s"] for s in rnd) for rnd in per_round)
+            mm_s = statistics.median(max(s["matchmaking_s"] for s in rnd) for rnd in per_round)
+            # the last peer to call step() waits only for the group to form: pure overhead
+            mm_last_s = statistics.median(min(s["matchmaking_s"] for s in rnd) for rnd in per_round)
+            ar_each = [round(max(s["allreduce_s"] for s in rnd), 3) for rnd in per_round]
+            ar_s = statistics.median(max(s["allreduce_s"] for s in rnd) for rnd in per_round)
+            cpu_s = statistics.median(statistics.mean(s["cpu_s"] for s in rnd) for rnd in per_round)
+            sent = statistics.mean(s["bytes_sent"] for rnd in per_round for s in rnd)
+            peaks = [
+                s["peak_extra"] for rnd in per_round for s in rnd if s["peak_extra"] is not None
+            ]
+            peak = max(peaks) if peaks else None
+            row = {
+                "kind": "averaging",
+                "peers": num_peers,
+                "numel": numel,
+                "codec": codec,
+                "rounds": rounds,
+                "all_ok": ok,
+                "step_s": round(step_s, 4),
+                "matchmaking_s": round(mm_s, 4),
+                "matchmaking_last_peer_s": round(mm_last_s, 4),
+                "allreduce_s": round(ar_s, 4),
+                "allreduce_s_per_round": ar_each,
+                "step_cpu_s_per_peer": round(cpu_s, 4),
+                "gloo_cpu_s_per_peer": round(gloo_cpu, 4),
+                "step_cpu_vs_gloo_cpu": round(cpu_s / gloo_cpu, 2) if gloo_cpu > 0 else None,
+                "gloo_s": round(gloo, 4),
+                "allreduce_vs_gloo": round(ar_s / gloo, 2) if gloo > 0 else None,
+                "bytes_sent_per_peer": int(sent),
+                "tensor_bytes": numel * 4,
+                "peak_extra_mem_bytes": peak,
+                "peak_extra_mem_vs_tensor": round(peak / (numel * 4), 2)
+                if peak is not None
+                else None,
+                **extra,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def main() -> int:
