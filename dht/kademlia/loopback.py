@@ -11,6 +11,7 @@ real hosts when the transport itself is under test.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,13 @@ class LoopbackFabric:
         self._handlers: dict[Any, RPCHandler | None] = {}
         self._dead: set[Any] = set()
         self.messages = 0
+        self.sent_by: Counter[Any] = Counter()  # requests sent, per source peer
+        self.by_op: Counter[str] = Counter()  # requests sent, per DHT operation
+
+    def reset_counters(self) -> None:
+        self.messages = 0
+        self.sent_by.clear()
+        self.by_op.clear()
 
     def network(self, peer_id: Any) -> LoopbackNetwork:
         self._handlers[peer_id] = None
@@ -46,6 +54,9 @@ class LoopbackFabric:
 
     async def deliver(self, source: Any, target: Any, request: Any, time_limit: float) -> Any:
         self.messages += 1
+        self.sent_by[source] += 1
+        op = request.get("op") if isinstance(request, dict) else None
+        self.by_op[op if isinstance(op, str) else "other"] += 1
         handler = self._handlers.get(target)
         if handler is None or not self.is_alive(target) or not self.is_alive(source):
             await trio.sleep(time_limit)

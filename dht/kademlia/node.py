@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
+import random
 import sys
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -42,7 +44,7 @@ from dht.kademlia.protocol import (
 )
 from dht.kademlia.records import DHTRecord, ValueWithExpiration
 from dht.kademlia.routing import Blacklist, Contact, RoutingTable
-from dht.kademlia.storage import LocalStorage, StorageLimits
+from dht.kademlia.storage import LocalStorage, OwnedRecords, StorageLimits
 from dht.kademlia.traverse import Lookup, LookupResult
 from dht.kademlia.validation import RecordValidator, default_validators
 
@@ -56,6 +58,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 SIGNATURES_ON_LOOP = 16  # default: more signed records than this are verified in a worker thread
 StoreItem = tuple[Any, Any, Any, float]  # (key, subkey or None, value, expiration_time)
+Named = tuple[Any, DHTRecord]  # (caller's name for a record, the record)
+REPUBLISH_KEYS_PER_BATCH = 256  # keys looked up together in one republish batch
+HANDOVER_MAX_PENDING = 4096  # routing changes remembered between hand-over passes
+HANDOVER_PARALLEL_RPCS = 8
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,18 @@ class LookupStats:
     hops: int
     rounds: int
     messages: int
+
+
+@dataclass
+class MaintenanceStats:
+    """Counters of the background work that keeps records alive (read by tests/benchmarks)."""
+
+    republish_passes: int = 0
+    republished_records: int = 0
+    superseded_records: int = 0  # dropped from the republish set: a newer record won
+    handover_passes: int = 0
+    handover_rpcs: int = 0
+    handover_records: int = 0
 
 
 def check_address_args(
@@ -142,6 +160,10 @@ class DHTNode:
         refresh_period: float = 600.0,
         cache_on_get: bool = True,
         handover: bool = True,
+        handover_delay: float = 0.5,
+        republish_interval: float | None = 60.0,
+        max_republish_records: int = 10_000,
+        max_republish_bytes: int = 16 * 1024 * 1024,
         limits: StorageLimits | None = None,
         validators: Sequence[RecordValidator] = (),
         max_background_tasks: int = 64,
@@ -163,7 +185,20 @@ class DHTNode:
         self.refresh_period = refresh_period
         self.cache_on_get = cache_on_get
         self.handover = handover
+        self.handover_delay = handover_delay
+        if republish_interval is not None and not republish_interval > 0:
+            raise ValueError(
+                f"republish_interval must be positive seconds or None, not {republish_interval!r}"
+            )
+        self.republish_interval = republish_interval
+        self.owned = OwnedRecords(max_republish_records, max_republish_bytes)
+        self.maintenance = MaintenanceStats()
         self.routing_table = RoutingTable(self.node_id, bucket_size)
+        # peer -> (was it a contact before the first change since the last hand-over pass)
+        self._routing_changes: dict[Any, tuple[bool, Contact]] = {}
+        self._routing_changed = trio.Event()
+        if handover and not client_mode:
+            self.routing_table.on_change = self._on_routing_change
         self.blacklist = Blacklist()
         self.storage = LocalStorage(limits)
         self.validators = default_validators(identity, validators)
@@ -240,8 +275,12 @@ class DHTNode:
                     node._nursery = nursery
                     network.set_handler(node._handle_rpc)
                     try:
+                        if node.handover and not client_mode:
+                            nursery.start_soon(node._handover_loop)
                         await node._bootstrap(initial_peers, bootstrap_timeout)
                         nursery.start_soon(node._maintenance_loop)
+                        if node.republish_interval is not None:
+                            nursery.start_soon(node._republish_loop)
                         yield node
                     finally:
                         network.set_handler(None)
@@ -299,6 +338,7 @@ class DHTNode:
         while True:
             await trio.sleep(period)
             self.storage.prune(get_dht_time())
+            self.owned.prune(get_dht_time())
             stale = self.routing_table.stale_buckets(get_dht_time(), self.refresh_period)
             for bucket in stale[:16]:
                 await self.find_nearest_peers(random_id(bucket.lower, bucket.upper), self.beam_size)
@@ -333,14 +373,11 @@ class DHTNode:
         """A server peer proved alive: update routing; ping an evictable oldest; hand over keys."""
         if contact.peer_id == self.peer_id:
             return
-        is_new = contact.peer_id not in self.routing_table
         oldest = self.routing_table.add_or_update(contact, get_dht_time())
         if oldest is not None and oldest.peer_id not in self._pinging:
             self._pinging.add(oldest.peer_id)
             if not self._spawn(self._check_oldest, oldest):
                 self._pinging.discard(oldest.peer_id)
-        if is_new and self.handover and len(self.storage) and contact.peer_id in self.routing_table:
-            self._spawn(self._handover, contact)
 
     async def _check_oldest(self, oldest: Contact) -> None:
         try:
@@ -349,19 +386,149 @@ class DHTNode:
         finally:
             self._pinging.discard(oldest.peer_id)
 
-    async def _handover(self, contact: Contact) -> None:
-        """Give a newly met peer the records it is closer to than we are (Kademlia's join rule)."""
+    # ------------------------------------------------------------------ keeping records alive
+
+    def _on_routing_change(self, added: Contact | None, removed: Contact | None) -> None:
+        """Remember which contacts came or went; the hand-over pass compares before and after."""
+        contact = added if added is not None else removed
+        assert contact is not None
+        if contact.peer_id not in self._routing_changes:
+            if len(self._routing_changes) >= HANDOVER_MAX_PENDING:
+                logger.debug("hand-over backlog full; not tracking %s", contact.peer_id)
+                return
+            self._routing_changes[contact.peer_id] = (removed is not None, contact)
+        self._routing_changed.set()
+
+    async def _handover_loop(self) -> None:
+        """Batch routing changes for ``handover_delay`` seconds, then hand records over."""
+        while True:
+            await self._routing_changed.wait()
+            await trio.sleep(self.handover_delay)
+            self._routing_changed = trio.Event()
+            changes, self._routing_changes = self._routing_changes, {}
+            if len(self.storage):
+                await self._handover_pass(changes)
+
+    async def _handover_pass(self, changes: dict[Any, tuple[bool, Contact]]) -> None:
+        """Send each stored record to the peers that routing changes made one of its
+        ``num_replicas`` nearest (as far as this node knows): newly met peers closer than the
+        furthest known replica, and the next peer in line when a replica left.
+
+        For every key the old and new replica sets are computed over the same pool (the
+        contacts plus this node, with departed contacts added back for the old set); keys
+        whose nearest ``num_replicas`` members are all closer than every changed peer are
+        skipped after two bisections, so a pass costs O(keys x changes) plus the few keys
+        near a change.
+        """
+        table = {c.peer_id: c for c in self.routing_table}
+        changed: dict[int, tuple[bool, Contact]] = {}  # node ID -> (joined the pool, contact)
+        for peer_id, (was_in, contact) in changes.items():
+            now_in = peer_id in table
+            if was_in != now_in:
+                changed[contact.node_id] = (now_in, contact)
+        if not changed:
+            return
+        members: dict[int, Contact | None] = {c.node_id: c for c in table.values()}
+        for node_id, (joined, contact) in changed.items():
+            if not joined:
+                members[node_id] = contact
+        members[self.node_id] = None
+        ids = sorted(members)
+        joined_ids = {i for i, (joined, _) in changed.items() if joined}
+        left_ids = {i for i, (joined, _) in changed.items() if not joined}
+        replicas, needed = self.num_replicas, self.num_replicas + len(changed)
+
+        def window(key_id: int, bits: int) -> tuple[int, int]:
+            lower = (key_id >> bits) << bits
+            return bisect.bisect_left(ids, lower), bisect.bisect_left(ids, lower + (1 << bits))
+
         now = get_dht_time()
-        records: list[DHTRecord] = []
-        for key_id in self.storage.key_ids():
-            if contact.node_id ^ key_id < self.node_id ^ key_id:
-                stored = self.storage.get(key_id, now)
-                if isinstance(stored, DHTRecord):
-                    records.append(stored)
-                elif stored:
-                    records.extend(stored.values())
-        for start in range(0, min(len(records), 4 * MAX_RECORDS_PER_STORE), MAX_RECORDS_PER_STORE):
-            await self._store_rpc(contact.peer_id, records[start : start + MAX_RECORDS_PER_STORE])
+        plan: dict[Any, list[DHTRecord]] = {}
+        for count, key_id in enumerate(self.storage.key_ids()):
+            if count % 256 == 255:
+                await trio.lowlevel.checkpoint()
+            bits = min((i ^ key_id).bit_length() for i in changed)
+            # members at XOR distance < 2**(bits-1) are closer than every changed peer
+            start, stop = window(key_id, max(bits - 1, 0))
+            if bits > 0 and stop - start >= replicas:
+                continue
+            while stop - start < needed and bits < 256:
+                bits += 1
+                start, stop = window(key_id, bits)
+            nearest = sorted(ids[start:stop], key=lambda i: i ^ key_id)
+            before = [i for i in nearest if i not in joined_ids][:replicas]
+            after = [i for i in nearest if i not in left_ids][:replicas]
+            targets = set(after) - set(before) - {self.node_id}
+            if not targets:
+                continue
+            stored = self.storage.get(key_id, now)
+            records = [stored] if isinstance(stored, DHTRecord) else list((stored or {}).values())
+            for target in targets:
+                contact = members[target]
+                assert contact is not None
+                plan.setdefault(contact.peer_id, []).extend(records)
+        if not plan:
+            return
+        self.maintenance.handover_passes += 1
+        limiter = trio.CapacityLimiter(HANDOVER_PARALLEL_RPCS)
+
+        async def send(peer_id: Any, records: list[DHTRecord]) -> None:
+            async with limiter:
+                for start in range(
+                    0, min(len(records), 4 * MAX_RECORDS_PER_STORE), MAX_RECORDS_PER_STORE
+                ):
+                    chunk = records[start : start + MAX_RECORDS_PER_STORE]
+                    self.maintenance.handover_rpcs += 1
+                    self.maintenance.handover_records += len(chunk)
+                    await self._store_rpc(peer_id, chunk)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id, records in plan.items():
+                nursery.start_soon(send, peer_id, records)
+
+    async def _republish_loop(self) -> None:
+        """Every ``republish_interval`` (+-10 % jitter, so peers do not act in lockstep)."""
+        assert self.republish_interval is not None
+        while True:
+            await trio.sleep(self.republish_interval * random.uniform(0.9, 1.1))
+            await self.republish()
+
+    async def republish(self) -> int:
+        """Re-store the records this node is the origin of on their current nearest replicas.
+
+        A record is due once it was published at least ``republish_interval / 2`` ago (so a
+        fresh ``store`` is not repeated at once) and lives at least another tenth of the
+        interval. Each goes out unchanged (same expiration and signature) through the normal
+        store path: one lookup per key, one batched ``store`` RPC per replica. Returns how many
+        records were sent.
+        """
+        interval = self.republish_interval or 60.0
+        due = self.owned.due(get_dht_time(), interval / 2, interval / 10)
+        if not due:
+            return 0
+        self.maintenance.republish_passes += 1
+        self.maintenance.republished_records += len(due)
+        by_key: dict[int, list[Named]] = {}
+        for key_id, record in due:
+            by_key.setdefault(key_id, []).append(((key_id, record.subkey), record))
+        keys = list(by_key)
+        for start in range(0, len(keys), REPUBLISH_KEYS_PER_BATCH):
+            batch = {k: by_key[k] for k in keys[start : start + REPUBLISH_KEYS_PER_BATCH]}
+            tally = await self._place_records(batch)
+            self._forget_superseded(batch, tally)
+        return len(due)
+
+    def _forget_superseded(
+        self, by_key: dict[int, list[Named]], tally: dict[Any, list[int]]
+    ) -> None:
+        """Stop republishing records most answering replicas call outdated: a newer record
+        for the same key/subkey exists (written by us or anyone else)."""
+        for key_id, entries in by_key.items():
+            for name, record in entries:
+                accepted, outdated = tally[name]
+                if outdated > accepted and self.owned.discard(key_id, record):
+                    self.maintenance.superseded_records += 1
+                    logger.debug("no longer republishing %r: superseded", name)
 
     # ------------------------------------------------------------------ outgoing RPCs
 
@@ -542,6 +709,8 @@ class DHTNode:
             reason = self.storage.check_limits(record, now)
             if reason is not None:
                 results[i] = (False, reason)
+            elif self.storage.holds(id_from_bytes(record.key), record):
+                results[i] = (True, None)  # republished/handed-over copy: verified when stored
             else:
                 pending.append(i)
         reasons = await self._validate_many([records[i] for i in pending])
@@ -565,9 +734,11 @@ class DHTNode:
     async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
         """Store ``value`` under ``key`` (or ``key[subkey]``) on the num_replicas nearest peers.
 
-        Returns True if at least one replica accepted it. Raises :class:`RecordRejectedError`
-        if the record is invalid before it leaves this node (too large, expired, unsigned
-        owner key, ...), and TypeError if it is not msgpack-serializable.
+        Returns True if at least one replica accepted it. This node then republishes the record
+        every ``republish_interval`` until it expires or a newer one supersedes it. Raises
+        :class:`RecordRejectedError` if the record is invalid before it leaves this node (too
+        large, expired, unsigned owner key, ...), and TypeError if it is not
+        msgpack-serializable.
         """
         key_id, record = self._make_record(key, subkey, value, expiration_time)
         reason = self._check_record(record)
@@ -580,10 +751,11 @@ class DHTNode:
         """Store many ``(key, subkey, value, expiration_time)`` items with batched RPCs.
 
         Returns ``{(key, subkey): accepted_by_any_replica}``. Invalid items are not sent;
-        they map to False and the reason is logged.
+        they map to False and the reason is logged. Stored items are republished like
+        :meth:`store`'s.
         """
         outcome: dict[tuple[Any, Any], bool] = {}
-        by_key: dict[int, list[tuple[tuple[Any, Any], DHTRecord]]] = {}
+        by_key: dict[int, list[Named]] = {}
         for key, subkey, value, expiration_time in items:
             key_id, record = self._make_record(key, subkey, value, expiration_time)
             reason = self._check_record(record)
@@ -595,15 +767,34 @@ class DHTNode:
         outcome.update(await self._store_records(by_key))
         return outcome
 
-    async def _store_records(
-        self, by_key: dict[int, list[tuple[tuple[Any, Any], DHTRecord]]]
-    ) -> dict[tuple[Any, Any], bool]:
-        """Place valid records on their replicas: one lookup per key, one batched RPC per peer."""
-        outcome = {name: False for entries in by_key.values() for name, _ in entries}
-        plan: dict[Any, list[tuple[tuple[Any, Any], DHTRecord]]] = {}
-        local: list[tuple[tuple[Any, Any], DHTRecord]] = []
+    async def _store_records(self, by_key: dict[int, list[Named]]) -> dict[Any, bool]:
+        """Store records written by this node (their origin) and remember them to republish."""
+        if self.republish_interval is not None:
+            now = get_dht_time()
+            for key_id, entries in by_key.items():
+                for _, record in entries:
+                    self.owned.add(key_id, record, now)
+        tally = await self._place_records(by_key)
+        if self.republish_interval is not None:
+            self._forget_superseded(by_key, tally)
+        return {name: counts[0] > 0 for name, counts in tally.items()}
 
-        async def place(key_id: int, entries: list[tuple[tuple[Any, Any], DHTRecord]]) -> None:
+    async def _place_records(self, by_key: dict[int, list[Named]]) -> dict[Any, list[int]]:
+        """Place valid records on their replicas: one lookup per key, one batched RPC per peer.
+
+        Returns ``{name: [replicas that accepted, replicas that called it outdated]}``.
+        """
+        tally = {name: [0, 0] for entries in by_key.values() for name, _ in entries}
+        plan: dict[Any, list[Named]] = {}
+        local: list[Named] = []
+
+        def count(name: Any, accepted: bool, reason: str | None) -> None:
+            if accepted:
+                tally[name][0] += 1
+            elif reason is not None and reason.startswith("outdated"):
+                tally[name][1] += 1
+
+        async def place(key_id: int, entries: list[Named]) -> None:
             result = await self._lookup(key_id, beam_size=self.beam_size, mode="nearest")
             replicas = result.nearest[: self.num_replicas]
             if not self.client_mode:
@@ -624,23 +815,23 @@ class DHTNode:
 
         for name, record in local:
             accepted, reason = self._store_local(record)
-            outcome[name] = outcome[name] or accepted
+            count(name, accepted, reason)
             if not accepted:
                 logger.debug("local replica refused %r: %s", name, reason)
 
-        async def send(peer_id: Any, entries: list[tuple[tuple[Any, Any], DHTRecord]]) -> None:
+        async def send(peer_id: Any, entries: list[Named]) -> None:
             for start in range(0, len(entries), MAX_RECORDS_PER_STORE):
                 chunk = entries[start : start + MAX_RECORDS_PER_STORE]
                 results = await self._store_rpc(peer_id, [record for _, record in chunk])
                 for (name, _), (accepted, reason) in zip(chunk, results, strict=True):
-                    outcome[name] = outcome[name] or accepted
+                    count(name, accepted, reason)
                     if not accepted and reason != "peer unreachable":
                         logger.debug("%s refused %r: %s", peer_id, name, reason)
 
         async with trio.open_nursery() as nursery:
             for peer_id, entries in plan.items():
                 nursery.start_soon(send, peer_id, entries)
-        return outcome
+        return tally
 
     # ------------------------------------------------------------------ get
 

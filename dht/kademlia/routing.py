@@ -9,9 +9,10 @@ and the freshest replacement promoted (live, long-lived contacts are preferred, 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 from dht.kademlia.ids import MAX_ID
@@ -65,6 +66,11 @@ class RoutingTable:
         self.recheck_after = recheck_after  # contacts seen more recently are not pinged again
         self.buckets: list[KBucket] = [KBucket(0, MAX_ID, bucket_size)]
         self._by_peer: dict[Hashable, Contact] = {}
+        self._by_node: dict[int, Contact] = {}
+        self._ids: list[int] = []  # node IDs of all contacts, sorted (for nearest())
+        # called with (added, None) / (None, removed) whenever the set of contacts changes
+        # (the node hands records to peers that became replicas of its keys)
+        self.on_change: Callable[[Contact | None, Contact | None], None] | None = None
 
     def __len__(self) -> int:
         return len(self._by_peer)
@@ -112,8 +118,10 @@ class RoutingTable:
             if len(bucket.contacts) < bucket.size:
                 bucket.contacts[contact.peer_id] = contact
                 bucket.replacements.pop(contact.peer_id, None)
-                self._by_peer[contact.peer_id] = contact
+                self._index(contact)
                 bucket.last_updated = now
+                if self.on_change is not None:
+                    self.on_change(contact, None)
                 return None
             if bucket.covers(self.node_id) and bucket.upper - bucket.lower > 1:
                 self.buckets[index : index + 1] = bucket.split()
@@ -125,6 +133,9 @@ class RoutingTable:
     def remove(self, peer_id: Hashable) -> Contact | None:
         """Drop a contact (dead or misbehaving) and promote the freshest replacement, if any."""
         contact = self._by_peer.pop(peer_id, None)
+        if contact is not None:
+            del self._by_node[contact.node_id]
+            del self._ids[bisect.bisect_left(self._ids, contact.node_id)]
         if contact is None:
             for bucket in self.buckets:
                 bucket.replacements.pop(peer_id, None)
@@ -136,13 +147,52 @@ class RoutingTable:
             _, promoted = bucket.replacements.popitem(last=True)
             bucket.contacts[promoted.peer_id] = promoted
             bucket.contacts.move_to_end(promoted.peer_id, last=False)  # not yet seen alive
-            self._by_peer[promoted.peer_id] = promoted
+            self._index(promoted)
+            if self.on_change is not None:
+                self.on_change(promoted, None)
+        if self.on_change is not None:
+            self.on_change(None, contact)
         return contact
 
+    def _index(self, contact: Contact) -> None:
+        self._by_peer[contact.peer_id] = contact
+        self._by_node[contact.node_id] = contact
+        bisect.insort(self._ids, contact.node_id)
+
     def nearest(self, target_id: int, count: int, exclude: Hashable | None = None) -> list[Contact]:
-        """The ``count`` contacts closest to ``target_id`` by XOR distance."""
-        candidates = (c for c in self._by_peer.values() if c.peer_id != exclude)
-        return heapq.nsmallest(count, candidates, key=lambda c: c.node_id ^ target_id)
+        """The ``count`` contacts closest to ``target_id`` by XOR distance.
+
+        Every ID sharing the target's top ``256 - j`` bits is closer to it than every ID that
+        does not, and such IDs form one range of the sorted ID list. So the nearest contacts
+        lie in the smallest such range holding enough of them, found by bisection: this is
+        called for every find request served and every lookup, and scanning the whole table
+        each time was the simulations' largest single cost.
+        """
+        ids = self._ids
+        need = count + (exclude is not None and exclude in self._by_peer)
+        if count <= 0 or not ids:
+            return []
+        if len(ids) <= need:
+            window = ids
+        else:
+            low, high = 0, 256
+            while low < high:
+                bits = (low + high) // 2
+                lower = (target_id >> bits) << bits
+                inside = bisect.bisect_left(ids, lower + (1 << bits)) - bisect.bisect_left(
+                    ids, lower
+                )
+                if inside >= need:
+                    high = bits
+                else:
+                    low = bits + 1
+            lower = (target_id >> low) << low
+            window = ids[
+                bisect.bisect_left(ids, lower) : bisect.bisect_left(ids, lower + (1 << low))
+            ]
+        by_node = self._by_node
+        found = [by_node[i] for i in heapq.nsmallest(need, window, key=lambda i: i ^ target_id)]
+        return [c for c in found if c.peer_id != exclude][:count]
 
     def stale_buckets(self, now: float, period: float) -> list[KBucket]:
         return [b for b in self.buckets if now - b.last_updated >= period]

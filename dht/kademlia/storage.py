@@ -13,6 +13,7 @@ Limits are enforced before anything is stored, and refusals carry a reason.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -84,6 +85,8 @@ class LocalStorage:
         entry = self._entries.get(key_id)
         if entry is not None and entry.key != record.key:
             return False, "key ID collision"  # practically impossible with SHA-256
+        if self.holds(key_id, record):
+            return True, None  # a republished or handed-over copy of what we have: a no-op
         replaced: list[DHTRecord] = []
         if entry is not None:
             if record.subkey is None:
@@ -117,6 +120,20 @@ class LocalStorage:
             return False, reason
         self._put(key_id, record, origin)
         return True, None
+
+    def holds(self, key_id: int, record: DHTRecord) -> bool:
+        """True if exactly this record (value, expiration and signature) is stored.
+
+        Republishing and hand-over resend records replicas usually have already; those are
+        accepted as no-ops (and need no second signature check), while "outdated" keeps
+        meaning that a different, newer record superseded the sender's.
+        """
+        entry = self._entries.get(key_id)
+        if entry is None:
+            return False
+        if record.subkey is None:
+            return entry.plain == record
+        return entry.subkeys.get(record.subkey) == record
 
     def _check_origin_quota(
         self, key_id: int, origin: Hashable, record: DHTRecord, replaced: list[DHTRecord]
@@ -235,3 +252,86 @@ class LocalStorage:
 
     def key_ids(self) -> list[int]:
         return list(self._entries)
+
+
+@dataclass
+class _Owned:
+    record: DHTRecord
+    last_published: float
+
+
+class OwnedRecords:
+    """Records this node stored as their origin, which it republishes until they expire.
+
+    Bounded in count and bytes: past a limit the entry stored longest ago is forgotten (it is
+    not deleted from the DHT, it is only no longer republished). Keyed by (key ID, subkey):
+    a newer write of the same key/subkey replaces the older one.
+    """
+
+    def __init__(self, max_records: int = 10_000, max_bytes: int = 16 * 1024 * 1024):
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[int, bytes | None], _Owned] = OrderedDict()
+        self.num_bytes = 0
+        self.evicted = 0  # forgotten because of the limits (tests and logs read it)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, name: tuple[int, bytes | None]) -> bool:
+        return name in self._items
+
+    def get(self, name: tuple[int, bytes | None]) -> DHTRecord | None:
+        item = self._items.get(name)
+        return None if item is None else item.record
+
+    def add(self, key_id: int, record: DHTRecord, now: float) -> None:
+        """Remember ``record`` (published at ``now``); an older one of the same name is replaced,
+        a newer one is kept."""
+        name = (key_id, record.subkey)
+        old = self._items.get(name)
+        if old is not None:
+            if old.record.expiration_time > record.expiration_time:
+                return
+            self._remove(name)
+        if record.size > self.max_bytes:
+            self.evicted += 1
+            return
+        self._items[name] = _Owned(record, now)
+        self.num_bytes += record.size
+        if len(self._items) > self.max_records or self.num_bytes > self.max_bytes:
+            self.prune(now)
+        while len(self._items) > self.max_records or self.num_bytes > self.max_bytes:
+            self._remove(next(iter(self._items)))
+            self.evicted += 1
+
+    def discard(self, key_id: int, record: DHTRecord) -> bool:
+        """Forget ``record`` if it is still the one remembered under its name (withdrawn or
+        superseded); returns whether it was."""
+        name = (key_id, record.subkey)
+        item = self._items.get(name)
+        if item is None or item.record != record:
+            return False
+        self._remove(name)
+        return True
+
+    def _remove(self, name: tuple[int, bytes | None]) -> None:
+        item = self._items.pop(name)
+        self.num_bytes -= item.record.size
+
+    def prune(self, now: float) -> int:
+        expired = [n for n, item in self._items.items() if item.record.expiration_time <= now]
+        for name in expired:
+            self._remove(name)
+        return len(expired)
+
+    def due(self, now: float, min_age: float, min_ttl: float) -> list[tuple[int, DHTRecord]]:
+        """Records last published ``min_age`` or more ago that live at least ``min_ttl`` longer;
+        expired ones are dropped. Marks the returned ones as published at ``now``."""
+        self.prune(now)
+        due = []
+        for (key_id, _), item in self._items.items():
+            if now - item.last_published >= min_age and item.record.expiration_time > now + min_ttl:
+                item.last_published = now
+                due.append((key_id, item.record))
+        return due
