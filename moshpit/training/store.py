@@ -607,7 +607,10 @@ class StateStore:
                 self._write_loose(digest, piece, sync_each)
         if batch_sync:
             with self._shared.lock:  # syncfs covers every rename done before it
+                written = bool(self._shared.dirty_dirs)
                 self._shared.dirty_dirs.clear()
+            if not written:  # nothing new (an unchanged state): no flush to wait for
+                return digests
             try:
                 _syncfs(self.directory)
             except OSError as e:

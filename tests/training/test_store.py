@@ -634,3 +634,19 @@ def test_with_syncfs_one_flush_covers_the_chunks(
     files = [p for p in synced if os.path.basename(p).startswith(".tmp-")]
     assert len(files) == 2  # only the manifest and LATEST, after the syncfs
     assert_same(named, load_state(store)[1])
+
+
+@pytest.mark.skipif(store_module._SYNCFS is None, reason="syncfs(2) is Linux-only")
+def test_saving_an_unchanged_state_flushes_nothing_but_the_commit(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = StateStore(tmp_path)
+    named = [*small_state(9), ("big", torch.randn((2 << 20) // 4))]
+    save_state(store, named, 1)
+    calls: list[int] = []
+    real = store_module._SYNCFS
+    monkeypatch.setattr(store_module, "_SYNCFS", lambda fd: calls.append(fd) or real(fd))
+    synced = spy_fsync(monkeypatch)
+    save_state(store, named, 2)
+    assert calls == []
+    assert len([p for p in synced if os.path.basename(p).startswith(".tmp-")]) == 2
