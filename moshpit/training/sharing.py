@@ -72,7 +72,8 @@ MAX_ERROR_CHARS = 512
 MAX_RESPONSE_BYTES = 16 << 20  # a batch of chunks (batch_bytes, at least one chunk <= 8 MiB)
 MAX_RECORD_NUMBER = 1 << 53  # epochs and byte counts above this are not plausible
 MAX_FAILURES = 3  # consecutive failed calls before a peer is dropped from this download
-BUSY_BACKOFF = (0.05, 2.0)  # first and largest wait after a "busy" answer, seconds
+BUSY_BACKOFF = (0.05, 2.0)
+SENDING_AT_ONCE = 2  # answers being transmitted at once (more wait their turn)  # first and largest wait after a "busy" answer, seconds
 _OWNER_SUBKEY = re.compile(r"^\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]$")
 
 T = TypeVar("T")
@@ -447,6 +448,7 @@ class StateSharing:
         self._published: _Served | None = None
         self._downloading: _Download | None = None
         self._uploads = 0
+        self._senders = trio.Semaphore(SENDING_AT_ONCE)
         self._banned: dict[Any, float] = {}
         self._wake = trio.Event()
         self._last_expiration = 0.0
@@ -535,10 +537,11 @@ class StateSharing:
             reply: dict[str, Any] = {"manifest": served.packed if served is not None else None}
         elif op == "have":
             root = _digest(request.get("root"), "root")
-            reply = {"have": self._have(root)}
             dl = self._downloading
             if dl is not None and dl.manifest.root == root:
-                reply["pending"] = _bitmap([i in dl.in_flight for i in range(len(dl.data))])
+                reply = self._have_and_pending(dl)
+            else:
+                reply = {"have": self._have(root)}
         elif op == "chunks":
             digests = request.get("digests")
             if not isinstance(digests, list) or not 0 < len(digests) <= MAX_DIGESTS_PER_REQUEST:
@@ -552,8 +555,12 @@ class StateSharing:
                 try:
                     chunks = await self._read_chunks(wanted)
                     nbytes = sum(len(c) for c in chunks if c is not None)
-                    with trio.move_on_after(self._transfer_time(nbytes)):
-                        await stream.send_msg({"chunks": chunks})
+                    # answers go out a few at a time, not all interleaved: each finishes
+                    # sooner, so joiners can pass its chunks on sooner (the queue is bounded
+                    # by max_concurrent_uploads, the wait by the transfer time of all of it)
+                    with trio.move_on_after(self._transfer_time(nbytes * self._uploads)):
+                        async with self._senders:
+                            await stream.send_msg({"chunks": chunks})
                 finally:
                     self._uploads -= 1
                 return
@@ -561,6 +568,13 @@ class StateSharing:
             raise _BadRequest(f"unknown state op {str(op)[:64]!r}")
         with trio.move_on_after(self.request_timeout):
             await stream.send_msg(reply)
+
+    @staticmethod
+    def _have_and_pending(dl: _Download) -> dict[str, bytes]:
+        return {
+            "have": _bitmap([d is not None for d in dl.data]),
+            "pending": _bitmap([i in dl.in_flight for i in range(len(dl.data))]),
+        }
 
     def _have(self, root: bytes) -> bytes | None:
         dl = self._downloading
@@ -933,9 +947,15 @@ class StateSharing:
             if not _is_network_error(e):
                 raise
             return
-        bitmap = reply.get("have") if isinstance(reply, dict) else None
+        if isinstance(reply, dict):
+            self._update_have(dl, h, reply)
+
+    @staticmethod
+    def _update_have(dl: _Download, h: _Holder, reply: dict) -> None:
+        """Take a partial holder's ``have``/``pending`` bitmaps from an answer (if valid)."""
+        bitmap = reply.get("have")
         n = len(dl.digests)
-        if isinstance(bitmap, bytes) and len(bitmap) == (n + 7) // 8:
+        if not h.complete and isinstance(bitmap, bytes) and len(bitmap) == (n + 7) // 8:
             h.have = _from_bitmap(bitmap, n)
             h.missing.difference_update(h.have)
             pending = reply.get("pending")
