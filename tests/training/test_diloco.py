@@ -8,7 +8,9 @@ process.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,12 @@ import moshpit
 from compression import Float16, GraVAC, TwoWayCompression
 from dht import DHT
 from moshpit.training.modes.diloco import _RegroupingFeedback, make_compression, outer_prefix
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_modes", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_modes.py"
+)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
 
 FAST = dict(
     min_matchmaking_time=3.0, request_timeout=2.0, allreduce_timeout=10.0, initial_group_bits=""
@@ -359,3 +367,26 @@ def test_bad_knobs_and_state_dict_round_trip(make_dhts):
             other.shutdown()
     finally:
         opt.shutdown()
+
+
+def _check_diloco_claim(lines: list[dict], peers: int) -> None:
+    sync = lines[0]
+    assert sync["mode"] == "sync" and sync["rounds"] == [sync["steps"]] * peers
+    assert sync["accuracy"] >= 90.0  # the task was actually learned
+    for run, summary in zip(lines[1::2], lines[2::2], strict=True):
+        assert run["rounds"] == [run["steps"] // 50] * peers and run["solo_steps"] == [0] * peers
+        assert run["max_param_gap"] == 0.0  # every peer ends on the same θ
+        assert summary["accuracy_gap"] <= 2.0
+        assert summary["bytes_ratio"] >= 50
+        assert summary["claim_holds"]
+    assert lines[-1]["bytes_ratio"] >= 100  # fp16 halves it again
+
+
+def test_h50_lands_within_two_points_of_sync_sending_50x_less():
+    _check_diloco_claim(bench.diloco(peers=2, seed=0, steps=300), peers=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_h50_claim_with_three_peers_and_longer_training(seed):
+    _check_diloco_claim(bench.diloco(peers=3, seed=seed, steps=500), peers=3)
