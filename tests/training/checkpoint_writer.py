@@ -56,12 +56,17 @@ EPOCHS = {"A": 1, "B": 2}
 
 
 def run_child(directory: str, states: dict[str, list[tuple[str, torch.Tensor]]]) -> None:
+    from moshpit.training.errors import CheckpointError
     from moshpit.training.store import StateStore, save_state
 
     # keep=1: every commit garbage-collects the other state's chunks and the next one writes
     # them again, so kills also land in collection and in rewrites of deleted chunks
     store = StateStore(directory, keep=1)
-    label = "A"
+    # start with the state that is not committed, so that every save writes chunks
+    try:
+        label = "B" if store.latest().metadata.get("state") == "A" else "A"
+    except CheckpointError:
+        label = "A"
     while True:
         save_state(store, states[label], EPOCHS[label], {"state": label})
         os.write(1, f"commit {label}\n".encode())

@@ -144,6 +144,7 @@ def test_kill_9_at_random_moments_restores_old_or_new_state(tmp_path: pathlib.Pa
             restored[label] += 1
     finally:
         writer.close()
+    print(f"{kills} kills, {mid_write} mid-write, restored {restored}")
 
     # A save by the next process collects what the killed writers left behind.
     store = StateStore(directory, keep=1)
