@@ -89,3 +89,124 @@ def test_group_spread_is_the_same_for_every_member():
             a.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+FAST = dict(
+    min_matchmaking_time=3.0, request_timeout=2.0, allreduce_timeout=10.0, initial_group_bits=""
+)
+
+
+def _local_opt(dht, model, **kwargs):
+    import moshpit
+
+    settings = dict(
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        dht=dht,
+        run_id="local-science",
+        batch_size_per_step=8,
+        mode="local",
+        target_group_size=2,
+        averager_options=FAST,
+        load_state_timeout=5.0,
+    )
+    settings.update(kwargs)
+    return moshpit.Optimizer(**settings)
+
+
+def _step(model, opt, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 4, generator=gen)
+    torch.nn.functional.mse_loss(model(x).squeeze(-1), x.sum(-1)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_joiner_goes_on_at_the_swarm_period(tmp_path):
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = DHT(initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    opts = []
+    try:
+        torch.manual_seed(0)
+        donor_model, joiner_model = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+        donor = _local_opt(first, donor_model, checkpoint_dir=tmp_path / "a", average_every=1)
+        opts.append(donor)
+        # the swarm has averaged for a while: the period grew to 8 after calibrating
+        donor.mode.period.period, donor.mode.period.rounds = 8, 12
+        donor.mode.period.target, donor.mode.period.deviation_ema = 0.25, 0.125
+        donor.mode._pack_period()
+        donor.state.epoch = 12
+        donor.state.save_checkpoint(wait=True)
+        joiner = _local_opt(second, joiner_model, checkpoint_dir=tmp_path / "b", average_every=1)
+        opts.append(joiner)
+        _step(joiner_model, joiner, seed=1)  # the first step loads the swarm's state
+        period = joiner.mode.period
+        assert joiner.epoch == 12
+        assert (period.period, period.rounds, period.target, period.deviation_ema) == (
+            8,
+            12,
+            0.25,
+            0.125,
+        )
+        # a state whose period is out of range (it came from the network) is ignored
+        joiner.mode._shared_period.copy_(
+            torch.tensor([1e9, 0, 0, 0], dtype=torch.float64).view(torch.int64)
+        )
+        joiner.mode.on_state_loaded()
+        assert joiner.mode.period.period == 8
+        # a donor still calibrating: the joiner calibrates at the shared period itself
+        donor.mode.period.target = donor.mode.period.deviation_ema = None
+        donor.mode._pack_period()
+        joiner.mode._shared_period.copy_(donor.mode._shared_period)
+        joiner.mode.on_state_loaded()
+        assert joiner.mode.period.period == 8 and joiner.mode.period.target is None
+    finally:
+        for opt in opts:
+            opt.shutdown()
+        second.shutdown()
+        first.shutdown()
+
+
+def test_local_compression_fp16_halves_the_bytes_and_topk_is_refused():
+    first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = DHT(initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        with pytest.raises(ValueError, match="sparsify"):
+            _local_opt(first, torch.nn.Linear(4, 1), compression="topk")
+        per_round = {}
+        for compression in (None, "fp16"):
+            models = [torch.nn.Linear(64, 64) for _ in range(2)]
+            opts = [
+                _local_opt(
+                    d,
+                    m,
+                    run_id=f"local-{compression}",
+                    compression=compression,
+                    average_every=1,
+                    adaptive_period=False,
+                    wait_for_rounds=True,
+                    optimizer=torch.optim.SGD(m.parameters(), lr=0.01),
+                )
+                for d, m in zip((first, second), models, strict=True)
+            ]
+            try:
+                import concurrent.futures
+
+                def train(i, models=models, opts=opts):
+                    for step in range(3):
+                        x = torch.randn(8, 64)
+                        models[i](x).pow(2).mean().backward()
+                        opts[i].step()
+                        opts[i].zero_grad()
+                        del step
+
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    list(pool.map(train, range(2)))
+                assert [o.mode.rounds_succeeded for o in opts] == [3, 3]
+                per_round[compression] = sum(o.mode.bytes_sent for o in opts) / 6
+            finally:
+                for opt in opts:
+                    opt.shutdown()
+        assert per_round["fp16"] == pytest.approx(per_round[None] / 2, rel=0.01)
+    finally:
+        second.shutdown()
+        first.shutdown()
