@@ -5,6 +5,13 @@ nearest unqueried candidate, merge the peers it returns, and stop once no unquer
 is closer than the ``beam_size``-th nearest peer that answered (and nothing is in flight), i.e.
 the ``beam_size`` nearest reachable peers have all been asked. A caller may stop early once a
 response satisfies it (e.g. a value was found).
+
+Requests in flight count toward the beam for ``patience`` seconds: a candidate further than
+the ``beam_size``-th nearest of the answered *and pending* peers is not asked while those are
+still likely to answer. Without that, the last ``alpha - 1`` requests of almost every lookup
+went to peers the result could not use (7 finds instead of 5 for a 5-peer beam in a small
+swarm, ~15 % of a store's RPCs); a pending peer that fails, or stays silent past
+``patience``, frees its place at once, so a dead peer delays a lookup by ``patience`` at most.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class Lookup:
         is_banned: Callable[[Hashable], bool] = lambda _: False,
         stop_when: Callable[[FindResult], bool] | None = None,
         max_messages: int = 1000,
+        patience: float = 0.5,
     ):
         self.target_id = target_id
         self.find = find
@@ -55,6 +63,8 @@ class Lookup:
         self.is_banned = is_banned
         self.stop_when = stop_when
         self.max_messages = max_messages
+        self.patience = patience
+        self._pending: dict[Hashable, tuple[int, float]] = {}  # in flight: (distance, sent at)
         self._counter = itertools.count()
         self._heap: list[tuple[int, int, Hashable]] = []
         self._known: dict[Hashable, tuple[Contact, int]] = {}  # peer -> (contact, depth)
@@ -76,15 +86,22 @@ class Lookup:
             self._heap, (contact.node_id ^ self.target_id, next(self._counter), contact.peer_id)
         )
 
+    def _beam_bound(self) -> float:
+        """Distance of the beam_size-th nearest peer that answered or is pending (recently)."""
+        now = trio.current_time()
+        pending = [d for d, sent in self._pending.values() if now - sent < self.patience]
+        if len(self._responded) + len(pending) < self.beam_size:
+            return float("inf")
+        answered = (item[0] for item in self._responded[: self.beam_size])
+        return heapq.nsmallest(self.beam_size, itertools.chain(answered, pending))[-1]
+
     def _next_candidate(self) -> tuple[Contact, int] | None:
         if self.result.messages >= self.max_messages:
             return None
+        bound = self._beam_bound() if self._heap else float("inf")
         while self._heap:
             dist = self._heap[0][0]
-            if (
-                len(self._responded) >= self.beam_size
-                and dist > self._responded[self.beam_size - 1][0]
-            ):
+            if dist > bound:
                 return None
             _, _, peer = heapq.heappop(self._heap)
             if peer in self._queried:
@@ -120,10 +137,15 @@ class Lookup:
                 if self._in_flight == 0:
                     self._notify()
                     return
-                await self._changed.wait()
+                with trio.move_on_after(self.patience):  # a silent pending peer loses its place
+                    await self._changed.wait()
                 continue
             contact, depth = picked
             self._in_flight += 1
+            self._pending[contact.peer_id] = (
+                contact.node_id ^ self.target_id,
+                trio.current_time(),
+            )
             self.result.messages += 1
             self.result.rounds = max(self.result.rounds, depth)
             try:
@@ -132,6 +154,7 @@ class Lookup:
                     self._on_response(contact, depth, response)
             finally:
                 self._in_flight -= 1
+                self._pending.pop(contact.peer_id, None)
                 self._notify()
 
     def _on_response(self, contact: Contact, depth: int, response: FindResult) -> None:
