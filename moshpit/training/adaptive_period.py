@@ -5,8 +5,11 @@ drift per step is large and peers should average often; as training settles (sma
 gradients, lower learning rate) they can go longer between rounds. ADPSGD's exact period
 formula could not be verified (docs/training.md), so this is the rule we implement:
 
-- every round measures this peer's **deviation**, ``||group mean - ours|| / ||ours||`` (the
-  TrainingStateAverager computes it from the round's delta at no extra communication);
+- every round measures the **group spread**, ``sqrt(var) / ||mean||`` with ``var`` the
+  group's weighted mean squared distance to its mean; the all-reduce computes it at no extra
+  communication and every member gets the same number, so peers that average together decide
+  alike (``TrainingStateAverager.last_group_spread``; the local mode falls back to this peer's
+  ``||group mean - ours|| / ||ours||`` when a part of the round is missing);
 - the first ``calibration_rounds`` rounds, run at the initial period, set the **target**:
   ``tolerance`` x their mean deviation;
 - afterwards, whenever ``deviation_ema <= target``, the period grows by ``growth`` (x2 by
