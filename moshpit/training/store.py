@@ -134,10 +134,22 @@ _in_flight: set[str] = set()  # names of this process's tmp files being written 
 _in_flight_lock = threading.Lock()
 
 
-def _shared_for(directory: pathlib.Path) -> _Shared:
-    key = os.path.realpath(directory)
+def _shared_for(key: str) -> _Shared:
     with _shared_lock:
         return _shared.setdefault(key, _Shared())
+
+
+def _reset_after_fork() -> None:
+    """A forked child has none of the parent's threads: a lock one of them held would stay
+    locked and the pool's workers are gone, so the child starts with fresh ones."""
+    global _pool, _pool_lock, _shared_lock, _shared, _in_flight, _in_flight_lock
+    _pool, _pool_lock = None, threading.Lock()
+    _shared_lock, _shared = threading.Lock(), {}
+    _in_flight, _in_flight_lock = set(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _check_digest(digest: bytes) -> None:
@@ -311,7 +323,12 @@ class StateStore:
             raise CheckpointError(
                 f"cannot create checkpoint directory {self.directory}: {e}"
             ) from e
-        self._shared = _shared_for(self.directory)
+        self._key = os.path.realpath(self.directory)
+
+    @property
+    def _shared(self) -> _Shared:
+        # looked up each time (not cached) so that a store object survives a fork
+        return _shared_for(self._key)
 
     def _create_dirs(self) -> None:
         if (self._chunks / "ff").is_dir() and self._manifests.is_dir() and self._packs.is_dir():

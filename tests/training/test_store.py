@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -650,3 +651,33 @@ def test_saving_an_unchanged_state_flushes_nothing_but_the_commit(
     save_state(store, named, 2)
     assert calls == []
     assert len([p for p in synced if os.path.basename(p).startswith(".tmp-")]) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_can_checkpoint(tmp_path: pathlib.Path) -> None:
+    """The pool's threads do not survive fork: the child must get its own, not hang."""
+    store = StateStore(tmp_path / "parent")
+    save_state(store, named_state(70), 1)  # the pool exists now
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports by exit status
+        code = 1
+        try:
+            child = StateStore(tmp_path / "child")
+            named = named_state(71)
+            save_state(child, named, 2)
+            assert_same(named, load_state(child)[1])
+            assert_same(named_state(70), load_state(store)[1])  # an object from before fork
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60  # a hang guard, not a timing assertion
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in the store")
+        threading.Event().wait(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
