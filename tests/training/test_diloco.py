@@ -390,3 +390,31 @@ def test_h50_lands_within_two_points_of_sync_sending_50x_less():
 @pytest.mark.parametrize("seed", [1, 2])
 def test_h50_claim_with_three_peers_and_longer_training(seed):
     _check_diloco_claim(bench.diloco(peers=3, seed=seed, steps=500), peers=3)
+
+
+def test_sigterm_leave_checkpoints_and_a_restart_resumes_from_it(make_dhts, tmp_path):
+    (dht,) = make_dhts(1)
+    quick = dict(FAST, min_matchmaking_time=0.5, request_timeout=0.5)
+    model = _model()
+    peer = Peer(0, model, _opt(dht, model, tmp_path, name="me", averager_options=quick))
+    peer.train(until_epoch=2, pause=0.0)
+    theta = [t.clone() for t in peer.opt.mode.theta]
+    outer = peer.opt.mode.outer
+    momentum = [outer.state[t]["momentum_buffer"].clone() for t in peer.opt.mode.theta]
+    _loss(model, peer.batch()).backward()
+    peer.opt.step()  # one inner step into epoch 2's round: not part of the shared state
+    peer.opt.leave_swarm(deadline=10.0)  # what the SIGTERM handler calls
+    fresh = _model()
+    with torch.no_grad():
+        fresh.weight.fill_(5.0)
+    opt = _opt(dht, fresh, tmp_path, name="me", averager_options=quick)
+    try:
+        assert opt.epoch == 2  # restored from the checkpoint when built
+        _loss(fresh, torch.arange(BATCH)).backward()
+        opt.step()
+        assert _same(opt.mode.theta, theta)
+        assert _same([opt.mode.outer.state[t]["momentum_buffer"] for t in opt.mode.theta], momentum)
+        assert opt.mode.local_steps == 1  # the inner loop restarted from θ
+        assert not torch.equal(fresh.weight.detach(), torch.full_like(fresh.weight, 5.0))
+    finally:
+        opt.shutdown()
