@@ -20,7 +20,7 @@ Experiments (one JSON object per line; ``--only adpsgd|diloco`` runs one):
 Accuracy is that of the peers' parameter average on the held-out 20% (what one would deploy;
 every peer's own accuracy is in the line too). Several seeds: ``--seeds 0 1 2``.
 
-    python benchmarks/bench_modes.py [--peers 2] [--seeds 0 1 2] [--only adpsgd]
+    python benchmarks/bench_modes.py [--peers 2] [--seeds 0 1 2] [--only adpsgd] [--background]
 """
 
 from __future__ import annotations
@@ -201,15 +201,25 @@ def run_swarm(
             dht.shutdown()
 
 
-def adpsgd(peers: int, seed: int, steps: int = 400) -> list[dict[str, Any]]:
-    """Fixed period 1 vs the adaptive period, same everything else."""
-    common = dict(peers=peers, steps=steps, seed=seed, wait_for_rounds=True, average_every=1)
+def adpsgd(
+    peers: int, seed: int, steps: int = 400, wait_for_rounds: bool = True
+) -> list[dict[str, Any]]:
+    """Fixed period 1 vs the adaptive period, same everything else.
+
+    ``wait_for_rounds=False`` runs the rounds in the background (the default of the mode): a
+    new round starts only once the previous one was applied, so "period 1" then means "as
+    often as rounds complete", and counts depend on the machine's speed.
+    """
+    common = dict(
+        peers=peers, steps=steps, seed=seed, wait_for_rounds=wait_for_rounds, average_every=1
+    )
     fixed = run_swarm("local", run_id=f"adpsgd-fixed-{seed}", adaptive_period=False, **common)
     fixed["experiment"] = "adpsgd-fixed-1"
     adaptive = run_swarm("local", run_id=f"adpsgd-adaptive-{seed}", **common)
     adaptive["experiment"] = "adpsgd-adaptive"
     summary = {
         "experiment": "adpsgd-summary",
+        "wait_for_rounds": wait_for_rounds,
         "seed": seed,
         "peers": peers,
         "accuracy_fixed": fixed["accuracy"],
@@ -265,6 +275,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--only", choices=("adpsgd", "diloco"))
     parser.add_argument("--adpsgd-steps", type=int, default=400)
+    parser.add_argument(
+        "--background", action="store_true", help="ADPSGD with background (non-blocking) rounds"
+    )
     parser.add_argument("--diloco-steps", type=int, default=500)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -276,7 +289,7 @@ def main() -> None:
 
     for seed in args.seeds:
         if args.only in (None, "adpsgd"):
-            for line in adpsgd(args.peers, seed, args.adpsgd_steps):
+            for line in adpsgd(args.peers, seed, args.adpsgd_steps, not args.background):
                 emit(line)
         if args.only in (None, "diloco"):
             for line in diloco(args.peers, seed, args.diloco_steps):
