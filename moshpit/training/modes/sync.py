@@ -36,6 +36,7 @@ from compression import GraVAC, NoCompression, TwoWayCompression
 from moshpit.training.errors import NoDonorError
 from moshpit.training.grad_averager import GradientAverager, GradientRound
 from moshpit.training.modes.base import TrainingMode, params_of
+from moshpit.training.preemption import critical_section
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,23 @@ class SyncMode(TrainingMode):
         if not self._ready(view):
             return
         self._global_step(view)
+
+    def poll(self) -> bool:
+        """Run the global step if the swarm reached the target, without adding samples.
+
+        For a peer that has contributed its share and waits for the others (instead of
+        computing more batches); returns True if the epoch moved on (stepped or caught up).
+        """
+        epoch = self.state.epoch
+        with critical_section():
+            self._collect_delayed(wait=False)
+            view = self._view()
+            if view.epoch > self.state.epoch:
+                if time.monotonic() >= self._next_catch_up:
+                    self._catch_up(f"the swarm is at epoch {view.epoch}")
+            elif self.grads.samples > 0 and self._ready(view):
+                self._global_step(view)
+        return self.state.epoch != epoch
 
     def _view(self, force: bool = False) -> Any:
         """The swarm's progress, read from the DHT at most every ``refresh_period`` s."""
