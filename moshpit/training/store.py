@@ -111,6 +111,9 @@ class _Shared:
     lock: threading.Lock = field(default_factory=threading.Lock)
     pending: set[bytes] = field(default_factory=set)  # put_chunk()ed, not yet committed
     dirty_dirs: set[str] = field(default_factory=set)  # renamed into, dir not yet fsynced
+    # False until this process's first commit has flushed the whole directory: files another
+    # (killed) process left may not be durable yet, and a save reuses them instead of writing
+    flushed_once: bool = False
     # the pack index: file names seen in packs/ (valid or not), entries of the valid ones,
     # digest -> (pack, offset, size), and packed copies that failed verification
     pack_names: frozenset[str] = frozenset()
@@ -400,9 +403,14 @@ class StateStore:
         with self._shared.lock:
             return self._shared.where.get(digest)
 
-    def _present(self, digest: bytes) -> bool:
-        """Stored loose or packed (the pack index as of the last refresh)."""
-        return os.path.isfile(self._chunk_path(digest)) or self._packed(digest) is not None
+    def _present(self, digest: bytes, size: int | None = None) -> bool:
+        """Stored loose or packed (the pack index as of the last refresh). With ``size``, a
+        chunk file of another size (cut short by a crash) counts as absent, to be rewritten."""
+        try:
+            st = os.stat(self._chunk_path(digest))
+        except FileNotFoundError:
+            return self._packed(digest) is not None
+        return size is None or st.st_size == size or self._packed(digest) is not None
 
     def _mark_bad(self, name: str, digest: bytes) -> None:
         with self._shared.lock:
@@ -603,7 +611,7 @@ class StateStore:
                         f"chunk {expected[i][0].hex()} given to save() does not match its "
                         "digest or size: was a tensor modified while it was being saved?"
                     )
-                if not packable(len(piece)) and not self._present(digest):
+                if not packable(len(piece)) and not self._present(digest, len(piece)):
                     self._write_loose(digest, piece, sync_each)
                 out.append(digest)
             return out
@@ -615,7 +623,11 @@ class StateStore:
             digests.extend(part)
         small: dict[bytes, Buffer] = {}
         for digest, piece in zip(digests, pieces, strict=True):
-            if packable(len(piece)) and digest not in small and not self._present(digest):
+            if (
+                packable(len(piece))
+                and digest not in small
+                and not self._present(digest, len(piece))
+            ):
                 small[digest] = piece
         if len(small) >= PACK_MIN_CHUNKS:
             self._write_packs(list(small.items()), sync_each)
@@ -632,6 +644,7 @@ class StateStore:
                 _syncfs(self.directory)
             except OSError as e:
                 raise CheckpointError(f"cannot flush {self.directory} to disk: {e}") from e
+            self._shared.flushed_once = True  # the whole file system, older files included
         return digests
 
     def save(self, manifest: Manifest, chunks: Mapping[bytes, bytes | memoryview]) -> None:
@@ -640,7 +653,7 @@ class StateStore:
             history = self._history_for_write()
             refs = manifest.chunk_refs()
             self._refresh_packs()
-            todo = [d for d in refs if not self._present(d)]
+            todo = [d for d in refs if not self._present(d, refs[d])]
             for digest in todo:
                 if digest not in chunks:
                     raise CheckpointError(
@@ -671,10 +684,13 @@ class StateStore:
         ``history`` is :meth:`_history_for_write`, read before any chunk was written.
         """
         root = manifest.root
+        shared = self._shared
         try:
+            if self.durable and not shared.flushed_once:
+                self._flush_everything()
             if self.durable:
-                with self._shared.lock:
-                    dirty, self._shared.dirty_dirs = self._shared.dirty_dirs, set()
+                with shared.lock:
+                    dirty, shared.dirty_dirs = shared.dirty_dirs, set()
                 for _ in _results([_executor().submit(_fsync_dir, d) for d in sorted(dirty)]):
                     pass
             _write_atomic(self._manifests / root.hex(), manifest.to_bytes(), self.durable)
@@ -695,6 +711,18 @@ class StateStore:
             self._collect_garbage(history, {root: manifest})
         except (OSError, CheckpointError) as e:  # the commit stands; leftovers go next time
             logger.warning("garbage collection in %s failed: %s", self.directory, e)
+
+    def _flush_everything(self) -> None:
+        """Make every chunk and pack in the directory durable, once per process: a killed
+        writer's files are complete (renamed only when written) but maybe not on disk yet, and
+        this process's saves reuse them."""
+        if _SYNCFS is not None:
+            _syncfs(self.directory)
+        else:  # files were fsynced before their rename; their directories may not have been
+            dirs = [str(self._packs)] + [f"{self._chunks_str}/{i:02x}" for i in range(256)]
+            for _ in _results([_executor().submit(_fsync_dir, d) for d in dirs]):
+                pass
+        self._shared.flushed_once = True
 
     def _history_for_write(self) -> list[bytes]:
         """The committed roots, or [] when LATEST is absent or unreadable (then we start over).

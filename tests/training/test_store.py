@@ -681,3 +681,50 @@ def test_a_forked_child_can_checkpoint(tmp_path: pathlib.Path) -> None:
             pytest.fail("the forked child hung in the store")
         threading.Event().wait(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.skipif(store_module._SYNCFS is None, reason="syncfs(2) is Linux-only")
+def test_a_new_process_flushes_files_a_killed_writer_left_before_reusing_them(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    named = [*small_state(10), ("big", torch.randn((2 << 20) // 4))]
+    save_state(StateStore(tmp_path), named, 1)
+    # a new process: it did not write those chunk files, so it cannot know they are durable
+    monkeypatch.setattr(store_module, "_shared", {})
+    calls: list[int] = []
+    real = store_module._SYNCFS
+    monkeypatch.setattr(store_module, "_SYNCFS", lambda fd: calls.append(fd) or real(fd))
+    store = StateStore(tmp_path)
+    save_state(store, named, 2)  # writes no chunk, yet flushes once
+    assert len(calls) == 1
+    save_state(store, named, 3)
+    assert len(calls) == 1
+
+
+def test_without_syncfs_a_new_process_fsyncs_every_chunk_directory_once(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    named = small_state(11)
+    save_state(StateStore(tmp_path), named, 1)
+    monkeypatch.setattr(store_module, "_shared", {})
+    monkeypatch.setattr(store_module, "_SYNCFS", None)
+    synced = spy_fsync(monkeypatch)
+    store = StateStore(tmp_path)
+    save_state(store, named, 2)
+    dirs = {p for p in synced if os.path.isdir(p)}
+    assert {str(tmp_path / "chunks" / f"{i:02x}") for i in range(256)} <= dirs
+    assert str(tmp_path / "packs") in dirs
+    synced.clear()
+    save_state(store, named, 3)
+    assert not {p for p in synced if "/chunks/" in p}
+
+
+def test_a_chunk_file_of_the_wrong_size_is_rewritten_by_a_save(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    named = named_state(12)
+    manifest = save_state(store, named, 1, chunk_bytes=CHUNK)
+    path = chunk_path(tmp_path, manifest.tensors[0].chunks[0].digest)
+    path.write_bytes(b"")  # what a power cut can leave of an unsynced file
+    save_state(store, named, 2, chunk_bytes=CHUNK)
+    assert path.stat().st_size == CHUNK
+    assert_same(named, load_state(store)[1])
