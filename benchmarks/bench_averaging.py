@@ -18,6 +18,9 @@ One JSON object per line:
 - CPU seconds per peer (``time.process_time``, all threads of the worker): ``step_cpu_s_per_peer``
   (median over rounds of the mean over peers, whole ``step()``) and the gloo all-reduce's
   (``gloo_cpu_s_per_peer``): less sensitive than wall time to other load on a shared machine.
+- ``cipher_floor_cpu_s_per_peer``: payload bytes sent x AES-256-GCM seal cost + bytes received x
+  open cost, both measured in the same run (``{"kind": "cipher"}`` line): what encryption
+  alone must cost; ``step_cpu_vs_cipher_floor`` is how far above it the whole step is.
 - workers run with ``OMP_NUM_THREADS=1`` (and ``torch.set_num_threads(1)``), gloo included.
 
     python benchmarks/bench_averaging.py --quick      # 4 peers, 1M floats, 2 codecs
@@ -173,6 +176,7 @@ def worker(argv: list[str]) -> int:
                     "matchmaking_s": res.matchmaking_seconds,
                     "allreduce_s": res.allreduce_seconds,
                     "bytes_sent": res.bytes_sent,
+                    "bytes_received": res.bytes_received,
                     "peak_extra": after["VmHWM"] - before["VmRSS"] if peak_ok else None,
                 }
             )
@@ -272,6 +276,39 @@ def run_peers(
         bootstrap.shutdown()
 
 
+def cipher_cost_per_byte(total: int = 64 << 20) -> dict[str, float]:
+    """CPU seconds per byte to seal and to open 64 KiB Noise frames with AES-256-GCM here.
+
+    The floor under our all-reduce's CPU: every payload byte is encrypted once by its sender
+    and decrypted once by its receiver (measured in the same run as the benchmark, on the same
+    loaded machine, so the comparison is fair).
+    """
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    frame = 65535 - 16
+    aead = AESGCM(os.urandom(32))
+    plain = bytearray(os.urandom(frame))
+    sealed = bytearray(frame + 16)
+    opened = bytearray(frame)
+    nonce = bytes(12)
+    reps = max(1, total // frame)
+    into = hasattr(aead, "encrypt_into")
+    c0 = time.process_time()
+    for _ in range(reps):
+        if into:
+            aead.encrypt_into(nonce, plain, None, sealed)
+        else:
+            sealed[:] = aead.encrypt(nonce, bytes(plain), None)
+    c1 = time.process_time()
+    for _ in range(reps):
+        if into:
+            aead.decrypt_into(nonce, sealed, None, opened)
+        else:
+            opened[:] = aead.decrypt(nonce, bytes(sealed), None)
+    c2 = time.process_time()
+    return {"seal": (c1 - c0) / (reps * frame), "open": (c2 - c1) / (reps * frame)}
+
+
 def run_configs(
     procs: list[Proc],
     num_peers: int,
@@ -287,6 +324,10 @@ def run_configs(
     """
     extra = extra or {}
     rows: list[dict] = []
+    cipher = cipher_cost_per_byte()
+    print(json.dumps({"kind": "cipher", "aesgcm_seal_s_per_gb": round(cipher["seal"] * 1e9, 3),
+                      "aesgcm_open_s_per_gb": round(cipher["open"] * 1e9, 3), **extra}),
+          flush=True)  # fmt: skip
     for numel in sizes:
         gloo_rows = _all(procs, {"cmd": "gloo", "numel": numel, "reps": gloo_reps}, "gloo")
         gloo = statistics.median(r["seconds"] for r in gloo_rows)
@@ -316,6 +357,9 @@ def run_configs(
             ar_s = statistics.median(max(s["allreduce_s"] for s in rnd) for rnd in per_round)
             cpu_s = statistics.median(statistics.mean(s["cpu_s"] for s in rnd) for rnd in per_round)
             sent = statistics.mean(s["bytes_sent"] for rnd in per_round for s in rnd)
+            received = statistics.mean(s["bytes_received"] for rnd in per_round for s in rnd)
+            # every payload byte sealed once by its sender and opened once by its receiver
+            floor = sent * cipher["seal"] + received * cipher["open"]
             peaks = [
                 s["peak_extra"] for rnd in per_round for s in rnd if s["peak_extra"] is not None
             ]
@@ -334,6 +378,8 @@ def run_configs(
                 "allreduce_s_per_round": ar_each,
                 "step_cpu_s_per_peer": round(cpu_s, 4),
                 "gloo_cpu_s_per_peer": round(gloo_cpu, 4),
+                "cipher_floor_cpu_s_per_peer": round(floor, 4),
+                "step_cpu_vs_cipher_floor": round(cpu_s / floor, 2) if floor > 0 else None,
                 "step_cpu_vs_gloo_cpu": round(cpu_s / gloo_cpu, 2) if gloo_cpu > 0 else None,
                 "gloo_s": round(gloo, 4),
                 "allreduce_vs_gloo": round(ar_s / gloo, 2) if gloo > 0 else None,
