@@ -685,6 +685,10 @@ class StateStore:
         """
         root = manifest.root
         shared = self._shared
+        try:  # what cannot be read back must not be committed (e.g. two tensors of one name)
+            Manifest.from_bytes(manifest.to_bytes())
+        except ManifestError as e:
+            raise CheckpointError(f"this state cannot be checkpointed: {e}") from None
         try:
             if self.durable and not shared.flushed_once:
                 self._flush_everything()

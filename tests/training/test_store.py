@@ -63,6 +63,12 @@ def chunk_files(directory: pathlib.Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+def latest_file(roots: list[bytes]) -> bytes:
+    """LATEST as docs/training-state.md specifies it."""
+    body = "moshpit-checkpoint 1\n" + "".join(f"{r.hex()}\n" for r in roots)
+    return f"{body}sha256 {hashlib.sha256(body.encode()).hexdigest()}\n".encode()
+
+
 def chunk_path(directory: pathlib.Path, digest: bytes) -> pathlib.Path:
     return directory / "chunks" / digest.hex()[:2] / digest.hex()
 
@@ -82,6 +88,8 @@ def test_save_and_load_round_trip_every_dtype(tmp_path: pathlib.Path) -> None:
     assert_same(named, tensors)
     assert store.committed_roots() == [manifest.root]
     assert store.missing_chunks(manifest) == {}
+    assert (tmp_path / "LATEST").read_bytes() == latest_file([manifest.root])
+    assert (tmp_path / "manifests" / manifest.root.hex()).read_bytes() == manifest.to_bytes()
 
 
 def test_save_with_explicit_chunks_and_latest(tmp_path: pathlib.Path) -> None:
@@ -234,7 +242,11 @@ def test_unknown_manifest_version_is_a_format_error(tmp_path: pathlib.Path) -> N
     future = Manifest(manifest.epoch, manifest.tensors, manifest.chunk_bytes, {}, version=2)
     for digest, data in chunks.items():
         store.put_chunk(digest, data)
-    store.commit(future)  # as a newer moshpit would have written it
+    # as a newer moshpit would have written it (this one refuses to commit it)
+    with pytest.raises(CheckpointError, match="cannot be checkpointed"):
+        store.commit(future)
+    (tmp_path / "manifests" / future.root.hex()).write_bytes(future.to_bytes())
+    (tmp_path / "LATEST").write_bytes(latest_file([future.root]))
     with pytest.raises(CheckpointFormatError, match="state format version 2.*upgrade moshpit"):
         store.latest()
     with pytest.raises(CheckpointFormatError):
@@ -728,3 +740,12 @@ def test_a_chunk_file_of_the_wrong_size_is_rewritten_by_a_save(tmp_path: pathlib
     save_state(store, named, 2, chunk_bytes=CHUNK)
     assert path.stat().st_size == CHUNK
     assert_same(named, load_state(store)[1])
+
+
+def test_a_state_that_could_not_be_read_back_is_not_committed(tmp_path: pathlib.Path) -> None:
+    store = StateStore(tmp_path)
+    first = save_state(store, named_state(13), 1, chunk_bytes=CHUNK)
+    twice = [("w", torch.zeros(3)), ("w", torch.ones(3))]
+    with pytest.raises(CheckpointError, match="cannot be checkpointed.*'w' appears twice"):
+        save_state(store, twice, 2)
+    assert store.latest() == first
