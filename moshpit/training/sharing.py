@@ -72,8 +72,8 @@ MAX_ERROR_CHARS = 512
 MAX_RESPONSE_BYTES = 16 << 20  # a batch of chunks (batch_bytes, at least one chunk <= 8 MiB)
 MAX_RECORD_NUMBER = 1 << 53  # epochs and byte counts above this are not plausible
 MAX_FAILURES = 3  # consecutive failed calls before a peer is dropped from this download
-BUSY_BACKOFF = (0.05, 2.0)
-SENDING_AT_ONCE = 2  # answers being transmitted at once (more wait their turn)  # first and largest wait after a "busy" answer, seconds
+BUSY_BACKOFF = (0.05, 2.0)  # first and largest wait after a "busy" answer, seconds
+SENDING_AT_ONCE = 2  # answers being transmitted at once (more wait their turn)
 _OWNER_SUBKEY = re.compile(r"^\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]$")
 
 T = TypeVar("T")
