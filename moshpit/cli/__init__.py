@@ -39,6 +39,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "demo": ("moshpit.cli.demo_cmd", "start a local swarm and watch Moshpit averaging converge"),
     "status": ("moshpit.cli.status_cmd", "show a run's peers, epochs, donors and health"),
+    "train": (
+        "moshpit.cli.train_cmd",
+        "run a volunteer peer: join, train, checkpoint, survive SIGTERM",
+    ),
 }
 
 

@@ -1,4 +1,6 @@
-"""``moshpit demo``: a local swarm of peer processes that average random tensors with Moshpit.
+"""``moshpit demo averaging``: a local swarm of peer processes that average random tensors.
+
+(``moshpit demo`` with no argument runs the training demo: ``moshpit/cli/train_demo.py``.)
 
 The parent starts a bootstrap DHT peer (in-process, torch-free), launches N worker processes
 (``python -m moshpit.cli.demo_cmd worker ...``) that know only the bootstrap multiaddr, and
@@ -33,23 +35,85 @@ CODECS = ("none", "float16", "uint8", "blockwise8", "topk")
 WORKER_STARTUP_TIMEOUT = 60.0
 
 
+AVERAGING_DEFAULTS = {
+    "peers": 8,
+    "size": 10_000,
+    "group_size": 2,
+    "rounds": 5,
+    "compression": "none",
+    "min_matchmaking_time": 1.5,
+}
+TRAINING_DEFAULTS = {"peers": 4, "group_size": 4}
+# options only the averaging demo has: giving one selects it (`moshpit demo --rounds 3`)
+AVERAGING_ONLY = ("size", "rounds", "compression", "min_matchmaking_time")
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", type=int, default=8, help="number of peer processes (default 8)")
-    parser.add_argument(
-        "--size", type=int, default=10_000, help="float32 values per peer (default 10000)"
-    )
-    parser.add_argument("--group-size", type=int, default=2, help="target group size M (default 2)")
-    parser.add_argument("--rounds", type=int, default=5, help="averaging rounds (default 5)")
-    parser.add_argument(
-        "--compression", choices=CODECS, default="none", help="codec for the all-reduce"
-    )
-    parser.add_argument(
-        "--kill", action="store_true", help="SIGKILL one peer in the middle of round 2"
+    from moshpit.cli import train_demo
+
+    parser.description = (
+        "start a local swarm of peer processes. Default (train): they train a small MLP on the "
+        "8x8 digits while peers are preempted (SIGTERM / kill -9) and restarted; ends with a "
+        "verdict against a single-process baseline and a PNG plot. 'moshpit demo averaging' "
+        "(or --averaging): the peers average random tensors until they agree."
     )
     parser.add_argument(
-        "--min-matchmaking-time", type=float, default=1.5, help="seconds (default 1.5)"
+        "which",
+        nargs="?",
+        choices=("train", "averaging"),
+        default=None,
+        help="train (default) or averaging",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random tensors")
+    parser.add_argument(
+        "--averaging", action="store_true", help="the averaging demo (same as 'demo averaging')"
+    )
+    parser.add_argument(
+        "--peers", type=int, default=None, help="peer processes (default 4; averaging: 8)"
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=None, help="target group size (default 4; averaging: 2)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the demo's randomness")
+    train_demo.configure_parser(parser)
+    parser.add_argument(
+        "--size", type=int, default=None, help="averaging: float32 values per peer (default 10000)"
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="averaging: rounds (default 5)")
+    parser.add_argument(
+        "--compression", choices=CODECS, default=None, help="averaging: codec for the all-reduce"
+    )
+    parser.add_argument(
+        "--kill", action="store_true", help="averaging: SIGKILL one peer in the middle of round 2"
+    )
+    parser.add_argument(
+        "--min-matchmaking-time", type=float, default=None, help="averaging: seconds (default 1.5)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch to the training demo (default) or the averaging demo."""
+    averaging = (
+        args.which == "averaging"
+        or args.averaging
+        or args.kill
+        or any(getattr(args, name) is not None for name in AVERAGING_ONLY)
+    )
+    if args.which == "train" and averaging and not args.averaging:
+        print(
+            "moshpit demo: --size/--rounds/--compression/--kill/--min-matchmaking-time belong "
+            "to 'moshpit demo averaging'",
+            file=sys.stderr,
+        )
+        return 2
+    defaults = AVERAGING_DEFAULTS if averaging else TRAINING_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if averaging:
+        return run_averaging(args)
+    from moshpit.cli import train_demo
+
+    return train_demo.run(args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +397,7 @@ class _Progress:
         self.alive: set[int] = set()
 
 
-def run(args: argparse.Namespace) -> int:
+def run_averaging(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()

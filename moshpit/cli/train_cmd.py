@@ -1,0 +1,417 @@
+"""``moshpit train``: a volunteer peer, the script a user runs on each (preemptible) VM.
+
+It joins the swarm through ``--initial-peers`` (or starts one when none is given), restores its
+own checkpoint from ``--checkpoint-dir`` if there is one, catches up with the swarm if the swarm
+is ahead (``moshpit.Optimizer`` loads the newest state from the donors), trains the demo task
+(8x8 digits, a small MLP: ``moshpit/training/demo_task.py``), checkpoints every
+``--checkpoint-every`` seconds, and leaves cleanly on SIGTERM (the notice a preemptible VM gets)
+or Ctrl-C: finish or abandon the running averaging round, write a checkpoint, withdraw from the
+DHT, exit 0 (``moshpit.handle_preemption``). Restarted with the same ``--identity`` and
+``--checkpoint-dir`` it is the same peer again and resumes where it was.
+
+Progress goes to the terminal (a live row: epoch, loss, test accuracy, samples/s, peers), or,
+with ``--json``, one JSON object per line on stdout (what ``moshpit demo`` reads from its peers).
+``examples/volunteer.py`` is the same code as a standalone script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RUN_ID = "digits"
+DEFAULT_CHECKPOINT_DIR = "moshpit-checkpoint"
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    from moshpit.training.demo_task import DEFAULT_BATCH, DEFAULT_LR
+
+    parser.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="multiaddr(s) of peers already in the swarm (none: start a new swarm)",
+    )
+    parser.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="where to listen (default /ip4/0.0.0.0/tcp/0: every interface, a free port)",
+    )
+    parser.add_argument(
+        "--identity",
+        default=None,
+        metavar="PATH",
+        help="key file that keeps this peer's PeerID across restarts (created if missing)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=DEFAULT_CHECKPOINT_DIR,
+        metavar="DIR",
+        help=f"checkpoints of this peer, restored on restart (default ./{DEFAULT_CHECKPOINT_DIR})",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between checkpoints (default 10; one more is written on SIGTERM)",
+    )
+    parser.add_argument("--run-id", default=DEFAULT_RUN_ID, help="the run's name (default digits)")
+    parser.add_argument(
+        "--mode",
+        choices=("local", "sync"),
+        default="local",
+        help="local: local steps + background averaging (default); sync: one global batch",
+    )
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="samples per step")
+    parser.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=256,
+        help="mode sync: samples the whole swarm accumulates per optimizer step (default 256)",
+    )
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam learning rate")
+    parser.add_argument("--group-size", type=int, default=4, help="averaging group size")
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="stop after this many steps (0: never)"
+    )
+    parser.add_argument(
+        "--duration", type=float, default=0.0, help="stop after this many seconds (0: never)"
+    )
+    parser.add_argument(
+        "--max-rate",
+        type=float,
+        default=0.0,
+        metavar="SAMPLES_PER_S",
+        help="train at most this many samples/s (0: as fast as possible)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed of this peer's batch order (default: random)"
+    )
+    parser.add_argument(
+        "--report-every", type=float, default=1.0, metavar="S", help="seconds between reports"
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=25.0,
+        metavar="S",
+        help="seconds allowed for leaving after SIGTERM (default 25)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object per line on stdout instead of a table"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the MLP is tiny, more threads only contend; 0: torch's)",
+    )
+    # used by `moshpit demo` for its peer processes
+    parser.add_argument("--stdin-control", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ignore-sigint", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--send-params", action="store_true", help=argparse.SUPPRESS)
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """A message for the first invalid argument, or None."""
+    for name in ("batch_size", "target_batch_size", "group_size"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1"
+    for name in ("max_steps", "duration", "max_rate", "checkpoint_every"):
+        if getattr(args, name) < 0:
+            return f"--{name.replace('_', '-')} must be >= 0"
+    if not args.lr > 0 or not args.report_every > 0 or not args.deadline > 0:
+        return "--lr, --report-every and --deadline must be > 0"
+    if args.mode == "sync" and args.target_batch_size < args.batch_size:
+        return "--target-batch-size must be >= --batch-size"
+    return None
+
+
+class _Reporter:
+    """Shows progress: JSON lines, a live row in a terminal, or a plain line per report."""
+
+    def __init__(self, json_lines: bool) -> None:
+        from rich.console import Console
+
+        self.json_lines = json_lines
+        self.console = Console()
+        self.live: Any = None
+        self.last_plain = 0.0
+
+    def event(self, kind: str, text: str, **fields: Any) -> None:
+        if self.json_lines:
+            _emit({"event": kind, **fields})
+        else:
+            self.console.print(text, soft_wrap=True, highlight=False)
+
+    def start_live(self) -> None:
+        if self.json_lines or not self.console.is_terminal:
+            return
+        from rich.live import Live
+
+        self.live = Live(self._table(None), console=self.console, refresh_per_second=4)
+        self.live.start()
+
+    def progress(self, row: dict[str, Any]) -> None:
+        if self.json_lines:
+            _emit({"event": "progress", **row})
+        elif self.live is not None:
+            self.live.update(self._table(row))
+        elif time.monotonic() - self.last_plain >= 5.0:
+            self.last_plain = time.monotonic()
+            self.console.print(
+                f"epoch {row['epoch']} | {row['samples']} samples | loss {row['loss']:.3f} | "
+                f"test acc {row['accuracy']:.3f} | {row['samples_per_s']:.0f}/s | "
+                f"peers {row['peers']}",
+                soft_wrap=True,
+                highlight=False,
+            )
+
+    def _table(self, row: dict[str, Any] | None) -> Any:
+        from rich.table import Table
+
+        table = Table(title="moshpit train (Ctrl-C or SIGTERM: checkpoint and leave)")
+        for col in ("time s", "epoch", "samples", "loss", "test acc", "samples/s", "peers"):
+            table.add_column(col, justify="right")
+        if row is not None:
+            table.add_row(
+                f"{row['elapsed']:.0f}",
+                str(row["epoch"]),
+                str(row["samples"]),
+                f"{row['loss']:.3f}",
+                f"{row['accuracy']:.3f}",
+                f"{row['samples_per_s']:.0f}",
+                str(row["peers"]),
+            )
+        return table
+
+    def stop_live(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _watch_stdin(stop: threading.Event) -> None:
+    """`moshpit demo` writes 'stop' (or closes stdin) when the run is over."""
+    for line in sys.stdin:
+        if line.strip() == "stop":
+            break
+    stop.set()
+
+
+def _join(args: argparse.Namespace) -> Any:
+    from dht import DHT, BootstrapError
+
+    for attempt in range(3):  # a busy machine (many peers importing torch at once) can be slow
+        try:
+            return DHT(
+                initial_peers=args.initial_peers,
+                host_maddrs=args.host_maddrs,
+                identity_path=args.identity,
+            )
+        except BootstrapError:
+            if attempt == 2:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = check_args(args)
+    if problem is not None:
+        print(f"moshpit train: {problem}", file=sys.stderr)
+        return 2
+    if args.ignore_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from moshpit.training.demo_task import MissingDemoDependency, load_digits_split
+
+        data = load_digits_split()
+    except MissingDemoDependency as e:
+        print(f"moshpit train: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    reporter = _Reporter(args.json)
+    try:
+        return _train(args, data, reporter)
+    finally:
+        reporter.stop_live()
+
+
+def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
+    import torch
+
+    import moshpit
+    from moshpit.training.demo_task import (
+        evaluate,
+        make_model,
+        make_optimizer,
+        params_to_text,
+    )
+    from moshpit.training.errors import NoDonorError, StateDownloadError
+
+    started = time.monotonic()
+    dht = _join(args)
+    addrs = [str(a) for a in dht.get_visible_maddrs()]
+    reporter.event(
+        "joined",
+        f"peer {dht.peer_id} is up; others join with --initial-peers {addrs[0]}",
+        peer=str(dht.peer_id),
+        addr=addrs[0],
+        startup_s=round(time.monotonic() - started, 2),
+    )
+    model = make_model(seed=0)  # every peer starts from the same weights
+    inner = make_optimizer(model, args.lr)
+    mode_options: dict[str, Any] = {}
+    opt = moshpit.Optimizer(
+        optimizer=inner,
+        dht=dht,
+        run_id=args.run_id,
+        batch_size_per_step=args.batch_size,
+        target_batch_size=args.target_batch_size if args.mode == "sync" else None,
+        mode=args.mode,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every_seconds=args.checkpoint_every or None,
+        target_group_size=args.group_size,
+        averager_options=dict(
+            min_matchmaking_time=1.0, request_timeout=2.0, allreduce_timeout=10.0
+        ),
+        load_state_timeout=10.0,
+        progress_ttl=10.0,
+        **mode_options,
+    )
+    restored = opt.epoch
+    # SIGTERM (preemption notice) and Ctrl-C: leave cleanly within the deadline, exit 0
+    signals = (signal.SIGTERM,) if args.ignore_sigint else (signal.SIGTERM, signal.SIGINT)
+    moshpit.handle_preemption(opt, dht, deadline=args.deadline, signals=signals)
+    reporter.event(
+        "started",
+        f"training run {args.run_id!r} in mode {args.mode}"
+        + (f", resumed from the checkpoint of epoch {restored}" if restored else "")
+        + f"; checkpoints in {args.checkpoint_dir}",
+        restored_epoch=restored,
+    )
+    stop = threading.Event()
+    if args.stdin_control:
+        threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    stream = data.batches(args.batch_size, seed=seed)
+    steps = samples = 0
+    ema_loss: float | None = None
+    train_started = time.monotonic()
+    last_report = 0.0
+    reporter.start_live()
+    preempted = False
+    try:
+        while not stop.is_set():
+            x, y = next(stream)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            try:
+                opt.step()
+            except (NoDonorError, StateDownloadError) as e:
+                # joining or catching up failed this time (donors left or were too slow): keep
+                # our state and train on; the next averaging round tries to catch up again
+                reporter.event(
+                    "warning",
+                    f"could not load the swarm's state ({e}); training on, will retry",
+                    message=str(e),
+                )
+            opt.zero_grad()
+            steps += 1
+            samples += args.batch_size
+            value = loss.item()
+            ema_loss = value if ema_loss is None else 0.9 * ema_loss + 0.1 * value
+            now = time.monotonic()
+            done = (args.max_steps and steps >= args.max_steps) or (
+                args.duration and now - train_started >= args.duration
+            )
+            if done or now - last_report >= args.report_every:
+                last_report = now
+                accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
+                reporter.progress(
+                    dict(
+                        elapsed=round(now - started, 2),
+                        epoch=opt.epoch,
+                        steps=steps,
+                        samples=samples,
+                        loss=round(ema_loss, 4),
+                        test_loss=round(test_loss, 4),
+                        accuracy=round(accuracy, 4),
+                        samples_per_s=round(samples / max(now - train_started, 1e-9), 1),
+                        peers=max(1, opt.tracker.global_progress.num_peers),
+                    )
+                )
+            if done:
+                break
+            if args.max_rate:
+                ahead = samples / args.max_rate - (time.monotonic() - train_started)
+                if ahead > 0:
+                    time.sleep(min(ahead, 1.0))
+    except moshpit.Preempted as e:
+        preempted = True
+        reporter.stop_live()
+        reporter.event(
+            "preempted",
+            f"{signal.Signals(e.signum).name}: left the swarm cleanly at epoch {opt.epoch} after "
+            f"{steps} steps; checkpoint in {args.checkpoint_dir}; restart with the same "
+            "--identity and --checkpoint-dir to resume",
+            epoch=opt.epoch,
+            steps=steps,
+            samples=samples,
+        )
+        return 0
+    finally:
+        if not preempted:
+            reporter.stop_live()
+    # a normal end (steps/duration reached, or the demo said stop): report, checkpoint, leave
+    accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
+    final: dict[str, Any] = dict(
+        epoch=opt.epoch,
+        steps=steps,
+        samples=samples,
+        accuracy=round(accuracy, 4),
+        test_loss=round(test_loss, 4),
+        elapsed=round(time.monotonic() - started, 2),
+    )
+    if args.send_params:
+        final["params"] = params_to_text(model)
+    reporter.event(
+        "final",
+        f"done: {steps} steps, {samples} samples, epoch {opt.epoch}, test accuracy "
+        f"{accuracy:.3f}; checkpoint in {args.checkpoint_dir}",
+        **final,
+    )
+    from moshpit.training.preemption import critical_section
+
+    with critical_section():  # a SIGTERM now waits for the clean exit below
+        opt.leave_swarm(args.deadline)
+        dht.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    from moshpit.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))

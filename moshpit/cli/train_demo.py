@@ -1,0 +1,762 @@
+"""``moshpit demo`` (the default): a local swarm trains a real model while peers are preempted.
+
+The parent starts a bootstrap DHT peer in-process (torch-free), then N peer processes, each
+running the volunteer logic of ``moshpit train`` (``moshpit/cli/train_cmd.py``: a
+``moshpit.Optimizer`` with a checkpoint directory, an identity file and
+``moshpit.handle_preemption``) on the 8x8 digits with a small MLP. Each peer trains at most
+``--max-rate`` samples/s (the peers share the machine's cores; a cap keeps the swarm's pace
+steady so preemptions land mid-training) and reports one JSON line per half second.
+
+While the swarm has processed between 15% and 70% of ``--samples``, the parent preempts
+``--preemptions`` peers chosen at random (SIGTERM and SIGKILL alternately, distinct peers while
+there are enough) and restarts each one ``--restart-delay`` seconds after it is gone, with the
+same identity and checkpoint directory (``--replace``: a fresh peer with an empty one). A peer is
+*stuck* when it is alive but its sample count has not moved for ``--stuck-after`` seconds.
+
+When the swarm has processed ``--samples`` samples the parent tells every peer to stop; each
+sends its final parameters. The swarm's final accuracy is the test accuracy of the average of
+the surviving peers' parameters (what one more averaging round would give everyone); the
+baseline is the same model and optimizer trained in one process on as many samples as the
+whole swarm processed. Verdict OK: the swarm is within 1 point of the baseline (or better), no
+peer was stuck, and every preempted peer came back.
+
+Ctrl-C stops every peer, prints the table so far and a one-line summary, exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+STARTUP_TIMEOUT = 90.0
+STOP_TIMEOUT = 30.0
+ACCURACY_TOLERANCE = 0.01  # "within 1 point"
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of the training demo (``demo_cmd`` adds them next to the averaging demo's)."""
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=150_000,
+        help="training: samples the whole swarm processes before it stops (default 150000)",
+    )
+    parser.add_argument(
+        "--preemptions",
+        type=int,
+        default=3,
+        help="training: peers preempted (SIGTERM / kill -9 alternately) and restarted (default 3)",
+    )
+    parser.add_argument(
+        "--max-rate",
+        type=float,
+        default=800.0,
+        help="training: samples/s cap of each peer (default 800)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("local", "sync"),
+        default="local",
+        help="training: moshpit.Optimizer mode",
+    )
+    parser.add_argument(
+        "--restart-delay",
+        type=float,
+        default=2.0,
+        help="training: seconds between a peer's exit and its restart (default 2)",
+    )
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="training: replace preempted peers by fresh ones (new identity, no checkpoint)",
+    )
+    parser.add_argument(
+        "--stuck-after",
+        type=float,
+        default=20.0,
+        help="training: a live peer whose samples do not move for this long is stuck (default 20)",
+    )
+    parser.add_argument(
+        "--plot",
+        default="moshpit-demo.png",
+        metavar="PATH",
+        help="training: where the PNG plot goes (default ./moshpit-demo.png)",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="training: write no plot")
+    parser.add_argument(
+        "--json", action="store_true", help="training: print a JSON summary as the last line"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# peer processes
+
+
+@dataclass
+class Slot:
+    """One peer of the swarm across its restarts (same identity and checkpoint dir)."""
+
+    index: int
+    identity: str
+    checkpoint_dir: str
+    proc: subprocess.Popen | None = None
+    incarnation: int = 0
+    state: str = "starting"
+    spawned_at: float = 0.0
+    last_advance: float = 0.0  # when its samples last moved (or it was spawned)
+    samples: int = 0  # of the current incarnation
+    samples_before: int = 0  # of earlier incarnations
+    row: dict[str, Any] = field(default_factory=dict)
+    final: dict[str, Any] | None = None
+    note: str = ""
+    restart_at: float | None = None
+    stuck: bool = False
+    exit_codes: list[int] = field(default_factory=list)
+    stderr_tail: list[str] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def total_samples(self) -> int:
+        return self.samples_before + self.samples
+
+
+class Swarm:
+    """Starts, preempts and restarts the peer processes; their JSON lines go to one queue."""
+
+    def __init__(self, args: argparse.Namespace, bootstrap: str, workdir: str) -> None:
+        self.args = args
+        self.bootstrap = bootstrap
+        self.workdir = workdir
+        self.events: queue.Queue[tuple[int, int, dict[str, Any]]] = queue.Queue()
+        self.slots = [self._new_slot(i, 0) for i in range(args.peers)]
+
+    def _new_slot(self, index: int, generation: int) -> Slot:
+        name = f"peer{index}" + (f"-{generation}" if generation else "")
+        return Slot(
+            index,
+            os.path.join(self.workdir, f"{name}.key"),
+            os.path.join(self.workdir, name),
+        )
+
+    def spawn(self, slot: Slot) -> None:
+        args = self.args
+        cmd = [
+            sys.executable, "-m", "moshpit.cli.train_cmd",
+            "--initial-peers", self.bootstrap, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--identity", slot.identity, "--checkpoint-dir", slot.checkpoint_dir,
+            "--checkpoint-every", "3", "--run-id", "demo-digits", "--mode", args.mode,
+            "--group-size", str(args.group_size), "--max-rate", str(args.max_rate),
+            "--seed", str(args.seed * 100_003 + slot.index * 101 + slot.incarnation),
+            "--report-every", "0.5", "--deadline", "10", "--threads", "1",
+            "--json", "--stdin-control", "--ignore-sigint", "--send-params",
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        log_dir = os.environ.get("MOSHPIT_DEMO_LOGDIR")
+        err = (
+            open(os.path.join(log_dir, f"peer{slot.index}.{slot.incarnation}.log"), "w")  # noqa: SIM115
+            if log_dir
+            else subprocess.PIPE
+        )
+        slot.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+            start_new_session=True,  # the parent alone decides when peers stop (Ctrl-C)
+        )
+        if log_dir:
+            err.close()
+        now = time.monotonic()
+        slot.spawned_at = slot.last_advance = now
+        slot.samples = 0
+        slot.state = "starting"
+        slot.row = {}
+        slot.final = None
+        threading.Thread(
+            target=self._read, args=(slot, slot.incarnation, slot.proc), daemon=True
+        ).start()
+        if not log_dir:
+            threading.Thread(target=self._read_err, args=(slot, slot.proc), daemon=True).start()
+
+    def _read(self, slot: Slot, incarnation: int, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("event"), str):
+                self.events.put((slot.index, incarnation, obj))
+        proc.wait()
+        self.events.put((slot.index, incarnation, {"event": "exit", "code": proc.returncode}))
+
+    def _read_err(self, slot: Slot, proc: subprocess.Popen) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            slot.stderr_tail = (slot.stderr_tail + [line])[-20:]
+
+    def send(self, slot: Slot, text: str) -> None:
+        try:
+            assert slot.proc is not None and slot.proc.stdin is not None
+            slot.proc.stdin.write(text + "\n")
+            slot.proc.stdin.flush()
+        except (BrokenPipeError, OSError, AssertionError):
+            pass
+
+    def stop_all(self, grace: float = 12.0) -> None:
+        """SIGTERM every live peer, give them ``grace`` seconds together, then SIGKILL."""
+        live = [s for s in self.slots if s.alive]
+        for s in live:
+            with contextlib.suppress(ProcessLookupError):
+                s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + grace
+        for s in live:
+            try:
+                s.proc.wait(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
+            except subprocess.TimeoutExpired:
+                s.proc.kill()  # type: ignore[union-attr]
+                s.proc.wait()  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+@dataclass
+class Record:
+    """What the parent saw, for the table, the plot, the summary and Ctrl-C."""
+
+    started: float
+    budget: int
+    points: list[tuple[int, float, int, float, float]] = field(default_factory=list)
+    # (slot, t, swarm samples, accuracy, test loss)
+    marks: list[tuple[float, int, str, int]] = field(default_factory=list)
+    # (t, swarm samples, "SIGTERM" | "SIGKILL" | "restart", slot)
+    preemptions: dict[str, int] = field(default_factory=lambda: {"SIGTERM": 0, "SIGKILL": 0})
+    restarts: int = 0
+    table: Any = None
+    live_used: bool = False
+    swarm_samples: int = 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    if args.peers < 2 or args.group_size < 2 or args.samples < 1 or args.preemptions < 0:
+        console.print(
+            "[red]need --peers >= 2, --group-size >= 2, --samples >= 1, --preemptions >= 0"
+        )
+        return 2
+    if not args.max_rate > 0 or args.restart_delay < 0 or not args.stuck_after > 0:
+        console.print("[red]need --max-rate > 0, --restart-delay >= 0, --stuck-after > 0")
+        return 2
+    try:
+        from moshpit.training.demo_task import MissingDemoDependency, load_digits_split
+
+        data = load_digits_split()
+    except MissingDemoDependency as e:
+        console.print(f"moshpit demo: {e}", soft_wrap=True, highlight=False)
+        return 2
+    record = Record(started=time.monotonic(), budget=args.samples)
+    try:
+        return _run(args, console, data, record)
+    except KeyboardInterrupt:
+        if record.table is not None and not record.live_used:
+            console.print(record.table)
+        pre = record.preemptions
+        console.print(
+            f"[bold]interrupted (Ctrl-C) after {time.monotonic() - record.started:.0f}s: "
+            f"{record.swarm_samples}/{record.budget} samples, "
+            f"{pre['SIGTERM'] + pre['SIGKILL']} preemptions, {record.restarts} restarts; "
+            "all peers stopped[/bold]",
+            soft_wrap=True,
+            highlight=False,
+        )
+        return 130
+
+
+def _run(args: argparse.Namespace, console: Any, data: Any, record: Record) -> int:
+    from dht import DHT
+
+    bootstrap: DHT | None = None
+    swarm: Swarm | None = None
+    with tempfile.TemporaryDirectory(prefix="moshpit-demo-") as workdir:
+        try:
+            bootstrap = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            maddr = str(bootstrap.get_visible_maddrs()[0])
+            console.print(f"bootstrap peer: [bold]{maddr}[/bold]", soft_wrap=True, highlight=False)
+            console.print(
+                f"{args.peers} peers train a 64-64-10 MLP on the 8x8 digits (mode {args.mode}, "
+                f"<= {args.max_rate:.0f} samples/s each) until the swarm has seen "
+                f"{args.samples} samples; {args.preemptions} of them get preempted and restart",
+                soft_wrap=True,
+                highlight=False,
+            )
+            swarm = Swarm(args, maddr, workdir)
+            for slot in swarm.slots:
+                swarm.spawn(slot)
+            outcome = _drive(args, console, swarm, record)
+        finally:
+            # a second Ctrl-C must not leave peers running: finish the clean-up first
+            with _sigint_ignored():
+                if swarm is not None:
+                    swarm.stop_all()
+                if bootstrap is not None:
+                    bootstrap.shutdown()
+    if outcome is None:
+        return 1
+    return _conclude(args, console, data, swarm, record, outcome)
+
+
+def _plan(args: argparse.Namespace, rng: random.Random) -> list[tuple[float, str]]:
+    """(fraction of the sample budget, signal name) for each preemption."""
+    n = args.preemptions
+    if n == 0:
+        return []
+    lo, hi = 0.15, 0.7
+    width = (hi - lo) / n
+    return [
+        (lo + width * (k + rng.uniform(0.2, 0.8)), "SIGTERM" if k % 2 == 0 else "SIGKILL")
+        for k in range(n)
+    ]
+
+
+def _drive(
+    args: argparse.Namespace, console: Any, swarm: Swarm, record: Record
+) -> dict[str, Any] | None:
+    """Run until the budget is reached; returns the stop outcome (None: the swarm failed)."""
+    from rich.live import Live
+
+    rng = random.Random(args.seed)
+    plan = _plan(args, rng)
+    preempted_slots: set[int] = set()
+    live = (
+        Live(_table(swarm, record), console=console, refresh_per_second=4)
+        if (console.is_terminal)
+        else None
+    )
+    record.live_used = live is not None
+    last_line = 0.0
+
+    def say(text: str) -> None:
+        (live.console if live else console).print(text, soft_wrap=True, highlight=False)
+
+    with live or contextlib.nullcontext():
+        while True:
+            now = time.monotonic()
+            _pump(swarm, record, say, until=now + 0.25)
+            now = time.monotonic()
+            record.swarm_samples = sum(s.total_samples for s in swarm.slots)
+            # restarts that are due
+            for slot in swarm.slots:
+                if slot.restart_at is not None and now >= slot.restart_at:
+                    slot.restart_at = None
+                    if args.replace:
+                        fresh = swarm._new_slot(slot.index, slot.incarnation + 1)
+                        slot.identity, slot.checkpoint_dir = fresh.identity, fresh.checkpoint_dir
+                    slot.samples_before += slot.samples
+                    slot.incarnation += 1
+                    swarm.spawn(slot)
+                    record.restarts += 1
+                    record.marks.append(
+                        (now - record.started, record.swarm_samples, "restart", slot.index)
+                    )
+                    kind = "replaced by a fresh peer" if args.replace else "restarted"
+                    slot.note = kind
+                    say(
+                        f"peer {slot.index} {kind} (same identity and checkpoint dir)"
+                        if not args.replace
+                        else f"peer {slot.index} {kind}"
+                    )
+            # stuck peers: alive, but their samples did not move
+            for slot in swarm.slots:
+                limit = STARTUP_TIMEOUT if slot.state == "starting" else args.stuck_after
+                if (
+                    slot.alive
+                    and slot.state in ("starting", "training")
+                    and now - slot.last_advance > limit
+                    and not slot.stuck
+                ):
+                    slot.stuck = True
+                    say(
+                        f"[red]peer {slot.index} is stuck: no progress for {now - slot.last_advance:.0f}s[/red]"
+                    )
+            # preemptions that are due
+            if plan and record.swarm_samples >= plan[0][0] * args.samples:
+                training = [s for s in swarm.slots if s.alive and s.state == "training"]
+                if len(training) >= 2:
+                    fresh_victims = [s for s in training if s.index not in preempted_slots]
+                    victim = rng.choice(fresh_victims or training)
+                    _, signame = plan.pop(0)
+                    preempted_slots.add(victim.index)
+                    victim.state = "preempted"
+                    victim.note = "SIGTERM" if signame == "SIGTERM" else "kill -9"
+                    record.preemptions[signame] += 1
+                    record.marks.append(
+                        (now - record.started, record.swarm_samples, signame, victim.index)
+                    )
+                    with contextlib.suppress(ProcessLookupError):
+                        victim.proc.send_signal(getattr(signal, signame))  # type: ignore[union-attr]
+                    say(
+                        f"[yellow]preempted peer {victim.index} with "
+                        f"{'SIGTERM' if signame == 'SIGTERM' else 'kill -9'} at "
+                        f"{record.swarm_samples} samples[/yellow]"
+                    )
+            if live is not None:
+                live.update(_table(swarm, record))
+            elif now - last_line >= 5.0:
+                last_line = now
+                say(_status_line(swarm, record))
+            if record.swarm_samples >= args.samples:
+                break
+            if not any(s.alive or s.restart_at is not None for s in swarm.slots):
+                say("[red]every peer is gone; giving up[/red]")
+                for s in swarm.slots:
+                    if s.stderr_tail:
+                        say(f"peer {s.index} stderr:\n{''.join(s.stderr_tail[-8:])}")
+                return None
+        # the budget is reached: every training peer sends its final state and leaves
+        for slot in swarm.slots:
+            if slot.alive:
+                swarm.send(slot, "stop")
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while time.monotonic() < deadline and any(
+            s.alive and s.state in ("training", "starting", "stopping") and s.final is None
+            for s in swarm.slots
+        ):
+            for s in swarm.slots:
+                if s.alive and s.state == "training":
+                    s.state = "stopping"
+            _pump(swarm, record, say, until=time.monotonic() + 0.25)
+            if live is not None:
+                live.update(_table(swarm, record))
+        record.table = _table(swarm, record)
+        if live is not None:
+            live.update(record.table)
+    if live is None:
+        console.print(record.table)
+    return {"finals": {s.index: s.final for s in swarm.slots if s.final is not None}}
+
+
+def _pump(swarm: Swarm, record: Record, say: Any, until: float) -> None:
+    """Apply the peers' JSON lines that arrive before ``until``."""
+    while True:
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            return
+        try:
+            index, incarnation, obj = swarm.events.get(timeout=remaining)
+        except queue.Empty:
+            return
+        slot = swarm.slots[index]
+        if incarnation != slot.incarnation:
+            continue  # a line from a previous life (already gone)
+        kind = obj["event"]
+        now = time.monotonic()
+        if kind == "progress":
+            samples = int(obj.get("samples", 0))
+            if samples > slot.samples:
+                slot.last_advance = now
+            slot.samples = samples
+            slot.row = obj
+            if slot.state == "starting":
+                slot.state = "training"
+            swarm_samples = sum(s.total_samples for s in swarm.slots)
+            record.swarm_samples = swarm_samples
+            record.points.append(
+                (
+                    index,
+                    now - record.started,
+                    swarm_samples,
+                    float(obj["accuracy"]),
+                    float(obj["test_loss"]),
+                )
+            )
+        elif kind == "started":
+            slot.last_advance = now
+            if obj.get("restored_epoch"):
+                slot.note = f"resumed epoch {obj['restored_epoch']}"
+                say(f"peer {index} resumed from its checkpoint of epoch {obj['restored_epoch']}")
+            elif slot.incarnation:
+                say(f"peer {index} came back without a checkpoint; it loads the swarm's state")
+        elif kind == "final":
+            slot.final = obj
+            slot.state = "done"
+        elif kind == "preempted":
+            slot.note = f"left cleanly at epoch {obj.get('epoch')}"
+        elif kind == "exit":
+            code = int(obj.get("code", 0))
+            slot.exit_codes.append(code)
+            if slot.state == "preempted":
+                slot.restart_at = now + swarm.args.restart_delay
+                slot.state = "down"
+            elif slot.state != "done":
+                slot.state = "failed"
+                say(f"[red]peer {index} exited with status {code}[/red]")
+                if slot.stderr_tail:
+                    say("".join(slot.stderr_tail[-8:]))
+
+
+def _status_line(swarm: Swarm, record: Record) -> str:
+    accs = [s.row["accuracy"] for s in swarm.slots if s.row and s.alive]
+    acc = f"{sum(accs) / len(accs):.3f}" if accs else "-"
+    pre = record.preemptions
+    return (
+        f"{time.monotonic() - record.started:5.0f}s  samples {record.swarm_samples}/{record.budget}  "
+        f"peers training {sum(1 for s in swarm.slots if s.alive and s.state == 'training')}  "
+        f"mean test acc {acc}  preemptions {pre['SIGTERM'] + pre['SIGKILL']}  "
+        f"restarts {record.restarts}"
+    )
+
+
+def _table(swarm: Swarm, record: Record) -> Any:
+    from rich.table import Table
+
+    pre = record.preemptions
+    table = Table(
+        title=f"moshpit demo: {len(swarm.slots)} peers train on the 8x8 digits",
+        caption=(
+            f"{time.monotonic() - record.started:.0f}s, samples {record.swarm_samples}/"
+            f"{record.budget}, preemptions {pre['SIGTERM']} SIGTERM + {pre['SIGKILL']} kill -9, "
+            f"restarts {record.restarts}"
+        ),
+    )
+    for col in ("peer", "state", "epoch", "samples", "loss", "acc", "rate/s", "peers", "events"):
+        table.add_column(col, justify="left" if col in ("state", "events") else "right")
+    for s in swarm.slots:
+        r = s.row
+        table.add_row(
+            str(s.index),
+            s.state,
+            str(r.get("epoch", "-")),
+            str(s.total_samples),
+            f"{r['loss']:.3f}" if r else "-",
+            f"{r['accuracy']:.3f}" if r else "-",
+            f"{r['samples_per_s']:.0f}" if r else "-",
+            str(r.get("peers", "-")),
+            s.note,
+        )
+    return table
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Any:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# verdict, plot, summary
+
+
+def _conclude(
+    args: argparse.Namespace,
+    console: Any,
+    data: Any,
+    swarm: Swarm,
+    record: Record,
+    outcome: dict[str, Any],
+) -> int:
+    import torch
+
+    from moshpit.training.demo_task import (
+        evaluate,
+        load_flat_params,
+        make_model,
+        params_from_text,
+        train_baseline,
+    )
+
+    finals = outcome["finals"]
+    wall = time.monotonic() - record.started
+    samples = record.swarm_samples
+    model = make_model(0)
+    peer_acc: dict[int, float] = {}
+    flats = []
+    for index, final in finals.items():
+        try:
+            flat = params_from_text(model, final["params"])
+        except (KeyError, ValueError) as e:
+            console.print(f"[red]peer {index} sent unusable parameters: {e}[/red]")
+            continue
+        flats.append(flat)
+        peer_acc[index] = float(final["accuracy"])
+    if flats:
+        load_flat_params(model, torch.stack(flats).mean(0))
+        final_acc, final_loss = evaluate(model, data.x_test, data.y_test)
+    else:
+        final_acc, final_loss = float("nan"), float("nan")
+    with console.status("training the single-process baseline on the same number of samples..."):
+        base_acc, base_loss, base_curve = train_baseline(data, samples, seed=args.seed)
+    pre = record.preemptions
+    preemptions = pre["SIGTERM"] + pre["SIGKILL"]
+    stuck = sum(1 for s in swarm.slots if s.stuck)
+    unclean = sum(
+        1 for s in swarm.slots for code in s.exit_codes if code not in (0, -signal.SIGKILL)
+    )
+    missing = args.peers - len(flats)
+    ok = (
+        bool(flats)
+        and final_acc >= base_acc - ACCURACY_TOLERANCE
+        and stuck == 0
+        and record.restarts == preemptions
+        and missing == 0
+    )
+    gap = (final_acc - base_acc) * 100
+    console.print(
+        f"[bold]verdict: {'OK' if ok else 'NOT OK'}[/bold] — swarm {final_acc:.3f} vs baseline "
+        f"{base_acc:.3f} ({gap:+.1f} points; "
+        f"{'within 1 point or better' if final_acc >= base_acc - ACCURACY_TOLERANCE else 'more than 1 point worse'}), "
+        f"{preemptions} preemptions survived ({pre['SIGTERM']} SIGTERM, {pre['SIGKILL']} kill -9), "
+        f"{record.restarts} restarts, {stuck} stuck peers, {len(flats)}/{args.peers} peers at the "
+        f"end, {samples} samples in {wall:.0f}s",
+        soft_wrap=True,
+        highlight=False,
+    )
+    console.print(
+        "swarm accuracy = test accuracy of the mean of the final peers' parameters "
+        f"(each peer alone: {', '.join(f'{a:.3f}' for a in peer_acc.values()) or '-'}); "
+        "baseline = the same MLP and Adam in one process on the same number of samples",
+        soft_wrap=True,
+        highlight=False,
+    )
+    plot_path = None
+    if not args.no_plot:
+        plot_path = _plot(args, console, record, base_curve, final_acc, base_acc, samples, wall)
+    summary = {
+        "final_accuracy": round(final_acc, 4),
+        "final_loss": round(final_loss, 4),
+        "baseline_accuracy": round(base_acc, 4),
+        "baseline_loss": round(base_loss, 4),
+        "peer_accuracies": [round(a, 4) for a in peer_acc.values()],
+        "preemptions": preemptions,
+        "sigterm": pre["SIGTERM"],
+        "kill9": pre["SIGKILL"],
+        "restarts": record.restarts,
+        "stuck_peers": stuck,
+        "unclean_exits": unclean,
+        "peers": args.peers,
+        "peers_at_end": len(flats),
+        "samples": samples,
+        "mode": args.mode,
+        "wall_s": round(wall, 1),
+        "verdict": "OK" if ok else "NOT OK",
+        "plot": plot_path,
+    }
+    if args.json:
+        sys.stdout.flush()
+        console.file.flush()
+        print(json.dumps(summary), flush=True)
+    return 0 if ok else 1
+
+
+def _plot(
+    args: argparse.Namespace,
+    console: Any,
+    record: Record,
+    base_curve: list[tuple[int, float, float]],
+    final_acc: float,
+    base_acc: float,
+    samples: int,
+    wall: float,
+) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from moshpit.training.demo_task import DEMO_INSTALL_HINT
+
+        console.print(
+            f"no plot: matplotlib is not installed ({DEMO_INSTALL_HINT})",
+            soft_wrap=True,
+            highlight=False,
+        )
+        return None
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col")
+    colors = plt.get_cmap("tab10")
+    for index in range(args.peers):
+        pts = [p for p in record.points if p[0] == index]
+        if not pts:
+            continue
+        t = [p[1] for p in pts]
+        n = [p[2] for p in pts]
+        kw = dict(color=colors(index % 10), lw=1.0, alpha=0.8, label=f"peer {index}")
+        axes[0][0].plot(t, [p[3] for p in pts], ".", ms=2, **kw)
+        axes[1][0].plot(t, [p[4] for p in pts], ".", ms=2, **kw)
+        axes[0][1].plot(n, [p[3] for p in pts], ".", ms=2, **kw)
+        axes[1][1].plot(n, [p[4] for p in pts], ".", ms=2, **kw)
+    if base_curve:
+        bn = [c[0] for c in base_curve]
+        axes[0][1].plot(bn, [c[1] for c in base_curve], "k--", lw=1.5, label="baseline (1 process)")
+        axes[1][1].plot(bn, [c[2] for c in base_curve], "k--", lw=1.5, label="baseline (1 process)")
+    axes[0][1].plot([samples], [final_acc], "r*", ms=12, label="swarm (mean of peers)")
+    axes[0][0].plot([wall], [final_acc], "r*", ms=12, label="swarm (mean of peers)")
+    style = {
+        "SIGTERM": ("tab:orange", "-"),
+        "SIGKILL": ("tab:red", "-"),
+        "restart": ("tab:green", ":"),
+    }
+    seen: set[str] = set()
+    for t, n, kind, _slot in record.marks:
+        color, ls = style[kind]
+        label = {"SIGTERM": "SIGTERM", "SIGKILL": "kill -9", "restart": "restart"}[kind]
+        for row in (0, 1):
+            axes[row][0].axvline(
+                t, color=color, ls=ls, lw=1.2, label=None if label in seen or row else label
+            )
+            axes[row][1].axvline(n, color=color, ls=ls, lw=1.2)
+        seen.add(label)
+    for row, name in ((0, "test accuracy"), (1, "test loss")):
+        for col in (0, 1):
+            axes[row][col].set_ylabel(name)
+            axes[row][col].grid(alpha=0.3)
+    axes[0][0].set_ylim(0.0, 1.0)
+    axes[0][1].set_ylim(0.0, 1.0)
+    axes[1][0].set_yscale("log")
+    axes[1][1].set_yscale("log")
+    axes[1][0].set_xlabel("wall time (s)")
+    axes[1][1].set_xlabel("samples processed by the whole swarm")
+    axes[0][0].legend(loc="lower right", fontsize=8)
+    axes[0][1].legend(loc="lower right", fontsize=8)
+    pre = record.preemptions
+    fig.suptitle(
+        f"moshpit demo: {args.peers} peers ({args.mode}), {pre['SIGTERM']} SIGTERM + "
+        f"{pre['SIGKILL']} kill -9 — swarm {final_acc:.3f} vs baseline {base_acc:.3f}"
+    )
+    fig.tight_layout()
+    path = os.path.abspath(args.plot)
+    try:
+        fig.savefig(path, dpi=90)
+    except OSError as e:
+        console.print(f"[red]could not write the plot to {path}: {e}[/red]")
+        return None
+    finally:
+        plt.close(fig)
+    console.print(f"plot: {path}", soft_wrap=True, highlight=False)
+    return path

@@ -1,0 +1,162 @@
+"""The task of ``moshpit demo`` and ``moshpit train``: 8x8 handwritten digits with a small MLP.
+
+The data set is the one bundled with scikit-learn (1797 images of 8x8 pixels, 10 classes; no
+download), so the demo works on a machine without internet. The split into training and test
+images is fixed (seeded), so every peer, the baseline and the parent evaluate on the same test
+set. Each peer draws its own mini-batches from the training images with its own seed.
+
+scikit-learn is an optional dependency (``pip install 'moshpit-train[demo]'``):
+:func:`load_digits_split` raises :class:`MissingDemoDependency` with that line when it is absent.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEMO_INSTALL_HINT",
+    "DigitsData",
+    "MissingDemoDependency",
+    "evaluate",
+    "load_digits_split",
+    "make_model",
+    "make_optimizer",
+    "params_from_text",
+    "params_to_text",
+    "train_baseline",
+]
+
+DEMO_INSTALL_HINT = "pip install 'moshpit-train[demo]'  (or: pip install scikit-learn matplotlib)"
+TEST_FRACTION = 0.3
+SPLIT_SEED = 1234
+HIDDEN = 64
+DEFAULT_LR = 0.003
+DEFAULT_BATCH = 32
+
+
+class MissingDemoDependency(ImportError):
+    """An optional library the demo needs is not installed (the message says how to get it)."""
+
+
+@dataclass
+class DigitsData:
+    """The fixed split: float32 images scaled to [0, 1] and int64 labels."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    def batches(self, batch_size: int, seed: int) -> Any:
+        """An endless stream of (x, y) mini-batches drawn without replacement per pass."""
+        gen = torch.Generator().manual_seed(seed)
+        n = len(self.y_train)
+        while True:
+            order = torch.randperm(n, generator=gen)
+            for start in range(0, n - batch_size + 1, batch_size):
+                idx = order[start : start + batch_size]
+                yield self.x_train[idx], self.y_train[idx]
+
+
+def load_digits_split() -> DigitsData:
+    """The 8x8 digits with the fixed train/test split (30% test, seeded)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:
+        raise MissingDemoDependency(
+            f"the demo trains on scikit-learn's bundled digits; install it with: {DEMO_INSTALL_HINT}"
+        ) from e
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_test = int(round(len(y) * TEST_FRACTION))
+    test, train = order[:n_test], order[n_test:]
+    return DigitsData(x[train], y[train], x[test], y[test])
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    """64 -> 64 -> 10 MLP; every peer starts from the same weights (same seed)."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 10)
+    )
+    torch.random.set_rng_state(gen_state)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, lr: float = DEFAULT_LR) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=lr)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on ``x, y``."""
+    logits = model(x)
+    loss = float(torch.nn.functional.cross_entropy(logits, y))
+    acc = float((logits.argmax(1) == y).float().mean())
+    return acc, loss
+
+
+def train_baseline(
+    data: DigitsData,
+    samples: int,
+    *,
+    batch_size: int = DEFAULT_BATCH,
+    lr: float = DEFAULT_LR,
+    seed: int = 0,
+    points: int = 40,
+) -> tuple[float, float, list[tuple[int, float, float]]]:
+    """One process, the same model and optimizer, ``samples`` training samples.
+
+    Returns (accuracy, loss, curve) where curve holds ``(samples, accuracy, loss)`` points.
+    """
+    model = make_model(seed)
+    opt = make_optimizer(model, lr)
+    steps = max(1, samples // batch_size)
+    every = max(1, steps // points)
+    curve: list[tuple[int, float, float]] = []
+    stream = data.batches(batch_size, seed=10_000 + seed)
+    for step in range(1, steps + 1):
+        x, y = next(stream)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % every == 0 or step == steps:
+            acc, test_loss = evaluate(model, data.x_test, data.y_test)
+            curve.append((step * batch_size, acc, test_loss))
+    acc, test_loss = evaluate(model, data.x_test, data.y_test)
+    return acc, test_loss, curve
+
+
+def params_to_text(model: torch.nn.Module) -> str:
+    """The model's parameters as one base64 string (float32, in ``parameters()`` order)."""
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    return base64.b64encode(flat.numpy().tobytes()).decode()
+
+
+def params_from_text(model: torch.nn.Module, text: str) -> torch.Tensor:
+    """Decode :func:`params_to_text` output into a flat tensor; checks its length."""
+    import numpy as np
+
+    flat = torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype=np.float32).copy())
+    expected = sum(p.numel() for p in model.parameters())
+    if flat.numel() != expected:
+        raise ValueError(f"expected {expected} parameters, got {flat.numel()}")
+    return flat
+
+
+def load_flat_params(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Write a flat parameter vector into ``model`` (inverse of :func:`params_to_text`)."""
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n

@@ -1,0 +1,174 @@
+"""The volunteer script (`examples/volunteer.py`, also `moshpit train`) with real processes:
+it joins, trains, averages, checkpoints, leaves with exit 0 on SIGTERM and resumes as the same
+peer from its checkpoint when restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+VOLUNTEER = ROOT / "examples" / "volunteer.py"
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+}
+TIMEOUT = 120.0
+
+
+class Volunteer:
+    """A volunteer process whose JSON lines are collected on a thread."""
+
+    def __init__(self, cmd: list[str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+            cwd=cwd,
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            try:
+                self.events.put(json.loads(line))
+            except json.JSONDecodeError:
+                self.events.put({"event": "text", "line": line})
+
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.stderr.append(line)
+
+    def wait_for(self, predicate: Any, timeout: float = TIMEOUT) -> dict[str, Any]:
+        while True:
+            try:
+                event = self.events.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(
+                    f"no such event; stderr: {''.join(self.stderr)[-3000:]}"
+                ) from None
+            if predicate(event):
+                return event
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def volunteer(tmp: Path, name: str, *extra: str, script: bool = True) -> Volunteer:
+    head = (
+        [sys.executable, str(VOLUNTEER)] if script else [sys.executable, "-m", "moshpit", "train"]
+    )
+    return Volunteer(
+        [
+            *head,
+            "--json",
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--identity",
+            str(tmp / f"{name}.key"),
+            "--checkpoint-dir",
+            str(tmp / name),
+            "--max-rate",
+            "1000",
+            "--report-every",
+            "0.3",
+            "--seed",
+            str(len(name)),
+            *extra,
+        ],  # fmt: skip
+        tmp,
+    )
+
+
+def test_volunteer_joins_trains_checkpoints_leaves_on_sigterm_and_resumes(tmp_path: Path):
+    first = volunteer(tmp_path, "a")
+    peers: list[Volunteer] = [first]
+    try:
+        addr = first.wait_for(lambda e: e["event"] == "joined")["addr"]
+        second = volunteer(tmp_path, "bb", "--initial-peers", addr)
+        peers.append(second)
+        joined = second.wait_for(lambda e: e["event"] == "joined")
+        # it trains (samples go up, loss goes down) and averages with the first peer
+        # (epoch = completed averaging rounds; peers = the progress tracker's view of the run)
+        progress = second.wait_for(
+            lambda e: e["event"] == "progress" and e["epoch"] >= 2 and e["peers"] == 2
+        )
+        assert progress["samples"] > 0 and progress["accuracy"] > 0.2
+        # the preemption notice: it leaves cleanly and exits 0
+        second.proc.send_signal(signal.SIGTERM)
+        left = second.wait_for(lambda e: e["event"] == "preempted")
+        assert second.proc.wait(timeout=60) == 0, "".join(second.stderr)
+        assert left["epoch"] >= 2
+        assert any((tmp_path / "bb").iterdir()), "no checkpoint was written"
+        # restarted with the same identity and checkpoint dir (as `moshpit train`): same
+        # PeerID, resumes from the checkpoint it wrote on its way out
+        again = volunteer(tmp_path, "bb", "--initial-peers", addr, script=False)
+        peers.append(again)
+        assert again.wait_for(lambda e: e["event"] == "joined")["peer"] == joined["peer"]
+        started = again.wait_for(lambda e: e["event"] == "started")
+        assert started["restored_epoch"] == left["epoch"]
+        resumed = again.wait_for(lambda e: e["event"] == "progress")
+        assert resumed["epoch"] >= left["epoch"]
+        for peer in (first, again):
+            peer.proc.send_signal(signal.SIGTERM)
+        for peer in (first, again):
+            assert peer.proc.wait(timeout=60) == 0, "".join(peer.stderr)
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+def test_volunteer_without_arguments_trains_a_short_standalone_session():
+    proc = subprocess.run(
+        [sys.executable, str(VOLUNTEER)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=ENV,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "done: 150 steps, 4800 samples" in proc.stdout
+    assert not (ROOT / "moshpit-checkpoint").exists()  # its checkpoints went to a temp dir
+
+
+def test_volunteer_stops_after_max_steps_with_a_final_report(tmp_path: Path):
+    proc = volunteer(tmp_path, "c", "--max-steps", "40", script=False)
+    try:
+        final = proc.wait_for(lambda e: e["event"] == "final")
+        assert proc.proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert final["steps"] == 40 and final["samples"] == 40 * 32
+    assert any((tmp_path / "c").iterdir()), "no checkpoint was written at the end"
+
+
+def test_volunteer_rejects_bad_arguments_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "moshpit", "train", "--batch-size", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "moshpit train: --batch-size must be >= 1"
