@@ -60,7 +60,10 @@ from moshpit.training.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_CHUNK_BYTES,
+    MAX_DIMS,
     MAX_MANIFEST_BYTES,
+    MAX_NAME_CHARS,
+    MAX_TENSORS,
     ChunkRef,
     Manifest,
     TensorSpec,
@@ -142,10 +145,14 @@ def _shared_for(key: str) -> _Shared:
         return _shared.setdefault(key, _Shared())
 
 
+_generation = 0  # bumped in a forked child: store objects then look their _Shared up again
+
+
 def _reset_after_fork() -> None:
     """A forked child has none of the parent's threads: a lock one of them held would stay
     locked and the pool's workers are gone, so the child starts with fresh ones."""
-    global _pool, _pool_lock, _shared_lock, _shared, _in_flight, _in_flight_lock
+    global _pool, _pool_lock, _shared_lock, _shared, _in_flight, _in_flight_lock, _generation
+    _generation += 1
     _pool, _pool_lock = None, threading.Lock()
     _shared_lock, _shared = threading.Lock(), {}
     _in_flight, _in_flight_lock = set(), threading.Lock()
@@ -327,11 +334,15 @@ class StateStore:
                 f"cannot create checkpoint directory {self.directory}: {e}"
             ) from e
         self._key = os.path.realpath(self.directory)
+        self._shared_cache = (_generation, _shared_for(self._key))
 
     @property
     def _shared(self) -> _Shared:
-        # looked up each time (not cached) so that a store object survives a fork
-        return _shared_for(self._key)
+        generation, shared = self._shared_cache
+        if generation != _generation:  # forked since: the parent's locks are not ours
+            shared = _shared_for(self._key)
+            self._shared_cache = (_generation, shared)
+        return shared
 
     def _create_dirs(self) -> None:
         if (self._chunks / "ff").is_dir() and self._manifests.is_dir() and self._packs.is_dir():
@@ -678,17 +689,27 @@ class StateStore:
                 )
             self._commit_locked(manifest, history)
 
-    def _commit_locked(self, manifest: Manifest, history: list[bytes]) -> None:
+    def _commit_locked(
+        self, manifest: Manifest, history: list[bytes], *, checked: bool = False
+    ) -> None:
         """Chunks durable -> manifest durable -> LATEST replaced -> garbage collection.
 
         ``history`` is :meth:`_history_for_write`, read before any chunk was written.
+        ``checked``: the caller built the manifest from tensors it validated (save_state).
         """
         root = manifest.root
         shared = self._shared
-        try:  # what cannot be read back must not be committed (e.g. two tensors of one name)
-            Manifest.from_bytes(manifest.to_bytes())
-        except ManifestError as e:
-            raise CheckpointError(f"this state cannot be checkpointed: {e}") from None
+        if not checked:  # what cannot be read back must not be committed
+            try:
+                Manifest.from_bytes(manifest.to_bytes())
+            except ManifestError as e:
+                raise CheckpointError(f"this state cannot be checkpointed: {e}") from None
+        elif len(manifest.to_bytes()) > MAX_MANIFEST_BYTES:
+            raise CheckpointError(
+                f"this state cannot be checkpointed: its manifest would be "
+                f"{len(manifest.to_bytes())} bytes, over the {MAX_MANIFEST_BYTES}-byte limit "
+                "(use a larger chunk_bytes)"
+            )
         try:
             if self.durable and not shared.flushed_once:
                 self._flush_everything()
@@ -1087,6 +1108,7 @@ def save_state(
     named = list(named_tensors)
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}]")
+    _check_layout(named)
     # metadata is validated by build_manifest on no tensors (cheap), keeping one rule set
     empty, _ = build_manifest([], epoch, metadata, chunk_bytes)
     pieces: list[memoryview] = []
@@ -1112,8 +1134,34 @@ def save_state(
             position += count
             specs.append(TensorSpec(name, dtype, shape, refs))
         manifest = Manifest(empty.epoch, tuple(specs), chunk_bytes, empty.metadata)
-        store._commit_locked(manifest, history)
+        store._commit_locked(manifest, history, checked=True)
     return manifest
+
+
+def _check_layout(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """What Manifest.from_bytes would refuse in a state built from real tensors, checked
+    before anything is written (cheaper than parsing the manifest back)."""
+    if len(named) > MAX_TENSORS:
+        raise CheckpointError(
+            f"this state cannot be checkpointed: {len(named)} tensors, the limit is {MAX_TENSORS}"
+        )
+    seen: set[str] = set()
+    for name, tensor in named:
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+            raise CheckpointError(
+                f"this state cannot be checkpointed: tensor name {name!r:.80} must be a string "
+                f"of 1..{MAX_NAME_CHARS} characters"
+            )
+        if name in seen:
+            raise CheckpointError(
+                f"this state cannot be checkpointed: tensor name {name!r} appears twice"
+            )
+        seen.add(name)
+        if tensor.dim() > MAX_DIMS:
+            raise CheckpointError(
+                f"this state cannot be checkpointed: tensor {name!r} has {tensor.dim()} "
+                f"dimensions, the limit is {MAX_DIMS}"
+            )
 
 
 def _chunk_sizes(nbytes: int, chunk_bytes: int) -> list[int]:

@@ -748,4 +748,9 @@ def test_a_state_that_could_not_be_read_back_is_not_committed(tmp_path: pathlib.
     twice = [("w", torch.zeros(3)), ("w", torch.ones(3))]
     with pytest.raises(CheckpointError, match="cannot be checkpointed.*'w' appears twice"):
         save_state(store, twice, 2)
+    manifest, chunks = build_manifest(twice, 2)  # an explicit manifest is parsed back
+    with pytest.raises(CheckpointError, match="cannot be checkpointed.*'w' appears twice"):
+        store.save(manifest, chunks)
+    with pytest.raises(CheckpointError, match="17 dimensions"):
+        save_state(store, [("deep", torch.zeros([1] * 17))], 2)
     assert store.latest() == first
