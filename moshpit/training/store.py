@@ -304,9 +304,9 @@ def _results(futures: Iterable[Future]) -> Iterator[Any]:
 
 
 class StateStore:
-    """A checkpoint directory: chunks/<2 hex>/<64 hex> files named by SHA-256, manifests/<root
-    hex>, and a LATEST pointer file naming the committed root. Doubles as a donor's serving
-    store.
+    """A checkpoint directory: chunks/<2 hex>/<64 hex> files named by SHA-256 (small ones in
+    packs/), manifests/<root hex>, and a LATEST pointer file naming the committed root. Doubles
+    as a donor's serving store.
 
     ``keep`` committed states are kept; chunks referenced by none of them are deleted on the
     next commit, except chunks :meth:`put_chunk` stored since (a download in progress).
