@@ -74,6 +74,8 @@ MAX_RECORD_NUMBER = 1 << 53  # epochs and byte counts above this are not plausib
 MAX_FAILURES = 3  # consecutive failed calls before a peer is dropped from this download
 BUSY_BACKOFF = (0.05, 2.0)  # first and largest wait after a "busy" answer, seconds
 SENDING_AT_ONCE = 2  # answers being transmitted at once (more wait their turn)
+KEEP_STREAM_SECONDS = 30.0  # a server keeps an idle request stream open this long
+REUSE_STREAM_SECONDS = 10.0  # a requester reuses a stream idle at most this long (< the above)
 _OWNER_SUBKEY = re.compile(r"^\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]$")
 
 T = TypeVar("T")
@@ -139,20 +141,36 @@ class _StateService:
         self.request_timeout = request_timeout
 
     async def handle_stream(self, stream: Any) -> None:
+        """Answer requests one after the other until the requester closes the stream or sends
+        nothing for ``request_timeout`` (a joiner's worker keeps one stream per peer, so its
+        yamux window grows instead of starting at 256 KiB for every batch)."""
+        from dht.p2p.errors import StreamClosedError, StreamResetError
+
+        wait = self.request_timeout  # for the first request; then as long as a requester idles
         try:
-            request = None
-            with trio.move_on_after(self.request_timeout):
-                request = await stream.receive_msg(max_size=MAX_REQUEST_BYTES)
-            if request is None:
-                logger.debug("state stream from %s sent no request in time", stream.remote_peer)
-                return
-            try:
-                sharing = self._route(request)
-                await sharing._serve(stream, request)
-            except _BadRequest as e:
-                logger.info("bad state request from %s: %s", _short(stream.remote_peer), e)
-                with trio.move_on_after(self.request_timeout):
-                    await stream.send_msg({"error": str(e)[:MAX_ERROR_CHARS]})
+            while True:
+                request = None
+                with trio.move_on_after(wait):
+                    try:
+                        request = await stream.receive_msg(max_size=MAX_REQUEST_BYTES)
+                    except StreamResetError:
+                        raise
+                    except StreamClosedError:
+                        return  # the requester is done
+                if request is None:
+                    logger.debug("state stream from %s: no request in time", stream.remote_peer)
+                    return
+                try:
+                    sharing = self._route(request)
+                    if wait != KEEP_STREAM_SECONDS:
+                        sharing.stats["streams"] += 1
+                    wait = KEEP_STREAM_SECONDS
+                    await sharing._serve(stream, request)
+                except _BadRequest as e:
+                    wait = KEEP_STREAM_SECONDS
+                    logger.info("bad state request from %s: %s", _short(stream.remote_peer), e)
+                    with trio.move_on_after(self.request_timeout):
+                        await stream.send_msg({"error": str(e)[:MAX_ERROR_CHARS]})
         except Exception as e:
             if not _is_network_error(e):
                 raise
@@ -202,6 +220,42 @@ class _IdleTimeout(trio.abc.ReceiveStream):
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+class _Channel:
+    """A requester's stream to one peer, reused for request after request."""
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+        self.idle: _IdleTimeout | None = None
+        self.reader: Any = None
+        self.last_used = 0.0
+
+    def open(self, stream: Any, idle: float) -> None:
+        from dht.p2p.messages import MessageReader
+
+        self.stream = stream
+        self.idle = _IdleTimeout(stream, idle)
+        self.reader = MessageReader(self.idle)
+
+    async def exchange(self, request: dict[str, Any], last: bool) -> Any:
+        assert self.stream is not None and self.idle is not None
+        await self.stream.send_msg(request)
+        if last:
+            await self.stream.send_eof()
+        self.idle.started = False
+        return await self.reader.receive_msg(MAX_RESPONSE_BYTES)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.reset()
+        self.stream = None
+
+    async def aclose(self) -> None:
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await stream.aclose()
 
 
 class _BadRequest(ValueError):
@@ -454,7 +508,13 @@ class StateSharing:
         self._last_expiration = 0.0
         self._withdrawn = False
         self._retract_partial = False
-        self.stats = {"requests": 0, "chunks_served": 0, "bytes_served": 0, "busy": 0}
+        self.stats = {
+            "requests": 0,
+            "streams": 0,
+            "chunks_served": 0,
+            "bytes_served": 0,
+            "busy": 0,
+        }
 
     # ------------------------------------------------------------------ serving side
 
@@ -590,30 +650,42 @@ class StateSharing:
         ``min_rate`` (a slow link is fine; a peer trickling bytes is cut off)."""
         return self.request_timeout + nbytes / self.min_rate
 
-    async def _request(self, peer: Any, request: dict[str, Any], expect_bytes: int = 0) -> Any:
-        """One request/answer exchange on a fresh stream (P2PError/OSError on failure).
+    async def _request(
+        self,
+        peer: Any,
+        request: dict[str, Any],
+        expect_bytes: int = 0,
+        channel: _Channel | None = None,
+    ) -> Any:
+        """One request/answer exchange (P2PError/OSError on failure): on ``channel``'s
+        stream, kept open between requests, or else on a stream of its own.
 
         The answer may take :meth:`_transfer_time` in all, but must keep moving: no byte for
         ``request_timeout`` fails it (several answers share one slow link, so a fixed total
         timeout would fail the later ones on a link that works)."""
         from dht.p2p.errors import P2PTimeoutError, RemoteError
-        from dht.p2p.messages import MessageReader
 
+        own = channel is None
+        channel = _Channel() if channel is None else channel
         with trio.move_on_after(self._transfer_time(expect_bytes)):
-            # lazy: the protocol's answer comes with the reply, which may queue behind others
-            stream = await self.host.new_stream(
-                peer, STATE_PROTOCOL, timeout=self._transfer_time(expect_bytes), lazy=True
-            )
+            now = trio.current_time()
+            if channel.stream is not None and now - channel.last_used > REUSE_STREAM_SECONDS:
+                channel.close()  # the server may be about to drop it: start afresh
+            if channel.stream is None:
+                # lazy: the protocol's answer comes with the reply (which may queue behind
+                # others), so it gets the same time as the reply
+                stream = await self.host.new_stream(
+                    peer, STATE_PROTOCOL, timeout=self._transfer_time(expect_bytes), lazy=True
+                )
+                channel.open(stream, self.request_timeout)
             try:
-                await stream.send_msg(request)
-                await stream.send_eof()
-                reader = MessageReader(_IdleTimeout(stream, self.request_timeout))
-                reply = await reader.receive_msg(MAX_RESPONSE_BYTES)
+                reply = await channel.exchange(request, last=own)
             except BaseException:
-                stream.reset()
+                channel.close()
                 raise
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                await stream.aclose()
+            channel.last_used = trio.current_time()
+            if own:
+                await channel.aclose()
             if isinstance(reply, dict) and isinstance(reply.get("error"), str):
                 raise RemoteError(f"{_short(peer)} refused: {reply['error'][:MAX_ERROR_CHARS]}")
             return reply
@@ -967,6 +1039,7 @@ class StateSharing:
         self, dl: _Download, h: _Holder, sink: Any, misbehaving: dict[Any, str]
     ) -> None:
         """One request in flight to ``h`` at a time; ``max_in_flight_per_donor`` of these."""
+        channel = _Channel()
         try:
             while dl.remaining and not h.gone:
                 if self._banned_now(h.peer):
@@ -983,7 +1056,7 @@ class StateSharing:
                     continue
                 h.in_flight += 1
                 try:
-                    pause = await self._fetch_batch(dl, h, batch, sink, misbehaving)
+                    pause = await self._fetch_batch(dl, h, batch, sink, misbehaving, channel)
                 finally:
                     h.in_flight -= 1
                     dl.release(h, batch)
@@ -991,6 +1064,7 @@ class StateSharing:
                     await trio.sleep(pause)
         finally:
             h.workers -= 1
+            await channel.aclose()
 
     async def _fetch_batch(
         self,
@@ -999,6 +1073,7 @@ class StateSharing:
         batch: list[int],
         sink: Any,
         misbehaving: dict[Any, str],
+        channel: _Channel,
     ) -> float:
         """One request; returns how long the worker should pause (after a failure)."""
         request = {"prefix": self.prefix, "op": "chunks", "digests": [dl.digests[i] for i in batch]}
@@ -1008,7 +1083,7 @@ class StateSharing:
             h.in_flight_bytes += expect
             started = trio.current_time()
             try:
-                reply = await self._request(h.peer, request, expect_bytes=h.in_flight_bytes)
+                reply = await self._request(h.peer, request, h.in_flight_bytes, channel)
             finally:
                 h.in_flight_bytes -= expect
         except Exception as e:

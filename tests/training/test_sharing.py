@@ -170,6 +170,11 @@ async def test_chunks_come_from_every_donor_in_parallel(autojump_clock, virtual_
         assert_state_equal(result, named)
         assert set(result.donors_used) == {p.node.peer_id for p in peers[:3]}
         assert sum(result.bytes_by_peer.values()) == result.manifest.total_bytes
+        # each worker keeps its stream to a donor: far fewer streams than chunk requests
+        for p in peers[:3]:
+            stats = p.sharing.stats
+            assert stats["streams"] < stats["requests"]
+            assert stats["streams"] <= 2 + 1  # its 2 workers' streams (+ the manifest's)
 
 
 async def test_corrupt_donor_is_banned_named_and_chunk_fetched_elsewhere(
