@@ -109,6 +109,28 @@ class StepResult:
         return len(self.members)
 
 
+class _CountingBackend(DHTMatchmakingBackend):
+    """The DHT backend, noting which peers each read of a key showed (swarm-size estimate)."""
+
+    def __init__(self, node: Any):
+        super().__init__(node)
+        self.seen: dict[str, set[Any]] = {}
+
+    async def list_candidates(self, key: str) -> list:
+        found = await super().list_candidates(key)
+        seen = self.seen.setdefault(key, set())
+        if len(seen) < 1 << 16:  # bounded: a key holds at most max_subkeys_per_key records
+            seen.update(c.peer for c in found)
+        return found
+
+    def take_count(self, key: str) -> int:
+        """Distinct peers (us included) seen under ``key`` since the last call; resets."""
+        seen = self.seen.pop(key, set())
+        self.seen.clear()
+        seen.add(self.local_peer)
+        return len(seen)
+
+
 class _AllReduceServices:
     """One AllReduceService per Host, shared by every averager on it (ref-counted)."""
 
@@ -158,8 +180,9 @@ class Averager:
     :param auxiliary: this peer helps reduce but contributes nothing (weight 0).
     :param initial_group_bits: the starting key bits (a string of 0/1; its length is the number
       of bits kept forever). Default: random bits, ``(d-1)*ceil(log2 M)`` of them for a
-      ``d``-dimensional grid sized from ``expected_num_peers``; none (one shared key, random
-      groups) when ``expected_num_peers`` is not given.
+      ``d``-dimensional grid sized from ``expected_num_peers``. Without either, the grid
+      adapts: it starts with one shared key (random groups) and gains or loses dimensions
+      as the number of peers seen under the key shows the swarm's size (``group_keys.py``).
     :param matchmaking_timeout: how long a step looks for a group before giving up (default
       ``max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)``).
     :param ban_after_failures / ban_seconds: a peer that failed this many consecutive rounds
@@ -247,6 +270,7 @@ class Averager:
         self._banned_until: dict[Any, float] = {}
         self._step_scopes: set[trio.CancelScope] = set()
         self._step_lock: trio.Lock | None = None
+        self._mm_backend: _CountingBackend | None = None
         self._facade = None
         self._node = None
         self._host = None
@@ -292,8 +316,9 @@ class Averager:
             logger.info("the DHT runs in client mode: averaging in client mode too")
             self.mode = MODE_CLIENT
         self._step_lock = trio.Lock()
+        self._mm_backend = _CountingBackend(node)
         self.matchmaker = Matchmaker(
-            DHTMatchmakingBackend(node),
+            self._mm_backend,
             self.prefix,
             target_group_size=self.target_group_size,
             min_group_size=self.min_group_size,
@@ -534,11 +559,15 @@ class Averager:
     ) -> StepResult:
         """One round; ``end`` (trio time, may be inf) bounds everything including the lock."""
         matchmaking_deadline = min(started + self.matchmaking_timeout, end)
+        # the key length may have changed since the last round (adaptive grid)
+        self.matchmaker.start_when_all_joined = self.keys.num_bits == 0
+        self._mm_backend.seen.clear()
         group = await self.matchmaker.look_for_group(key, matchmaking_deadline, gather)
         matchmaking_seconds = trio.current_time() - started
+        declared = self._mm_backend.take_count(key)
         conflicts = self.matchmaker.last_schema_conflicts
         if group is None:
-            next_key = self.keys.update_without_group()
+            next_key = self.keys.update_without_group(declared)
             reason = (
                 f"no group of >= {self.min_group_size} formed under {key} "
                 f"within {matchmaking_deadline - started:.3g}s"
@@ -573,7 +602,7 @@ class Averager:
             self.allreduce_timeout, max(end - trio.current_time(), 1e-3)
         )
         if not await self._acquire_lock(allreduce_end):
-            next_key = self.keys.update_after_round(group.group_id, group.members, me)
+            next_key = self.keys.update_after_round(group.group_id, group.members, me, declared)
             reason = (
                 "timed out waiting for the tensor lock (another thread held "
                 "averager.get_tensors() for the whole step); the group averaged without us"
@@ -609,7 +638,7 @@ class Averager:
             self._lock.release()
         failed = result.failed_peers
         self._record_round(group.members, failed, me)
-        next_key = self.keys.update_after_round(group.group_id, group.members, me)
+        next_key = self.keys.update_after_round(group.group_id, group.members, me, declared)
         return StepResult(
             succeeded=result.averaged_numel > 0,
             reason=result.why_not_averaged(),

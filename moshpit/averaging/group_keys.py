@@ -8,15 +8,23 @@ former groupmates are spread over different groups for the next ``d - 1`` rounds
 grid (``N = M**d`` peers, groups of ``M``) every peer then holds the exact mean after ``d``
 rounds (PAPERS.md, "Moshpit All-Reduce").
 
-The key length never changes. Pure logic: no I/O, no torch.
+Without ``expected_num_peers`` (and without ``initial_group_bits``) the key length adapts
+(:class:`GroupKeyManager` ``adaptive``): every round the averager reports how many distinct
+peers it saw declared under its key; ``count * M**(d-1)`` estimates the swarm size (peers are
+spread over ``M**(d-1)`` keys), and when the median of recent estimates leaves the band around
+``M**d`` the grid gains or loses a dimension. A default swarm of 64 with ``M = 4`` starts with
+one shared key and moves to a 4x4x4 grid (4 bits) after two rounds. Pure logic: no I/O, no torch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import random
 import re
+import statistics
+from collections import deque
 from collections.abc import Sequence
 
 __all__ = [
@@ -28,8 +36,17 @@ __all__ = [
     "parse_group_key",
 ]
 
+logger = logging.getLogger(__name__)
+
 _BITS_RE = re.compile(r"^[01]*$")
 MAX_GROUP_BITS = 64  # 2**64 groups is far beyond any swarm; bounds key length
+ESTIMATE_WINDOW = 5  # swarm-size estimates (one per round) the median is taken over
+MIN_ESTIMATES = 2  # estimates needed before the grid first changes
+# hysteresis, in grid dimensions: with d dimensions, grow once log_M(N) > d + margin and shrink
+# once log_M(N) < d - margin, to round(log_M(N)); 0.75 keeps a noisy estimate of N = M**d
+# (e.g. 64 peers, M = 4) from flapping between d and d + 1, and leaves swarms up to M**1.75
+# (11 peers for M = 4) on one shared key, where random groups of M average them fine
+DIMENSION_MARGIN = 0.75
 
 
 def coordinate_bits(target_group_size: int) -> int:
@@ -100,12 +117,15 @@ class GroupKeyManager:
         *,
         expected_num_peers: int | None = None,
         rng: random.Random | None = None,
+        adaptive: bool | None = None,
     ):
         if not prefix or ".0b" in prefix:
             raise ValueError(f"invalid averaging prefix {prefix!r} (non-empty, without '.0b')")
         self.prefix = prefix
         self.coord_bits = coordinate_bits(target_group_size)
         self._rng = rng or random.Random()
+        if adaptive is None:
+            adaptive = initial_group_bits is None and expected_num_peers is None
         if initial_group_bits is None:
             n = default_num_bits(target_group_size, expected_num_peers)
             initial_group_bits = "".join(self._rng.choice("01") for _ in range(n))
@@ -116,6 +136,11 @@ class GroupKeyManager:
             )
         self.bits = initial_group_bits
         self.num_bits = len(initial_group_bits)
+        self.target_group_size = target_group_size
+        # adapt the key length to the observed swarm unless the user sized the grid
+        self.adaptive = adaptive
+        self._estimates: deque[float] = deque(maxlen=ESTIMATE_WINDOW)
+        self._since_resize = 0
 
     @property
     def key(self) -> str:
@@ -128,12 +153,97 @@ class GroupKeyManager:
         self.bits = (self.bits + coord)[-self.num_bits :]
         return self.key
 
-    def update_after_round(self, group_id: bytes, members: Sequence[object], me: object) -> str:
-        """Shift in this peer's coordinate from the group it just averaged with; returns the new key."""
+    @property
+    def dimensions(self) -> int:
+        """Grid dimensions ``d``: the key holds ``d - 1`` coordinates."""
+        return self.num_bits // self.coord_bits + 1
+
+    @property
+    def swarm_size_estimate(self) -> float | None:
+        """Median of the recent per-round estimates (None before the first observation)."""
+        return statistics.median(self._estimates) if self._estimates else None
+
+    def _keys_in_use(self) -> int:
+        # coordinates are positions in groups of <= M (or random below 2**coord_bits)
+        per_axis = max(2, min(self.target_group_size, 1 << self.coord_bits))
+        return per_axis ** (self.dimensions - 1)
+
+    def observe_declared(self, count: int) -> None:
+        """Record that ``count`` distinct peers (us included) were declared under our key."""
+        if not self.adaptive or count < 1:
+            return
+        self._estimates.append(float(count * self._keys_in_use()))
+        self._since_resize += 1
+
+    def _wanted_dimensions(self) -> int:
+        est = self.swarm_size_estimate
+        d = self.dimensions
+        if est is None or self._since_resize < MIN_ESTIMATES or self.target_group_size < 2:
+            return d
+        level = math.log(max(est, 1.0)) / math.log(self.target_group_size)
+        if d - DIMENSION_MARGIN <= level <= d + DIMENSION_MARGIN:
+            return d
+        max_dims = MAX_GROUP_BITS // self.coord_bits + 1
+        return min(max_dims, max(1, round(level)))
+
+    def _resize(self, first_coordinate: int | None) -> None:
+        """Grow or shrink the key to the wanted number of dimensions after a round."""
+        wanted = self._wanted_dimensions()
+        if wanted == self.dimensions:
+            return
+        old_key, old_dims = self.key, self.dimensions
+        if wanted > self.dimensions:
+            axis = max(2, min(self.target_group_size, 1 << self.coord_bits))
+            coords = []
+            for k in range(wanted - self.dimensions):
+                # the first new coordinate is the position in the group we just averaged in
+                # (distinct within the group, so its members spread out); the rest are random
+                c = first_coordinate if k == 0 and first_coordinate is not None else None
+                coords.append(c if c is not None else self._rng.randrange(axis))
+            self.bits += "".join(
+                format(c % (1 << self.coord_bits), f"0{self.coord_bits}b") for c in coords
+            )
+        else:
+            keep = (wanted - 1) * self.coord_bits
+            self.bits = self.bits[len(self.bits) - keep :] if keep else ""  # drop the oldest
+        self.num_bits = len(self.bits)
+        self._since_resize = 0
+        logger.info(
+            "swarm size estimate %.0f peers (group size %d): grid of %d -> %d dimension(s), "
+            "key %s -> %s",
+            self.swarm_size_estimate or 0,
+            self.target_group_size,
+            old_dims,
+            self.dimensions,
+            old_key,
+            self.key,
+        )
+
+    def update_after_round(
+        self,
+        group_id: bytes,
+        members: Sequence[object],
+        me: object,
+        declared: int | None = None,
+    ) -> str:
+        """Shift in this peer's coordinate from the group it just averaged with; returns the new key.
+
+        ``declared``: distinct peers seen under the key this round (adaptive grids only).
+        """
         members = list(members)
         position = group_position(group_id, len(members), members.index(me))
-        return self._shift_in(position)
+        if declared is not None:
+            self.observe_declared(declared)
+        self._shift_in(position)
+        if self.adaptive:
+            self._resize(position)
+        return self.key
 
-    def update_without_group(self) -> str:
+    def update_without_group(self, declared: int | None = None) -> str:
         """No group formed: move to a random neighbouring key so lonely peers find company."""
-        return self._shift_in(self._rng.randrange(1 << self.coord_bits))
+        if declared is not None:
+            self.observe_declared(declared)
+        self._shift_in(self._rng.randrange(1 << self.coord_bits))
+        if self.adaptive:
+            self._resize(None)
+        return self.key
