@@ -14,10 +14,12 @@ sends a bad chunk is banned for ``ban_seconds`` and the chunk is fetched elsewhe
 fails (died, timed out) has its chunks re-queued. Verified chunks go to ``sink`` (the joiner's
 store) so a restarted joiner skips them. While downloading, a joiner announces itself as a
 partial holder (``complete=False``) and serves the chunks it already holds (swarming): other
-joiners poll its ``have`` bitmap and prefer it over complete donors for chunks it holds, and
-ask complete donors first for the chunks fewest peers hold (rarest first).
+joiners poll its ``have`` bitmap and fetch from it like from a donor, and ask complete donors
+first for the chunks fewest joiners hold or are fetching (rarest first).
 
-Wire (unary RPC on :data:`STATE_PROTOCOL`, one handler per Host dispatching by prefix):
+Wire: :data:`STATE_PROTOCOL`, one stream handler per Host dispatching by prefix; framed msgpack
+requests and answers, one after the other on a stream (a joiner's worker keeps its stream to a
+peer, so the yamux window grows; a malformed request gets ``{"error": reason}``):
 
 * ``{"prefix", "op": "manifest", "root"}`` -> ``{"manifest": bytes | None}``
 * ``{"prefix", "op": "have", "root"}`` -> ``{"have": bitmap | None, "pending": bitmap}`` (bit
