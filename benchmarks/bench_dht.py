@@ -127,6 +127,8 @@ async def bench_tcp(args: argparse.Namespace) -> None:
             # cold: first contact between most pairs (Noise handshakes on the critical path);
             # warm: the same nodes again once connections exist, as in a long-running swarm
             samples, cpu, ok = [], [], 0
+            for node in nodes:
+                node.lookup_stats.clear()
             if phase == "warm" and op == "store":
                 rng = random.Random(args.seed + 1)
             for i in range(args.ops):
@@ -141,6 +143,7 @@ async def bench_tcp(args: argparse.Namespace) -> None:
                 cpu.append(time.process_time() - cpu_started)
                 ok += bool(success)
             median = statistics.median(samples)
+            finds = [s.messages for n in nodes for s in n.lookup_stats]
             emit(
                 network="tcp",
                 peers=args.peers,
@@ -152,6 +155,16 @@ async def bench_tcp(args: argparse.Namespace) -> None:
                 # all 64 peers share this process's CPU: wall ~= CPU means CPU-bound here
                 process_cpu_median_ms=round(statistics.median(cpu) * 1e3, 3),
                 success_rate=ok / args.ops,
+                find_rpcs_per_lookup_mean=round(statistics.mean(finds), 2) if finds else None,
+                # background work since start (0 on code without republish/hand-over)
+                republished_records=sum(
+                    getattr(n, "maintenance", None) and n.maintenance.republished_records or 0
+                    for n in nodes
+                ),
+                handover_rpcs=sum(
+                    getattr(n, "maintenance", None) and n.maintenance.handover_rpcs or 0
+                    for n in nodes
+                ),
                 target_ms=10,
                 met=median <= 0.010 and ok == args.ops,
             )
