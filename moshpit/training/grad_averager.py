@@ -132,7 +132,12 @@ class GradientAverager:
                 buffer.copy_(value)
 
     def start_round(
-        self, epoch: int, weight: float, timeout: float | None = None, compression: Any = None
+        self,
+        epoch: int,
+        weight: float,
+        timeout: float | None = None,
+        compression: Any = None,
+        gather: Any = None,
     ) -> GradientRound:
         """Average the buffers with this epoch's peers, weighted by ``weight`` (samples).
 
@@ -152,7 +157,7 @@ class GradientAverager:
         averager._failures = self._failures
         averager._banned_until = self._banned_until
         weight = float(min(max(weight, 0.0), MAX_WEIGHT))
-        future = averager.step(weight=weight, timeout=timeout, wait=False)
+        future = averager.step(weight=weight, gather=gather, timeout=timeout, wait=False)
         return GradientRound(epoch, averager, future)
 
     def write_grads(self, tensors: Sequence[torch.Tensor] | None = None) -> None:

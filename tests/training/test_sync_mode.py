@@ -344,6 +344,36 @@ def test_nan_gradients_from_the_network_move_nobody(make_dhts, monkeypatch):
             p.opt.shutdown()
 
 
+def test_a_round_missing_peers_its_members_know_is_not_applied(make_dhts):
+    """Two groups formed under one key would each apply their own mean: a group smaller than
+    what any member sees at the epoch (capped at the group size) is rejected, by every member
+    alike (the declarations are shared); and without a checkpoint_dir the state is still
+    served (from a temporary directory, removed at shutdown) so a laggard can come back."""
+    from pathlib import Path
+
+    from moshpit.averaging.averager import StepResult
+
+    (dht,) = make_dhts(1)
+    model = _model()
+    opt = _opt(dht, model, target_group_size=3)
+    serve_dir = Path(opt.mode._serve_dir)
+    try:
+        assert serve_dir.is_dir()
+
+        def result(size: int, *claims: object) -> StepResult:
+            members = tuple(range(size))
+            gathered = {i: c for i, c in zip(members, claims, strict=False)}
+            return StepResult(True, "k", members=members, gathered=gathered, averaged_fraction=1)
+
+        assert opt.mode._complete(result(2, {"peers": 2}, {"peers": 2}))
+        assert not opt.mode._complete(result(2, {"peers": 2}, {"peers": 4}))
+        assert opt.mode._complete(result(3, {"peers": 3}, {"peers": 10**9}, {"peers": 3}))  # cap
+        assert opt.mode._complete(result(2, {"peers": "many"}, None))  # junk claims count 0
+    finally:
+        opt.shutdown()
+    assert not serve_dir.exists()
+
+
 def test_epoch_rounds_use_their_own_prefix():
     assert grads_prefix("run", 3) != grads_prefix("run", 4)
     assert grads_prefix("run", 3).startswith("run.grads.")

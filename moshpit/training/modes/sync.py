@@ -29,6 +29,8 @@ computed and applies its result one step late (see docs/training.md, "sync").
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -61,6 +63,7 @@ class SyncMode(TrainingMode):
         dgc_options: dict[str, Any] | None = None,
         delay_averaging: bool = False,
         checkpoint_every_epochs: int | None = 1,
+        serve_state: bool = True,
     ) -> None:
         super().__init__(optimizer)
         if dgc and compression is not None:
@@ -95,10 +98,23 @@ class SyncMode(TrainingMode):
                             "and set dgc_options={'momentum': ...}"
                         )
         options: dict[str, Any] = {}
-        if optimizer.checkpoint_dir is not None and checkpoint_every_epochs is not None:
+        self._serve_dir: str | None = None
+        if optimizer.checkpoint_dir is None and serve_state:
+            # a peer that missed one round can only come back by loading state from a donor,
+            # and only peers with a store serve: keep one in a temporary directory
+            self._serve_dir = tempfile.mkdtemp(prefix="moshpit-sync-state-")
+            options["checkpoint_dir"] = self._serve_dir
+            options["keep_checkpoints"] = 1
+        if checkpoint_every_epochs is not None and (
+            optimizer.checkpoint_dir is not None or self._serve_dir is not None
+        ):
             options["checkpoint_every_epochs"] = checkpoint_every_epochs
         # the state averager only checkpoints, serves and loads: gradients keep peers in sync
-        self.state = optimizer.make_state_averager(optimizer.inner, **options)
+        try:
+            self.state = optimizer.make_state_averager(optimizer.inner, **options)
+        except BaseException:
+            self._remove_serve_dir()
+            raise
         averager_options = dict(optimizer.averager_options)
         averager_options.pop("compression", None)
         self.grads = GradientAverager(
@@ -217,7 +233,11 @@ class SyncMode(TrainingMode):
             self._apply(solo=True)
             return
         round_ = self.grads.start_round(
-            epoch, weight=samples, timeout=self.round_timeout, compression=self._codec(num_peers)
+            epoch,
+            weight=samples,
+            timeout=self.round_timeout,
+            compression=self._codec(num_peers),
+            gather={"peers": len(same) + 1},
         )
         if self.delay_averaging:
             # epoch e's round runs while the batches of e + 1 are computed; applied late
@@ -240,7 +260,7 @@ class SyncMode(TrainingMode):
     def _finish_round(self, round_: GradientRound) -> None:
         result = round_.result()
         self.last_result = result
-        if result.succeeded and result.averaged_fraction >= 1.0:
+        if result.succeeded and result.averaged_fraction >= 1.0 and self._complete(result):
             self.rounds_succeeded += 1
             self.last_group_size = result.group_size
             self._apply()
@@ -269,6 +289,31 @@ class SyncMode(TrainingMode):
             if self.dgc is not None and self._dgc_snapshot is not None:
                 self.dgc.load_state_dict(self._dgc_snapshot)
             logger.info("no gradient round at epoch %d (%s); retrying", round_.epoch, result.reason)
+
+    def _complete(self, result: Any) -> bool:
+        """Did the group hold every peer its members knew at this epoch (up to the group size)?
+
+        Two groups formed under the same key would each apply their own mean and split the
+        swarm. Each member declared how many peers it sees at the epoch (``gather``); all
+        members get the same declarations, so they all take the same decision here.
+        """
+        claims = [
+            value["peers"]
+            for value in result.gathered.values()
+            if isinstance(value, dict)
+            and isinstance(value.get("peers"), int)
+            and not isinstance(value.get("peers"), bool)
+        ]
+        expected = min(self.opt.target_group_size, max(claims, default=0))
+        if result.group_size >= expected:
+            return True
+        logger.warning(
+            "the gradient round held %d of the %d peers its members see at this epoch: not "
+            "applied (another group may have formed); retrying",
+            result.group_size,
+            expected,
+        )
+        return False
 
     def _apply(self, solo: bool = False) -> None:
         """The buffers hold this epoch's update: step the inner optimizer and move on."""
@@ -326,7 +371,7 @@ class SyncMode(TrainingMode):
         if self.state.epoch != before:
             self.state_loads += 1
         else:  # no donor serves a newer state yet: look again a little later, not every step
-            self._next_catch_up = time.monotonic() + 2 * self.refresh_period
+            self._next_catch_up = time.monotonic() + max(1.0, 2 * self.refresh_period)
         self.on_state_loaded()
 
     # ------------------------------------------------------------------ state
@@ -354,7 +399,15 @@ class SyncMode(TrainingMode):
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None
-        super().shutdown()
+        try:
+            super().shutdown()
+        finally:
+            self._remove_serve_dir()
+
+    def _remove_serve_dir(self) -> None:
+        if self._serve_dir is not None:
+            shutil.rmtree(self._serve_dir, ignore_errors=True)
+            self._serve_dir = None
 
 
 MODE = SyncMode
