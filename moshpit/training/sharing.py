@@ -557,6 +557,10 @@ class StateSharing:
         self._withdrawn = True
         await self._store_record(None)
 
+    async def announce(self) -> None:
+        """Announce the published state now (``publish`` only wakes the service loop)."""
+        await self._announce_current()
+
     async def _announce_current(self) -> None:
         served = self._published
         if served is not None:

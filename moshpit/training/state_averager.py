@@ -496,7 +496,7 @@ class TrainingStateAverager:
             sharing.publish(manifest)
             # announce before returning: a joiner that looks right after save_checkpoint()
             # must find this state (the service loop would announce it only "soon")
-            await sharing._announce_current()
+            await sharing.announce()
 
         if self._store is not None and sharing is not None and self.dht.is_alive:
             self.dht.run_coroutine(publish)
