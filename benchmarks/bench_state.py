@@ -18,6 +18,11 @@ over loopback TCP against raw TCP copying the same bytes.
 
     PYTHONPATH=. python benchmarks/bench_state.py --only download [--download-mib 256]
         [--download-parts memory,loopback] [--uplink-mib 4] [--loopback-donors 1] [--repeats 3]
+
+Section ``background`` (``benchmarks/bench_background.py``): a CPU training loop's step rate
+with background averaging rounds always running vs none, phases interleaved.
+
+    PYTHONPATH=. python benchmarks/bench_state.py --only background [--background-params 4000000]
 """
 
 from __future__ import annotations
@@ -546,9 +551,23 @@ def bench_download(args: argparse.Namespace) -> None:
         bench_download_loopback(args)
 
 
+def bench_background(args: argparse.Namespace) -> None:
+    """Training step rate with and without background rounds (``bench_background.py``)."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_background.py")
+    subprocess.run(
+        [sys.executable, script, "--params", str(args.background_params),
+         "--phases", str(args.repeats)],
+        check=True,
+    )  # fmt: skip
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "checkpoint": bench_checkpoint,
     "download": bench_download,
+    "background": bench_background,
 }
 
 
@@ -567,6 +586,9 @@ def main() -> None:
     parser.add_argument("--chunk-kib", type=int, default=1024, help="memory: manifest chunks")
     parser.add_argument("--max-uploads", type=int, default=8, help="memory: per peer")
     parser.add_argument("--sharing-params", default="{}", help="memory: StateSharing kwargs")
+    parser.add_argument(
+        "--background-params", type=int, default=4_000_000, help="background: model size"
+    )
     parser.add_argument("--raw-send", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_send:
