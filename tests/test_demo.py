@@ -91,6 +91,22 @@ def test_training_demo_without_scikit_learn_says_how_to_get_it(tmp_path: Path):
     assert "Traceback" not in out
 
 
+def test_training_demo_without_matplotlib_skips_the_plot_and_says_how_to_get_it(tmp_path: Path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    env = {**ENV, "PYTHONPATH": str(tmp_path) + os.pathsep + ENV["PYTHONPATH"]}
+    proc = subprocess.run(
+        [sys.executable, "-m", "moshpit", "demo", "--peers", "2", "--samples", "6000",
+         "--preemptions", "0", "--json"],
+        capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out
+    assert "no plot: matplotlib is not installed (pip install 'moshpit-train[demo]'" in out
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["plot"] is None and summary["preemptions"] == 0
+    assert not (tmp_path / "moshpit-demo.png").exists()
+
+
 def test_averaging_options_do_not_mix_with_the_training_demo():
     proc = run_demo("train", "--rounds", "3", timeout=60)
     assert proc.returncode == 2
