@@ -106,9 +106,14 @@ def run_swarm(
     Returns accuracy of the peers' average and of each peer, rounds, bytes sent (all peers),
     and the mode's own counters (the local mode's period history).
     """
+    import tempfile
+
     import moshpit
 
     x_train, y_train, x_test, y_test = digits()
+    # donors: a peer that fell behind (sync: a round ran without it) loads their state
+    workdir = tempfile.TemporaryDirectory(prefix="bench-modes-")
+    done = threading.Event()
     dhts = make_dhts(peers)
     models = [mlp(seed) for _ in range(peers)]
     opts = []
@@ -122,6 +127,7 @@ def run_swarm(
             extra: dict[str, Any] = {}
             if mode == "sync":
                 extra["target_batch_size"] = peers * BATCH
+                extra["checkpoint_dir"] = Path(workdir.name) / f"peer{len(opts)}"
             opts.append(
                 moshpit.Optimizer(
                     optimizer=inner_opt,
@@ -131,7 +137,7 @@ def run_swarm(
                     mode=mode,
                     target_group_size=peers,
                     averager_options=dict(averager_options or FAST),
-                    load_state_timeout=3.0,
+                    load_state_timeout=15.0,
                     progress_ttl=10.0,
                     **extra,
                     **mode_options,
@@ -142,7 +148,9 @@ def run_swarm(
             gen = torch.Generator().manual_seed(10_000 * seed + i)
             model, opt = models[i], opts[i]
             local_steps = 0
-            while (opt.epoch < steps) if mode == "sync" else (local_steps < steps):
+            # sync: everyone stops once one peer made `steps` global steps (a peer one round
+            # behind would otherwise wait for rounds nobody runs any more)
+            while (not done.is_set()) if mode == "sync" else (local_steps < steps):
                 idx = torch.randint(0, len(x_train), (BATCH,), generator=gen)
                 loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
                 loss.backward()
@@ -152,6 +160,8 @@ def run_swarm(
                 local_steps += 1
                 if mode == "sync" and opt.epoch != epoch and opt.mode.last_result is not None:
                     bytes_sent[i] += opt.mode.last_result.bytes_sent
+                if mode == "sync" and opt.epoch >= steps:
+                    done.set()
                 if local_steps > 50 * steps:
                     raise RuntimeError(f"peer {i} made no progress in {local_steps} steps")
 
@@ -192,6 +202,8 @@ def run_swarm(
         else:
             result["rounds"] = [m.rounds_succeeded for m in modes]
             result["solo_steps"] = [m.solo_steps for m in modes]
+            result["state_loads"] = [m.state_loads for m in modes]
+            result["global_steps"] = max(o.epoch for o in opts)
             result["bytes_sent"] = sum(bytes_sent)
         return result
     finally:
@@ -199,6 +211,7 @@ def run_swarm(
             opt.shutdown()
         for dht in reversed(dhts):
             dht.shutdown()
+        workdir.cleanup()
 
 
 def adpsgd(

@@ -52,7 +52,7 @@ from compression import (
 )
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.averager import Averager, StepResult
-from moshpit.training.errors import NoDonorError
+from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.modes.base import TrainingMode, params_of
 
 logger = logging.getLogger(__name__)
@@ -185,6 +185,8 @@ class DiLoCoMode(TrainingMode):
         self.samples = 0
         self._alone = False
         self._last_refresh = -float("inf")
+        self._behind_since: float | None = None  # no donor served the newer state yet
+        self._next_catch_up = -float("inf")
         # counters (for users, tests and benchmarks)
         self.outer_steps = 0
         self.rounds_succeeded = 0
@@ -258,7 +260,8 @@ class DiLoCoMode(TrainingMode):
         epoch = self.state.epoch
         same, ahead = self._others(self._view())
         if ahead:
-            self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
+            if time.monotonic() >= self._next_catch_up:
+                self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
             return
         if same:
             self._alone = False
@@ -340,16 +343,26 @@ class DiLoCoMode(TrainingMode):
         self.state._synchronized = False  # look for a newer state again
         try:
             self.state.synchronize()
-        except NoDonorError as e:
+        except (NoDonorError, StateDownloadError) as e:  # donors gone or failing: retry later
             logger.warning("could not load state (%s)", e)
         if self.state.epoch != before:
             self.state_loads += 1
+            self._behind_since = None
             self.on_state_loaded()
             return
+        # the donors may not have published the new epoch yet: keep training, look again
+        now = time.monotonic()
+        if self._behind_since is None:
+            self._behind_since = now
+        if now - self._behind_since < self.opt.load_state_timeout:
+            self._next_catch_up = now + self.refresh_period
+            return
         # nobody serves a newer state (no checkpoint_dir anywhere?): do not stall forever
+        self._behind_since = None
         logger.warning(
-            "no donor serves the swarm's newer state: applying our own pseudo-gradient alone; "
-            "give peers a checkpoint_dir so that laggards can catch up"
+            "no donor served the swarm's newer state within %.0f s: applying our own "
+            "pseudo-gradient alone; give peers a checkpoint_dir so that laggards can catch up",
+            self.opt.load_state_timeout,
         )
         self._load_deltas()
         self._apply(solo=True)
