@@ -67,6 +67,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ELEMENT_BYTES: dict[str, int] = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:
@@ -102,7 +103,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return self.numel * ELEMENT_BYTES[self.dtype]
 
     def describe(self) -> str:
         return f"{self.name} {self.dtype}{list(self.shape)}"
@@ -257,7 +258,7 @@ def _parse_tensor(raw: Any, chunk_bytes: int) -> TensorSpec:
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise ManifestError(f"tensor {name!r}: shape must be a list of <= {MAX_DIMS} sizes")
     shape_t = tuple(_int(s, f"tensor {name!r} dimension", 0, 1 << 40) for s in shape)
-    element = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    element = ELEMENT_BYTES[dtype]
     nbytes = math.prod(shape_t) * element
     if nbytes > (1 << 40):
         raise ManifestError(f"tensor {name!r} is implausibly large ({nbytes} bytes)")
