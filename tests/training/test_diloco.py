@@ -268,9 +268,9 @@ def test_joiner_and_laggard_load_theta_and_momentum(make_dhts, tmp_path):
     ]
     late = None
     try:
-        _train_all(peers, 2)  # checkpoint_every_epochs=1: both serve epoch 2
+        _train_all(peers, 2)
         for p in peers:
-            p.opt.state._writing.result(timeout=10)
+            p.opt.state.save_checkpoint(wait=True)  # what donors serve: their newest epoch
         with torch.no_grad():
             models[2].weight.fill_(7.0)  # a newcomer's own weights never reach the swarm
         opt = _opt(dhts[2], models[2], tmp_path, name="p2", target_group_size=3)
@@ -294,7 +294,7 @@ def test_joiner_and_laggard_load_theta_and_momentum(make_dhts, tmp_path):
             p.opt.target_group_size = 2
         _train_all(peers, 6)
         for p in peers:
-            p.opt.state._writing.result(timeout=10)
+            p.opt.state.save_checkpoint(wait=True)  # what donors serve: their newest epoch
         outer_steps = late.opt.mode.outer_steps
         late.train(until_epoch=6, max_steps=late.steps + 3)
         assert late.opt.mode.state_loads == 1
