@@ -84,6 +84,8 @@ async def test_default_swarm_of_64_forms_moshpit_groups(autojump_clock, virtual_
             variances.append(var)
         # the grid grew to 3 dimensions (4 key bits), the same for everyone
         assert Counter(a.keys.num_bits for a in averagers) == {4: n}
+        # grid keys wait for their line; start-when-all-joined is only for the shared key
+        assert not any(a.matchmaker.start_when_all_joined for a in averagers)
         # the last round ran in groups of about the target size, not one crowd of 64
         sizes = [res.group_size for res in last if res.succeeded]
         assert len(sizes) >= n * 3 // 4, [res.reason for res in last if not res.succeeded]
