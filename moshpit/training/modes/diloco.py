@@ -24,7 +24,9 @@ When a round does not go as planned:
 
 - someone is past our epoch (we missed rounds, or joined late): load ``θ`` + momentum from the
   donors (peers with a ``checkpoint_dir`` serve theirs after every outer step) and restart the
-  inner loop from it, instead of applying a stale pseudo-gradient;
+  inner loop from it, instead of applying a stale pseudo-gradient; while no donor serves the
+  newer epoch, keep training and look again, and only after ``load_state_timeout`` apply our
+  own ``Δ`` alone;
 - nobody else trains at our epoch (a lone peer): after a round that found nobody, apply our own
   ``Δ`` and go on alone;
 - others are at our epoch but no group formed in time: keep training and retry the round at
