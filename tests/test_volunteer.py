@@ -172,3 +172,16 @@ def test_volunteer_rejects_bad_arguments_in_one_line():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "moshpit train: --batch-size must be >= 1"
+
+
+def test_volunteer_with_a_malformed_address_says_so_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "moshpit", "train", "--initial-peers", "not-an-address"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("moshpit train: bad address:")
+    assert "Traceback" not in proc.stderr

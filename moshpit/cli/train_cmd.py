@@ -263,6 +263,8 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
     import torch
 
     import moshpit
+    from dht import BootstrapError
+    from dht.p2p import MultiaddrError
     from moshpit.training.demo_task import (
         evaluate,
         make_model,
@@ -272,7 +274,17 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
     from moshpit.training.errors import NoDonorError, StateDownloadError
 
     started = time.monotonic()
-    dht = _join(args)
+    try:
+        dht = _join(args)
+    except MultiaddrError as e:
+        print(f"moshpit train: bad address: {e}", file=sys.stderr)
+        return 2
+    except BootstrapError as e:
+        print(
+            f"moshpit train: could not join through {' '.join(args.initial_peers)}: {e}",
+            file=sys.stderr,
+        )
+        return 1
     addrs = [str(a) for a in dht.get_visible_maddrs()]
     reporter.event(
         "joined",
