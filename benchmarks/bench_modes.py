@@ -99,6 +99,7 @@ def run_swarm(
     lr: float = 0.05,
     run_id: str = "bench-modes",
     averager_options: dict[str, Any] | None = None,
+    step_seconds: float = 0.0,
     **mode_options: Any,
 ) -> dict[str, Any]:
     """Train ``peers`` threads for ``steps`` local steps each (``sync``: global steps).
@@ -158,6 +159,8 @@ def run_swarm(
                 opt.step()
                 opt.zero_grad()
                 local_steps += 1
+                if step_seconds:
+                    threading.Event().wait(step_seconds)  # stands for a bigger model's compute
                 if mode == "sync" and opt.epoch != epoch and opt.mode.last_result is not None:
                     bytes_sent[i] += opt.mode.last_result.bytes_sent
                 if mode == "sync" and opt.epoch >= steps:
@@ -215,7 +218,7 @@ def run_swarm(
 
 
 def adpsgd(
-    peers: int, seed: int, steps: int = 400, wait_for_rounds: bool = True
+    peers: int, seed: int, steps: int = 400, wait_for_rounds: bool = True, step_seconds: float = 0.0
 ) -> list[dict[str, Any]]:
     """Fixed period 1 vs the adaptive period, same everything else.
 
@@ -224,7 +227,12 @@ def adpsgd(
     often as rounds complete", and counts depend on the machine's speed.
     """
     common = dict(
-        peers=peers, steps=steps, seed=seed, wait_for_rounds=wait_for_rounds, average_every=1
+        peers=peers,
+        steps=steps,
+        seed=seed,
+        wait_for_rounds=wait_for_rounds,
+        average_every=1,
+        step_seconds=step_seconds,
     )
     fixed = run_swarm("local", run_id=f"adpsgd-fixed-{seed}", adaptive_period=False, **common)
     fixed["experiment"] = "adpsgd-fixed-1"
@@ -291,6 +299,9 @@ def main() -> None:
     parser.add_argument(
         "--background", action="store_true", help="ADPSGD with background (non-blocking) rounds"
     )
+    parser.add_argument(
+        "--step-seconds", type=float, default=0.0, help="ADPSGD: compute time added per step"
+    )
     parser.add_argument("--diloco-steps", type=int, default=500)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -302,7 +313,9 @@ def main() -> None:
 
     for seed in args.seeds:
         if args.only in (None, "adpsgd"):
-            for line in adpsgd(args.peers, seed, args.adpsgd_steps, not args.background):
+            for line in adpsgd(
+                args.peers, seed, args.adpsgd_steps, not args.background, args.step_seconds
+            ):
                 emit(line)
         if args.only in (None, "diloco"):
             for line in diloco(args.peers, seed, args.diloco_steps):

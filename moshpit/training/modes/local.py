@@ -141,7 +141,8 @@ class LocalMode(TrainingMode):
         p.target = target if calibrated else None
         p.deviation_ema = ema if calibrated else None
         p._calibration.clear()
-        p.history.append(p.period)
+        if p.history[-1] != p.period:
+            p.history.append(p.period)
 
     def on_state_loaded(self) -> None:
         self._unpack_period()
