@@ -173,6 +173,45 @@ def test_ctrl_c_in_the_training_demo_stops_cleanly_with_the_table_and_a_summary(
     assert not any(_running(pid) for pid in workers), "a peer process was left running"
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_a_frozen_peer_counts_as_stuck_and_fails_the_verdict(tmp_path: Path):
+    # SIGSTOP one peer for 8 s: alive, but its samples stop moving (a hung peer)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moshpit", "demo", "--peers", "2", "--samples", "24000",
+         "--max-rate", "400", "--preemptions", "0", "--stuck-after", "4", "--no-plot", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=tmp_path,
+    )  # fmt: skip
+    output: list[str] = []
+    trained = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            output.append(line)
+            if "peers training 2" in line:
+                trained.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert trained.wait(120), "".join(output)
+        victim = _children(proc.pid)[0]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            threading.Event().wait(8.0)
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        status = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    text = "".join(output)
+    summary = json.loads(text.strip().splitlines()[-1])
+    assert summary["stuck_peers"] == 1, text
+    assert summary["verdict"] == "NOT OK" and status == 1
+    assert "is stuck: no progress for" in text
+
+
 # ------------------------------------------------------------------ the averaging demo
 
 
