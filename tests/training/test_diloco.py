@@ -189,6 +189,7 @@ def test_peers_end_every_outer_step_bit_identical(make_dhts, compression):
         _train_all(peers, 3)
         for p in peers:
             assert p.opt.mode.rounds_succeeded == 3
+            assert p.opt.mode.theta_mismatches == 0
             assert p.opt.mode.outer.param_groups[0]["nesterov"] is True
         for epoch in (1, 2, 3):
             assert _same(peers[0].theta_at[epoch], peers[1].theta_at[epoch])
@@ -446,5 +447,23 @@ def test_laggard_without_donors_waits_then_goes_on_alone(make_dhts):
         mode._next_catch_up = -float("inf")
         laggard.train(until_epoch=2, max_steps=laggard.steps + 1)
         assert laggard.opt.epoch == 2 and mode.solo_steps == 1 and mode.state_loads == 0
+    finally:
+        _shutdown(peers)
+
+
+def test_peers_that_start_from_different_weights_are_told(make_dhts):
+    dhts = make_dhts(2)
+    models = [_model() for _ in dhts]
+    with torch.no_grad():
+        models[1].weight.add_(1.0)  # another seed: θ differs from the first step on
+    peers = [
+        Peer(i, m, _opt(d, m, inner_steps=1))
+        for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+    ]
+    try:
+        _train_all(peers, 2)
+        for p in peers:
+            assert p.opt.mode.rounds_succeeded == 2
+            assert p.opt.mode.theta_mismatches == 2
     finally:
         _shutdown(peers)

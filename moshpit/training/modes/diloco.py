@@ -37,6 +37,7 @@ The epoch counts outer steps.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any
@@ -197,6 +198,7 @@ class DiLoCoMode(TrainingMode):
         self.state_loads = 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.theta_mismatches = 0  # rounds whose members did not all start from our θ
         self.last_result: StepResult | None = None
 
     # ------------------------------------------------------------------ start and state
@@ -315,11 +317,31 @@ class DiLoCoMode(TrainingMode):
             target_group_size=self.opt.target_group_size,
             **options,
         )
+        digest = self._theta_digest()
         try:
             weight = float(min(max(self.samples, 1), MAX_WEIGHT))
-            return averager.step(weight=weight, timeout=self.round_timeout)
+            result = averager.step(weight=weight, gather=digest, timeout=self.round_timeout)
         finally:
             averager.shutdown()
+        if result.succeeded and any(d != digest for d in result.gathered.values()):
+            # the mean Δ is applied to different θ: the peers will never share one model
+            self.theta_mismatches += 1
+            logger.warning(
+                "outer round %d: %d of %d members started from another θ than ours; start "
+                "every peer from the same initial weights (same seed), or let newcomers join "
+                "after the first outer step (they then load θ from donors)",
+                epoch,
+                sum(d != digest for d in result.gathered.values()),
+                len(result.gathered),
+            )
+        return result
+
+    def _theta_digest(self) -> bytes:
+        """16 bytes that differ when θ differs (compared across the round's members)."""
+        h = hashlib.blake2b(digest_size=16)
+        for theta in self.theta:
+            h.update(theta.numpy().tobytes())
+        return h.digest()
 
     def _apply(self, solo: bool = False) -> None:
         """Outer step with the buffers' (mean) Δ, then restart the inner loop from the new θ."""
