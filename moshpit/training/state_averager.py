@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from moshpit.averaging.averager import Averager, StepResult
-from moshpit.training.errors import NoDonorError
+from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.manifest import Manifest, dtype_name
 from moshpit.training.preemption import critical_section
 
@@ -250,10 +250,24 @@ class TrainingStateAverager:
         self.apply_pending()
         if self._pending is not None:
             return self._pending.wait() if wait else self._pending
+        future: concurrent.futures.Future = concurrent.futures.Future()
         if not self._synchronized:
-            self._synchronize()
-        self._take_snapshot()
-        future = self.averager.step(weight=weight, timeout=timeout, wait=False)
+            try:
+                self._synchronize()
+            except StateDownloadError as e:
+                # donors exist but failed us: averaging our (maybe fresh) values in now would
+                # drag the swarm; skip this round and try to catch up again at the next one
+                logger.warning("not averaging until the swarm's state is loaded: %s", e)
+                future.set_result(
+                    StepResult(
+                        False,
+                        self.averager.keys.key,
+                        reason=f"could not load the swarm's state first: {e}",
+                    )
+                )
+        if not future.done():
+            self._take_snapshot()
+            future = self.averager.step(weight=weight, timeout=timeout, wait=False)
         handle = AveragingRound(self, future)
         self._pending = handle
         self._maybe_checkpoint()

@@ -9,7 +9,7 @@ import torch
 
 import moshpit
 from dht import DHT
-from moshpit.training.errors import NoCheckpointError, StateMismatchError
+from moshpit.training.errors import NoCheckpointError, StateDownloadError, StateMismatchError
 from moshpit.training.state_averager import AveragingRound, TrainingStateAverager
 
 FAST = dict(
@@ -206,3 +206,32 @@ def test_constructor_errors(dhts):
     opt = torch.optim.SGD(_model(1.0).parameters(), lr=0.1)
     with pytest.raises(TypeError, match="moshpit.DHT"):
         TrainingStateAverager(dht=object(), optimizer=opt, prefix="x", target_group_size=2)
+
+
+def test_failed_catch_up_skips_the_round_instead_of_averaging_fresh_weights(
+    dhts, tmp_path, monkeypatch
+):
+    donor_model = _model(0.5)
+    donor = _state(dhts[0], donor_model, checkpoint_dir=tmp_path / "donor", sync_on_start=False)
+    newcomer_model = _model(9.0)
+    newcomer = _state(dhts[1], newcomer_model)
+    try:
+        donor.epoch = 3
+        donor.save_checkpoint()
+
+        async def broken_download(*args, **kwargs):
+            raise StateDownloadError("every donor failed (test)")
+
+        monkeypatch.setattr(newcomer._sharing, "download", broken_download)
+        result = newcomer.step(timeout=5.0)
+        assert not result.succeeded and "could not load the swarm's state" in result.reason
+        assert newcomer.epoch == 0
+        assert all(torch.equal(p, torch.full_like(p, 9.0)) for p in newcomer_model.parameters())
+        assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in donor_model.parameters())
+        monkeypatch.undo()  # donors work again: the next step catches up, then averages
+        res_new, res_donor = _step_both(newcomer, donor)
+        assert newcomer.epoch == 3 and res_new.succeeded and res_donor.succeeded
+        assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in newcomer_model.parameters())
+    finally:
+        newcomer.shutdown()
+        donor.shutdown()
