@@ -73,6 +73,22 @@ def test_training_demo_survives_preemptions_and_reports_a_verdict(tmp_path: Path
     assert summary["plot"] == str(plot)
 
 
+def test_replaced_peer_starts_without_a_checkpoint_and_loads_the_swarms_state(tmp_path: Path):
+    proc = run_demo(
+        "--peers", "2", "--samples", "24000", "--preemptions", "1", "--max-rate", "600",
+        "--restart-delay", "0.5", "--replace", "--json", "--no-plot", cwd=tmp_path,
+    )  # fmt: skip
+    out = proc.stdout
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["preemptions"] == 1 and summary["sigterm"] == 1
+    assert summary["restarts"] == 1 and summary["stuck_peers"] == 0
+    assert "replaced by a fresh peer" in out
+    assert "came back without a checkpoint; it loads the swarm's state" in out
+    assert "resumed from its checkpoint" not in out
+    assert summary["baseline_accuracy"] > 0.9
+    assert summary["final_accuracy"] > summary["baseline_accuracy"] - 0.05, summary
+
+
 def test_training_demo_without_scikit_learn_says_how_to_get_it(tmp_path: Path):
     # a sitecustomize that hides sklearn, as on a machine without the [demo] extra
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['sklearn'] = None\n")
