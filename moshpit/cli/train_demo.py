@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STARTUP_TIMEOUT = 90.0
+SYNC_TARGET_BATCH = 256  # mode sync: samples per global optimizer step
 STOP_TIMEOUT = 30.0
 ACCURACY_TOLERANCE = 0.01  # "within 1 point"
 
@@ -160,6 +161,7 @@ class Swarm:
             "--initial-peers", self.bootstrap, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--identity", slot.identity, "--checkpoint-dir", slot.checkpoint_dir,
             "--checkpoint-every", "3", "--run-id", "demo-digits", "--mode", args.mode,
+            "--target-batch-size", str(SYNC_TARGET_BATCH),
             "--group-size", str(args.group_size), "--max-rate", str(args.max_rate),
             "--seed", str(args.seed * 100_003 + slot.index * 101 + slot.incarnation),
             "--report-every", "0.5", "--deadline", "10", "--threads", "1",
@@ -588,6 +590,7 @@ def _conclude(
     import torch
 
     from moshpit.training.demo_task import (
+        DEFAULT_BATCH,
         evaluate,
         load_flat_params,
         make_model,
@@ -622,7 +625,16 @@ def _conclude(
     # one thread: the model is tiny, and spinning OpenMP teams on a busy machine are ~10x slower
     torch.set_num_threads(1)
     with console.status("training the single-process baseline on the same number of samples..."):
-        base_acc, base_loss, base_curve = train_baseline(data, samples, seed=args.seed)
+        # sync takes one optimizer step per global batch (>= SYNC_TARGET_BATCH: peers keep
+        # accumulating while a round forms), so its one-process equivalent takes as many steps
+        # on as many samples; local mode is compared with the peers' batches of 32
+        batch = DEFAULT_BATCH
+        if args.mode == "sync":
+            epochs = max((int(f.get("epoch", 0)) for f in finals.values()), default=0)
+            batch = max(SYNC_TARGET_BATCH, samples // max(1, epochs))
+        base_acc, base_loss, base_curve = train_baseline(
+            data, samples, batch_size=batch, seed=args.seed
+        )
     pre = record.preemptions
     preemptions = pre["SIGTERM"] + pre["SIGKILL"]
     stuck = sum(1 for s in swarm.slots if s.stuck)
@@ -651,7 +663,8 @@ def _conclude(
     console.print(
         "swarm accuracy = test accuracy of the mean of the final peers' parameters "
         f"(each peer alone: {', '.join(f'{a:.3f}' for a in peer_acc.values()) or '-'}); "
-        "baseline = the same MLP and Adam in one process on the same number of samples",
+        "baseline = the same MLP and Adam in one process on the same number of samples"
+        + (f" and as many optimizer steps (batches of {batch})" if args.mode == "sync" else ""),
         soft_wrap=True,
         highlight=False,
     )
