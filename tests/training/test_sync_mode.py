@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import pytest
 import torch
@@ -102,8 +103,24 @@ class Peer:
         gen = torch.Generator().manual_seed(1000 * self.index + self.steps)
         return torch.randint(0, len(X), (BATCH,), generator=gen)
 
-    def train(self, until_epoch: int, pause: float = 0.02, max_steps: int = 2000) -> None:
+    def train(
+        self,
+        until_epoch: int,
+        pause: float = 0.02,
+        max_steps: int = 2000,
+        started: threading.Barrier | None = None,
+        lockstep: bool = False,
+    ) -> None:
+        """Steps until ``until_epoch``; ``lockstep``: one batch per epoch, then wait for the
+        swarm (``opt.mode.poll()``) instead of computing more."""
+        first = True
         while self.opt.epoch < until_epoch and self.steps < max_steps:
+            if not first and started is not None:
+                # every peer is up (DHT, donors looked up, first report) before anyone can
+                # reach the target: a busy machine must not start one peer seconds late
+                started.wait(timeout=120)
+                started = None
+            first = False
             idx = self.batch()
             epoch = self.opt.epoch
             _loss(self.model, idx).backward()
@@ -114,6 +131,14 @@ class Peer:
             result = self.opt.mode.last_result
             if result is not None:
                 self.excluded |= {str(peer) for peer in result.excluded}
+            deadline = time.monotonic() + 60
+            while lockstep and self.opt.epoch == epoch and time.monotonic() < deadline:
+                stepped = self.opt.mode.poll()
+                result = self.opt.mode.last_result
+                if result is not None:
+                    self.excluded |= {str(peer) for peer in result.excluded}
+                if not stepped:
+                    threading.Event().wait(pause)
             if self.opt.epoch != epoch:
                 self.params_at[self.opt.epoch] = [
                     p.detach().clone() for p in self.model.parameters()
@@ -121,9 +146,12 @@ class Peer:
             threading.Event().wait(pause)  # stands for a real model's compute time
 
 
-def _train_all(peers: list[Peer], until_epoch: int) -> None:
+def _train_all(peers: list[Peer], until_epoch: int, lockstep: bool = False) -> None:
+    started = threading.Barrier(len(peers))
     with concurrent.futures.ThreadPoolExecutor(len(peers)) as pool:
-        for future in [pool.submit(p.train, until_epoch) for p in peers]:
+        for future in [
+            pool.submit(p.train, until_epoch, started=started, lockstep=lockstep) for p in peers
+        ]:
             future.result(timeout=120)
 
 
@@ -151,7 +179,9 @@ def test_three_peers_take_identical_steps_equal_to_one_process(make_dhts):
     ]
     epochs = 4
     try:
-        _train_all(peers, epochs)
+        # one batch per peer and epoch, then wait for the swarm: every round starts only
+        # once all three reported, so nobody is late for it (and each global batch is 24)
+        _train_all(peers, epochs, lockstep=True)
         for p in peers:
             mode = p.opt.mode
             assert mode.rounds_succeeded == epochs, (p.index, mode.rounds_failed)
@@ -161,9 +191,8 @@ def test_three_peers_take_identical_steps_equal_to_one_process(make_dhts):
             first = peers[0].params_at[epoch]
             for p in peers[1:]:
                 assert _same(first, p.params_at[epoch])
-        # every global batch held at least target_batch_size samples
-        for epoch in range(epochs):
-            assert sum(len(i) for p in peers for e, i in p.consumed if e == epoch) >= 3 * BATCH
+        for epoch in range(epochs):  # the global batch is exactly the target
+            assert sum(len(i) for p in peers for e, i in p.consumed if e == epoch) == 3 * BATCH
         expected = _replay(peers, epochs)
         for got, want in zip(peers[0].model.parameters(), expected, strict=True):
             torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
@@ -305,7 +334,7 @@ def test_nan_gradients_from_the_network_move_nobody(make_dhts, monkeypatch):
     models = [_model() for _ in dhts[:2]]
     fast = dict(FAST, min_matchmaking_time=4.0)
     peers = [
-        Peer(i, m, _opt(d, m, averager_options=fast))
+        Peer(i, m, _opt(d, m, averager_options=fast, target_batch_size=2 * BATCH))
         for i, (d, m) in enumerate(zip(dhts[:2], models, strict=True))
     ]
     stop = threading.Event()
@@ -326,7 +355,7 @@ def test_nan_gradients_from_the_network_move_nobody(make_dhts, monkeypatch):
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             attacker = pool.submit(attack)
-            _train_all(peers, 3)
+            _train_all(peers, 3, lockstep=True)
             stop.set()
             attacker.result(timeout=30)
         attacker_id = str(dhts[2].peer_id)

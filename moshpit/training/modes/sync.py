@@ -138,6 +138,7 @@ class SyncMode(TrainingMode):
         self.state_loads = 0
         self.last_result: Any = None
         self.last_group_size = 0
+        self.bytes_sent = 0  # gradient payload bytes this peer sent, over all rounds
 
     # ------------------------------------------------------------------ the loop
 
@@ -201,6 +202,11 @@ class SyncMode(TrainingMode):
             return True
         return view.epoch == self.state.epoch and view.samples_accumulated >= self.target
 
+    def _near(self, view: Any) -> list[Any]:
+        """Peers the view shows one epoch behind us (without us)."""
+        me = str(self.opt.tracker.peer_id)
+        return [p for p in view.peers if p.peer_id != me and p.epoch == self.state.epoch - 1]
+
     def _others(self, view: Any) -> tuple[list[Any], list[Any]]:
         """(peers at our epoch, peers past it), from the tracker's records, without us."""
         me = str(self.opt.tracker.peer_id)
@@ -216,6 +222,9 @@ class SyncMode(TrainingMode):
             if time.monotonic() >= self._next_catch_up:
                 self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
             return
+        # a peer one epoch behind in the view is most likely on its way (views lag by a
+        # refresh): it counts toward the group this round must hold
+        near = self._near(view)
         if same:
             self._alone = False
         # alone only once a failed round confirmed it: the view may predate others' reports
@@ -237,7 +246,7 @@ class SyncMode(TrainingMode):
             weight=samples,
             timeout=self.round_timeout,
             compression=self._codec(num_peers),
-            gather={"peers": len(same) + 1},
+            gather={"peers": len(same) + 1 + len(near)},
         )
         if self.delay_averaging:
             # epoch e's round runs while the batches of e + 1 are computed; applied late
@@ -260,12 +269,13 @@ class SyncMode(TrainingMode):
     def _finish_round(self, round_: GradientRound) -> None:
         result = round_.result()
         self.last_result = result
+        self.bytes_sent += result.bytes_sent
         if result.succeeded and result.averaged_fraction >= 1.0 and self._complete(result):
             self.rounds_succeeded += 1
             self.last_group_size = result.group_size
             self._apply()
             return
-        if result.succeeded:
+        if result.succeeded and result.averaged_fraction < 1.0:
             # parts kept local values (a reducer failed or its own input was bad): applying
             # them would make the members' parameters differ, so this round counts as failed
             logger.warning(
@@ -340,6 +350,7 @@ class SyncMode(TrainingMode):
         self._pending = None
         result = round_.result()
         self.last_result = result
+        self.bytes_sent += result.bytes_sent
         if result.succeeded:
             self.rounds_succeeded += 1
             self.last_group_size = result.group_size
