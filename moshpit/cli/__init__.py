@@ -26,8 +26,8 @@ examples:
     moshpit dht --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
   behind NAT / port forwarding, tell others your public address:
     moshpit dht --host-maddrs /ip4/0.0.0.0/tcp/31337 --announce-maddrs /ip4/203.0.113.7/tcp/31337
-  watch 8 local peers average to consensus:
-    moshpit demo --peers 8
+  watch 4 local peers train while some are preempted (SIGTERM / kill -9):
+    moshpit demo
 
 Run 'moshpit COMMAND --help' for the options of a command."""
 
@@ -37,7 +37,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "moshpit.cli.dht_cmd",
         "run a DHT peer that others join (bootstrap/relay node); needs no GPU or torch",
     ),
-    "demo": ("moshpit.cli.demo_cmd", "start a local swarm and watch Moshpit averaging converge"),
+    "demo": (
+        "moshpit.cli.demo_cmd",
+        "a local swarm trains while peers are preempted (or: averaging)",
+    ),
     "status": ("moshpit.cli.status_cmd", "show a run's peers, epochs, donors and health"),
     "train": (
         "moshpit.cli.train_cmd",
