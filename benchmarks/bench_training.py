@@ -52,8 +52,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-MODES = ["ddp", "sync", "sync_8bit", "local", "diloco", "diloco_8bit"]
-QUICK_MODES = ["ddp", "sync_8bit", "local", "diloco_8bit"]
+MODES = ["ddp", "alone", "sync", "sync_8bit", "local", "diloco", "diloco_8bit"]
+QUICK_MODES = ["ddp", "alone", "sync_8bit", "local", "diloco_8bit"]
 FAST = dict(
     min_matchmaking_time=1.0, request_timeout=2.0, allreduce_timeout=10.0, initial_group_bits=""
 )
@@ -112,7 +112,11 @@ def worker(args: argparse.Namespace) -> None:
     tx0 = _eth0_tx_bytes() if in_netns else None
     mode = args.mode
     dht = opt = None
-    if mode == "ddp":
+    if mode == "alone":  # one process, no communication: what a single peer achieves by itself
+        _emit({"event": "dht", "maddr": ""})
+        inner = torch.optim.Adam(model.parameters(), lr=args.lr)
+        forward: Callable = model
+    elif mode == "ddp":
         import torch.distributed as dist
 
         _emit({"event": "dht", "maddr": ""})
@@ -125,7 +129,7 @@ def worker(args: argparse.Namespace) -> None:
         )
         net = torch.nn.parallel.DistributedDataParallel(model)
         inner = torch.optim.Adam(net.parameters(), lr=args.lr)
-        forward: Callable = net
+        forward = net
     else:
         import moshpit
         from compression import Uniform8Bit
@@ -231,8 +235,8 @@ def worker(args: argparse.Namespace) -> None:
         report["rounds_succeeded"] = getattr(m, "rounds_succeeded", None)
         report["rounds_failed"] = getattr(m, "rounds_failed", None)
         report["epoch"] = opt.epoch
-    else:
-        report["bytes_sent"] = 4 * numel * steps
+    else:  # what gloo's ring all-reduce sends per peer and step: 2 (N-1)/N x the gradient
+        report["bytes_sent"] = round(2 * (args.world - 1) / args.world * 4 * numel * steps)
     _emit(report)
     if opt is not None:
         opt.shutdown()
@@ -306,11 +310,12 @@ def _free_port() -> int:
 def run_mode(args: argparse.Namespace, mode: str, tb: Any | None) -> dict:
     """Start ``args.peers`` workers in ``mode``, wait for worker 0 to reach the target or the cap."""
     gloo_port = GLOO_PORT_WAN if tb is not None else _free_port()
+    n = 1 if mode == "alone" else args.peers
 
     def start(rank: int, bootstrap: str | None) -> Peer:
         host = tb.addr(rank) if tb is not None else "127.0.0.1"
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode,
-                "--rank", str(rank), "--world", str(args.peers), "--host", host,
+                "--rank", str(rank), "--world", str(n), "--host", host,
                 "--gloo-addr", tb.addr(0) if tb is not None else "127.0.0.1",
                 "--gloo-port", str(gloo_port), "--hidden", str(args.hidden),
                 "--batch", str(args.batch), "--lr", str(args.lr), "--target", str(args.target),
@@ -325,7 +330,7 @@ def run_mode(args: argparse.Namespace, mode: str, tb: Any | None) -> dict:
     peers = [start(0, None)]
     try:
         maddr = peers[0].wait_for("dht", 120)["maddr"]
-        peers += [start(r, maddr or None) for r in range(1, args.peers)]
+        peers += [start(r, maddr or None) for r in range(1, n)]
         for p in peers:
             p.wait_for("ready", 180)
         load_start = os.getloadavg()
@@ -355,11 +360,11 @@ def run_mode(args: argparse.Namespace, mode: str, tb: Any | None) -> dict:
         "kind": "run",
         "net": args.net_now,
         "mode": mode,
-        "peers": args.peers,
+        "peers": n,
         "hidden": args.hidden,
         "numel": results[0]["numel"],
         "batch_per_peer": args.batch,
-        "global_batch": args.batch * args.peers,
+        "global_batch": args.batch * n,
         "target": args.target,
         "reached": reached is not None,
         "time_to_target_s": round(reached["seconds"], 2) if reached else None,
@@ -371,8 +376,10 @@ def run_mode(args: argparse.Namespace, mode: str, tb: Any | None) -> dict:
         "loadavg_start": [round(v, 2) for v in load_start],
         "loadavg_end": [round(v, 2) for v in os.getloadavg()],
     }
-    if mode == "ddp":
-        line["bytes_note"] = "4 x params per step (gradient); ring all-reduce sends 1.5x on wire"
+    if mode == "alone":
+        line["note"] = "one process with the per-peer batch, no communication (reference)"
+    elif mode == "ddp":
+        line["bytes_note"] = "ring all-reduce: 2 (N-1)/N x 4 x params per step"
     else:
         line["rounds_succeeded_worker0"] = results[0].get("rounds_succeeded")
         line["rounds_failed_worker0"] = results[0].get("rounds_failed")
