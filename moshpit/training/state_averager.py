@@ -270,7 +270,7 @@ class TrainingStateAverager:
             future = self.averager.step(weight=weight, timeout=timeout, wait=False)
         handle = AveragingRound(self, future)
         self._pending = handle
-        self._maybe_checkpoint()
+        self.maybe_checkpoint()
         return handle.wait() if wait else handle
 
     @property
@@ -416,10 +416,14 @@ class TrainingStateAverager:
         logger.info("loaded the state of epoch %d from %d donor(s)", epoch, len(result.donors_used))
         return epoch
 
-    def synchronize(self) -> None:
-        """Catch up with the swarm once (what the first :meth:`step` does by itself)."""
+    def synchronize(self, again: bool = False) -> None:
+        """Catch up with the swarm if it is ahead (the first :meth:`step` does this by itself).
+
+        ``again=True`` looks for a newer state even if this peer caught up before (a training
+        mode that noticed it fell behind).
+        """
         self._check_open()
-        if not self._synchronized:
+        if again or not self._synchronized:
             self._synchronize()
 
     def _synchronize(self) -> None:
@@ -476,7 +480,8 @@ class TrainingStateAverager:
         logger.info("checkpoint of epoch %d written (%d bytes)", epoch, manifest.total_bytes)
         return manifest
 
-    def _maybe_checkpoint(self) -> None:
+    def maybe_checkpoint(self) -> None:
+        """Write a checkpoint in the background if one is due (``checkpoint_every_*``)."""
         if self._store is None:
             return
         due_time = (

@@ -358,15 +358,14 @@ class DiLoCoMode(TrainingMode):
         self.samples = 0
         self.state.epoch += 1
         self.report_progress(0)
-        self.state._maybe_checkpoint()
+        self.state.maybe_checkpoint()
 
     def _catch_up(self, why: str) -> None:
         """Adopt the swarm's θ and momentum instead of applying a stale pseudo-gradient."""
         before = self.state.epoch
         logger.info("outer epoch %d is behind (%s): loading state from peers", before, why)
-        self.state._synchronized = False  # look for a newer state again
         try:
-            self.state.synchronize()
+            self.state.synchronize(again=True)
         except (NoDonorError, StateDownloadError) as e:  # donors gone or failing: retry later
             logger.warning("could not load state (%s)", e)
         if self.state.epoch != before:

@@ -340,7 +340,7 @@ class SyncMode(TrainingMode):
         self.grads.reset()
         self.report_progress(0)
         if self._pending is None:  # delayed: checkpoint once the update is applied
-            self.state._maybe_checkpoint()
+            self.state.maybe_checkpoint()
 
     def _collect_delayed(self, wait: bool) -> None:
         """Delayed averaging: apply the finished round of the previous epoch (one step late)."""
@@ -365,7 +365,7 @@ class SyncMode(TrainingMode):
         self.grads.write_grads()
         self.opt.inner.step()
         self.opt.inner.zero_grad(set_to_none=True)
-        self.state._maybe_checkpoint()
+        self.state.maybe_checkpoint()
 
     def _catch_up(self, why: str) -> None:
         """Load the swarm's newest state instead of stepping on stale parameters."""
@@ -374,9 +374,8 @@ class SyncMode(TrainingMode):
             self._pending = None
         logger.info("epoch %d is behind (%s): loading state from peers", self.state.epoch, why)
         before = self.state.epoch
-        self.state._synchronized = False  # look for a newer state again (synchronize() once)
         try:
-            self.state.synchronize()
+            self.state.synchronize(again=True)
         except NoDonorError as e:
             logger.warning("could not load state (%s): keeping ours", e)
         if self.state.epoch != before:
