@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from moshpit.cli.demo_cmd import _sigint_ignored
+
 STARTUP_TIMEOUT = 90.0
 SYNC_TARGET_BATCH = 256  # mode sync: samples per global optimizer step
 STOP_TIMEOUT = 30.0
@@ -561,18 +563,6 @@ def _table(swarm: Swarm, record: Record) -> Any:
             s.note,
         )
     return table
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Any:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingMode:
@@ -20,6 +24,8 @@ class TrainingMode:
     def __init__(self, optimizer: Any) -> None:
         self.opt = optimizer
         self.state: Any = None
+        self.refresh_period = 0.5  # modes that read the swarm's progress set their own
+        self._last_refresh = -float("inf")
 
     def on_start(self) -> None:
         """Before the first step: catch up with the swarm (load state if it is ahead)."""
@@ -34,6 +40,17 @@ class TrainingMode:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.inner.zero_grad(set_to_none=set_to_none)
+
+    def _view(self, force: bool = False) -> Any:
+        """The swarm's progress, read from the DHT at most every ``refresh_period`` s."""
+        now = time.monotonic()
+        if force or now - self._last_refresh >= self.refresh_period:
+            self._last_refresh = now
+            try:
+                return self.opt.tracker.refresh(timeout=self.opt.tracker.request_timeout * 2)
+            except Exception as e:  # noqa: BLE001 - a failed read: use the last view
+                logger.debug("progress refresh failed (%r); using the last view", e)
+        return self.opt.tracker.global_progress
 
     def report_progress(self, samples: int) -> None:
         self.opt.tracker.report(self.state.epoch, samples)

@@ -242,16 +242,6 @@ class DiLoCoMode(TrainingMode):
         if self.local_steps >= self.inner_steps:
             self._outer_round()
 
-    def _view(self, force: bool = False) -> Any:
-        now = time.monotonic()
-        if force or now - self._last_refresh >= self.refresh_period:
-            self._last_refresh = now
-            try:
-                return self.opt.tracker.refresh(timeout=self.opt.tracker.request_timeout * 2)
-            except Exception as e:  # noqa: BLE001 - a failed read: use the last view
-                logger.debug("progress refresh failed (%r); using the last view", e)
-        return self.opt.tracker.global_progress
-
     def _others(self, view: Any) -> tuple[list[Any], list[Any]]:
         """(peers at our epoch, peers past it), from the tracker's records, without us."""
         me = str(self.opt.tracker.peer_id)

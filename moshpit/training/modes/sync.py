@@ -185,17 +185,6 @@ class SyncMode(TrainingMode):
                 self._global_step(view)
         return self.state.epoch != epoch
 
-    def _view(self, force: bool = False) -> Any:
-        """The swarm's progress, read from the DHT at most every ``refresh_period`` s."""
-        now = time.monotonic()
-        if force or now - self._last_refresh >= self.refresh_period:
-            self._last_refresh = now
-            try:
-                return self.opt.tracker.refresh(timeout=self.opt.tracker.request_timeout * 2)
-            except Exception as e:  # noqa: BLE001 - a failed read: use the last view
-                logger.debug("progress refresh failed (%r); using the last view", e)
-        return self.opt.tracker.global_progress
-
     def _ready(self, view: Any) -> bool:
         """Our own count alone, or the swarm's at our epoch, reached the target."""
         if self.grads.samples >= self.target:
