@@ -193,10 +193,14 @@ class Optimizer:
         return loss
 
     def _gradients_finite(self) -> bool:
-        for p in self.params:
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                return False
-        return True
+        """One host sync per step (a per-parameter ``bool()`` would stall a GPU once each)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return True
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(torch.isfinite(g).all())
+        return all(bool(torch.stack(flags).all()) for flags in by_device.values())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.mode.zero_grad(set_to_none)
