@@ -147,6 +147,11 @@ class P2PStream(trio.abc.HalfCloseableStream):
         """Bytes received on this stream that the application has not read yet."""
         return self._yamux.buffered_bytes + len(self._reader.buffered)
 
+    async def receive_exactly_into(self, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the next ``len(buffer)`` raw bytes (a payload whose size a
+        preceding message announced); StreamClosedError if the stream ends first."""
+        await self._reader.receive_exactly_into(buffer)
+
     async def send_msg(self, obj: Any) -> None:
         """Send one framed msgpack message (MessageTooLargeError above ``max_message_size``)."""
         await send_msg(self, obj, self.max_message_size)

@@ -27,6 +27,16 @@ _RECV_CHUNK = 256 * 1024
 Segment = bytes | bytearray | memoryview
 
 
+def own_method(obj: object, name: str) -> Any:
+    """``obj.name`` if ``obj``'s class defines it, not a wrapper's attribute passthrough.
+
+    A wrapper (e.g. multistream's PrefixedStream, which replays over-read bytes) may forward
+    unknown attributes to the stream inside; calling the inner fast path would skip the
+    wrapper's own buffered bytes.
+    """
+    return getattr(obj, name) if getattr(type(obj), name, None) is not None else None
+
+
 def _bin_header(n: int) -> bytes:
     if n < 0x100:
         return struct.pack(">BB", 0xC4, n)
@@ -204,6 +214,35 @@ class MessageReader:
             parts.append(data)
             have += len(data)
         return b"".join(parts)
+
+    async def receive_exactly_into(self, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the next ``len(buffer)`` bytes (a raw payload after a message).
+
+        Uses the stream's own ``receive_exactly_into`` when it has one (yamux: the bytes go
+        from the decrypted receive buffer straight into ``buffer``), else reads and copies.
+        StreamClosedError if the stream ends first.
+        """
+        view = memoryview(buffer).cast("B")
+        n = len(view)
+        have = min(len(self._buf), n)
+        if have:
+            view[:have] = memoryview(self._buf)[:have]
+            self._buf = self._buf[have:]
+        if have == n:
+            await trio.lowlevel.checkpoint()
+            return
+        fill = own_method(self.stream, "receive_exactly_into")
+        if fill is not None:
+            have += await fill(view[have:])
+        else:
+            while have < n:
+                data = await self.stream.receive_some(n - have)
+                if not data:
+                    break
+                view[have : have + len(data)] = data
+                have += len(data)
+        if have < n:
+            raise StreamClosedError(f"stream ended after {have} of {n} bytes of a payload")
 
     async def receive_frame(self, max_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> bytes:
         """Read one uvarint-length-prefixed frame without decoding it (e.g. a protobuf)."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 import trio
 
 from .errors import P2PTimeoutError, ProtocolNegotiationError
+from .messages import own_method
 from .varint import decode_uvarint, encode_uvarint
 
 logger = logging.getLogger(__name__)
@@ -274,6 +275,29 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self.inner.send_all(data)
+
+    async def receive_exactly_into(self, buffer: memoryview) -> int:
+        """The prefix first, then the inner stream's fast path (or plain reads); returns how
+        many bytes arrived (fewer than ``len(buffer)`` only at EOF)."""
+        view = memoryview(buffer).cast("B")
+        n = len(view)
+        have = min(len(self._prefix), n)
+        if have:
+            view[:have] = self._prefix[:have]
+            self._prefix = self._prefix[have:]
+        if have == n:
+            await trio.lowlevel.checkpoint()
+            return n
+        fill = own_method(self.inner, "receive_exactly_into")
+        if fill is not None:
+            return have + await fill(view[have:])
+        while have < n:
+            data = await self.inner.receive_some(n - have)
+            if not data:
+                break
+            view[have : have + len(data)] = data
+            have += len(data)
+        return have
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.inner.wait_send_all_might_not_block()

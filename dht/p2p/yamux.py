@@ -36,6 +36,7 @@ from .errors import (
     StreamClosedError,
     StreamResetError,
 )
+from .messages import own_method
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +75,6 @@ _OUT_HARD_LIMIT = (
 _COALESCE_LIMIT = 64 * 1024  # senders yield to the writer once this much is queued
 
 
-def _own_method(conn: object, name: str) -> Callable[..., Any] | None:
-    """``conn.name`` if ``conn``'s class defines it, not a wrapper's attribute passthrough.
-
-    A wrapper (e.g. multistream's PrefixedStream, which replays over-read bytes) forwards
-    unknown attributes to the stream inside; calling the inner fast path would bypass the
-    wrapper's own receive_some/send_all and lose or skip bytes.
-    """
-    return getattr(conn, name) if getattr(type(conn), name, None) is not None else None
-
-
 def pack_header(ftype: int, flags: int, stream_id: int, length: int) -> bytes:
     return HEADER.pack(VERSION, ftype, flags, stream_id, length)
 
@@ -98,8 +89,14 @@ class YamuxStream(trio.abc.HalfCloseableStream):
     def __init__(self, session: YamuxSession, stream_id: int, max_window: int) -> None:
         self.session = session
         self.stream_id = stream_id
-        self._chunks: deque[bytes | bytearray] = deque()
+        # received, not yet read; a memoryview only for the unread tail of a chunk that a
+        # receive_exactly_into() took the front of (no copy of the rest)
+        self._chunks: deque[bytes | bytearray | memoryview] = deque()
         self._buffered = 0
+        # receive_exactly_into(): the caller's buffer, filled by the session's reader directly
+        # from the layer below (one copy, none through ``_chunks``), and how much of it is full
+        self._sink: memoryview | None = None
+        self._sink_fill = 0
         # How many bytes the remote may still send before we grant more.
         self._recv_remaining = INITIAL_WINDOW
         self._recv_window = INITIAL_WINDOW  # the window size we aim to keep granted
@@ -167,12 +164,82 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                     raise ValueError("max_bytes must be >= 1")
                 self._chunks.appendleft(chunk[max_bytes:])
                 chunk = chunk[:max_bytes]
-            self._buffered -= len(chunk)
-            self.session._buffered -= len(chunk)
-            self._consumed(len(chunk))
+            if isinstance(chunk, memoryview):
+                chunk = bytes(chunk)
+            self._unbuffer(len(chunk))
             return chunk
         finally:
             self._reading = False
+
+    async def receive_exactly_into(self, buffer: memoryview) -> int:
+        """Fill ``buffer`` with the next ``len(buffer)`` bytes of the stream; return how many
+        arrived (fewer only at EOF).
+
+        For bulk payloads whose size the caller knows (a tensor chunk after its header):
+        what is already buffered is copied in, and the rest goes from the connection's
+        decrypted receive buffer straight into ``buffer``, without an intermediate ``bytes``
+        per frame. The task sleeps until the buffer is full, not once per frame. Cancelled
+        midway, the bytes already written are put back in front of the stream (nothing is
+        lost; a later read returns them).
+        """
+        if self._reading:
+            raise trio.BusyResourceError("another task is already reading from this stream")
+        view = memoryview(buffer).cast("B")
+        if view.readonly:
+            raise TypeError("receive_exactly_into needs a writable buffer")
+        n = len(view)
+        self._reading = True
+        try:
+            filled = 0
+            while filled < n and self._chunks:
+                chunk = self._chunks.popleft()
+                take = min(len(chunk), n - filled)
+                view[filled : filled + take] = memoryview(chunk)[:take]
+                if take < len(chunk):
+                    self._chunks.appendleft(memoryview(chunk)[take:])
+                filled += take
+                self._unbuffer(take)
+            if filled == n:
+                await trio.lowlevel.checkpoint()
+                return n
+            self._raise_if_unreadable()
+            if self._remote_eof:
+                await trio.lowlevel.checkpoint()
+                return filled
+            if self._ack_pending and not self.session.closed:
+                self.session._enqueue_control(TYPE_WINDOW_UPDATE, self._flags(0), self.stream_id, 0)
+            self._sink, self._sink_fill = view, filled
+            try:
+                while self._sink_fill < n and not (self._remote_eof or self._reset):
+                    if self._read_closed:
+                        break
+                    await self._recv_lot.park()
+            except BaseException:
+                self._return_sink()  # cancelled: keep what arrived readable
+                raise
+            got = self._sink_fill
+            self._sink = None
+            self._sink_fill = 0
+            self._raise_if_unreadable()
+            return got
+        finally:
+            self._reading = False
+
+    def _return_sink(self) -> None:
+        """Put what a cancelled receive_exactly_into() got back in front of the stream."""
+        sink, fill = self._sink, self._sink_fill
+        self._sink = None
+        self._sink_fill = 0
+        if sink is not None and fill and not (self._reset or self._read_closed):
+            data = bytes(sink[:fill])
+            self._chunks.appendleft(data)
+            self._buffered += fill
+            self.session._buffered += fill
+
+    def _unbuffer(self, n: int) -> None:
+        self._buffered -= n
+        self.session._buffered -= n
+        self._consumed(n)
 
     def _raise_if_unreadable(self) -> None:
         if self._reset:
@@ -332,6 +399,19 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                     TYPE_WINDOW_UPDATE, self._flags(0), self.stream_id, len(data)
                 )
             return
+        sink = self._sink
+        if sink is not None and self._sink_fill < len(sink):
+            # a reader waits in receive_exactly_into (nothing else is buffered before this)
+            fill = self._sink_fill
+            take = min(len(sink) - fill, len(data))
+            sink[fill : fill + take] = data[:take] if take < len(data) else data
+            self._sink_fill = fill + take
+            self._consumed(take)  # window credit at once: the bytes are where they belong
+            if self._sink_fill == len(sink):
+                self._recv_lot.unpark_all()  # full; the rest of ``data`` is buffered below
+            if take == len(data):
+                return
+            data = data[take:]
         self._chunks.append(bytes(data) if isinstance(data, memoryview) else data)
         self._buffered += len(data)
         self.session._buffered += len(data)
@@ -620,7 +700,7 @@ class YamuxSession:
         urgent = self._urgent
         # A SecureSession takes a list of buffers and encrypts them into one write: then the
         # writer hands over up to a whole outgoing queue at once.
-        send_parts = _own_method(self.conn, "send_parts")
+        send_parts = own_method(self.conn, "send_parts")
         batch_limit = _OUT_LIMIT if send_parts is not None else _RECV_CHUNK
         try:
             while True:
@@ -702,7 +782,7 @@ class YamuxSession:
         pending_fin = False
         # A SecureSession lends its bulk receive buffer (a memoryview valid until its next
         # read): payloads are then copied out once, straight into what the streams deliver.
-        receive = _own_method(conn, "receive_view") or conn.receive_some
+        receive = own_method(conn, "receive_view") or conn.receive_some
         while True:
             # No max_bytes: the layer below may then hand over its whole buffer uncopied
             # (its chunks are bounded by its own read size).

@@ -72,7 +72,10 @@ from moshpit.averaging.allreduce_protocol import (
     parse_hello,
     parse_result,
     raw_float32,
+    raw_float32_destination,
+    receive_with_payload,
     result_msg,
+    send_with_payload,
 )
 from moshpit.averaging.allreduce_reducer import (
     DEFAULT_MAX_WEIGHT_RATIO,
@@ -90,6 +93,7 @@ from moshpit.averaging.partition import (
     gather_copies,
     part_bounds,
     scatter,
+    single_view,
 )
 
 if TYPE_CHECKING:
@@ -436,7 +440,9 @@ class _Round:
         assert self.reducer is not None
         for k, (a, b) in enumerate(self.chunks[self.me]):
             await self.reducer.wait_turn(s, k)
-            msg = await stream.receive_msg(max_size=max_chunk_message(b - a))
+            msg = await receive_with_payload(
+                stream, max_chunk_message(b - a), raw_float32_destination(b - a)
+            )
             ct = parse_chunk(msg, k, b - a)
             values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=decode_cost(ct))
             self.bytes_received += ct.nbytes
@@ -447,7 +453,7 @@ class _Round:
         for _ in self.chunks[self.me]:
             k, msg = await self.reducer.next_result(s)
             with trio.fail_after(self.sender_timeout):
-                await stream.send_msg(msg)
+                await send_with_payload(stream, msg)
             if msg["ct"] is not None:
                 self.bytes_sent += len(msg["ct"]["payload"])
             if k == len(self.chunks[self.me]) - 1:
@@ -515,8 +521,16 @@ class _Round:
         assert self.outputs is not None and self.tensors is not None and self.layout is not None
         if values is None:  # nobody with positive weight contributed: keep local values
             copy_range(self.tensors, self.outputs, self.layout, *bounds)
-        else:
+        elif not _is_output_view(values, self.outputs, self.layout, bounds):
             scatter(values, self.outputs, self.layout, bounds[0])
+        # else: the payload was received straight into the output (nothing to copy)
+
+    def _result_destination(self, a: int, b: int):
+        """Uncompressed float32 results are read straight into the output when the range
+        lies in one float32 output tensor (a rejected result is undone by ``finish``, which
+        restores local values for every part that did not complete)."""
+        assert self.outputs is not None and self.layout is not None
+        return raw_float32_destination(b - a, single_view(self.outputs, self.layout, a, b))
 
     async def exchange(self, j: int) -> None:
         """Send part ``j`` to its reducer and receive the averaged part back."""
@@ -571,7 +585,7 @@ class _Round:
                 cost += b - a
             ct = await self.service._run_cpu(compress, numel=cost)
             with trio.fail_after(self.reducer_timeout):
-                await stream.send_msg(chunk_msg(k, ct))
+                await send_with_payload(stream, chunk_msg(k, ct))
             self.bytes_sent += ct.nbytes
 
     async def _receive_results(
@@ -579,7 +593,9 @@ class _Round:
     ) -> None:
         for k, (a, b) in enumerate(self.chunks[j]):
             with trio.fail_after(self.reducer_timeout):
-                msg = await stream.receive_msg(max_size=max_chunk_message(b - a))
+                msg = await receive_with_payload(
+                    stream, max_chunk_message(b - a), self._result_destination(a, b)
+                )
             res: Result = parse_result(msg, k, b - a)
             if res.ct is None:
                 self._write((a, b), None)
@@ -944,6 +960,22 @@ def _check_out(tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> 
     outputs = [o.untyped_storage().data_ptr() for o in out if o.numel()]
     if len(set(outputs)) != len(outputs) or inputs & set(outputs):
         raise ValueError("out tensors must not share memory with each other or with the inputs")
+
+
+def _is_output_view(
+    values: torch.Tensor,
+    outputs: Sequence[torch.Tensor],
+    layout: TensorLayout,
+    bounds: tuple[int, int],
+) -> bool:
+    """Whether ``values`` already is the output range ``bounds`` (received in place)."""
+    view = single_view(outputs, layout, *bounds)
+    return (
+        view is not None
+        and values.numel() == view.numel()
+        and values.numel() > 0
+        and values.data_ptr() == view.data_ptr()
+    )
 
 
 def _restore_nonfinite(out: torch.Tensor, local: torch.Tensor) -> int:

@@ -2,12 +2,18 @@
 
 One stream per (sender, reducer) pair, opened by the sender (see docs/allreduce.md)::
 
-    sender -> reducer   {"t": "hello", "v": 2, "gid": bytes, "part": int, "total": int,
+    sender -> reducer   {"t": "hello", "v": 3, "gid": bytes, "part": int, "total": int,
                          "chunk": int, "w": float}
-    sender -> reducer   {"t": "chunk", "k": int, "ct": CompressedTensor msg}      k = 0, 1, ...
+    sender -> reducer   {"t": "chunk", "k": int, "ct": CompressedTensor msg, "len": int}
+                        + ``len`` raw payload bytes                                k = 0, 1, ...
     reducer -> sender   {"t": "result", "k": int, "ct": CompressedTensor msg | None, "dev": float,
-                         "n": int}
+                         "n": int, "len": int} + ``len`` raw payload bytes
     either way          {"t": "error", "reason": str[, "left_out": True]}        then the stream ends
+
+In chunk and result messages the compressed tensor's ``payload`` is empty: the payload follows
+the message as ``len`` raw bytes (protocol version 3), so that a receiver reads it straight
+into its destination (a chunk buffer, or for uncompressed float32 results the caller's output
+tensor) instead of through msgpack and its intermediate copies.
 
 ``ct = None`` in a result means "keep your local values for this chunk" (no contributor had
 positive weight, or the aggregate was not finite). ``n`` is the number of contributions with
@@ -22,14 +28,20 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from compression import CompressedTensor, CompressionError, NoCompression, decompress
+from dht.p2p.errors import MessageTooLargeError
 
-PROTOCOL_VERSION = 2  # 2: results carry "n", errors may carry "left_out"
+if TYPE_CHECKING:
+    from dht.p2p import P2PStream
+
+# 2: results carry "n", errors may carry "left_out"; 3: chunk/result payloads follow as raw bytes
+PROTOCOL_VERSION = 3
 MAX_SENDERS = 1 << 16  # bound on a result's "n" (a group is far smaller)
 MAX_WEIGHT = 1e9  # a sender's weight is its own claim; cap it so it cannot dwarf everyone
 MAX_REASON_CHARS = 500
@@ -38,6 +50,7 @@ ERROR_MAX_BYTES = 1024
 # Largest encoding of a chunk: a sparse codec sending every element as (value, int64 index).
 MAX_BYTES_PER_ELEMENT = 12
 MESSAGE_OVERHEAD = 4096
+HEADER_MAX_BYTES = MESSAGE_OVERHEAD  # a chunk or result message without its payload
 RAW_CODEC_ID = NoCompression.codec_id
 
 # Received payloads are immutable ``bytes``; float32 chunks are read through a view of them
@@ -162,6 +175,85 @@ def result_msg(
         "dev": deviation,
         "n": contributors,
     }
+
+
+def split_payload(msg: dict[str, Any]) -> tuple[dict[str, Any], bytes | bytearray | memoryview]:
+    """The wire form of a chunk or result message: the message with an empty payload and the
+    payload's length in ``"len"``, and the payload to send right after it (``msg`` is not
+    modified: one result message goes to several senders)."""
+    ct = msg["ct"]
+    if ct is None:
+        return {**msg, "len": 0}, b""
+    payload = ct["payload"]
+    return {**msg, "ct": {**ct, "payload": b""}, "len": memoryview(payload).nbytes}, payload
+
+
+async def send_with_payload(stream: P2PStream, msg: dict[str, Any]) -> None:
+    """Send a chunk or result message: the message, then its payload as raw bytes."""
+    header, payload = split_payload(msg)
+    await stream.send_msg(header)
+    if header["len"]:
+        await stream.send_all(payload)
+
+
+# Where a received payload goes: (the message's unvalidated "ct" map, payload length) -> a
+# writable flat byte buffer of exactly that length, or None for a new bytearray.
+Destination = Callable[[dict[str, Any], int], memoryview | None]
+
+
+async def receive_with_payload(
+    stream: P2PStream, max_payload: int, destination: Destination | None = None
+) -> Any:
+    """Receive a chunk or result message and its raw payload, and put the payload back into
+    ``msg["ct"]["payload"]`` (so the parsers below see one message, as before).
+
+    Anything else (an error message, a malformed message) is returned as it came for the
+    parsers to reject. The announced length is checked against ``max_payload`` before a byte
+    of the payload is read (MessageTooLargeError); the payload is read into ``destination``'s
+    buffer when it offers one (no intermediate copy), else into a new bytearray.
+    """
+    msg = await stream.receive_msg(max_size=HEADER_MAX_BYTES)
+    if not isinstance(msg, dict) or msg.get("t") not in ("chunk", "result"):
+        return msg
+    n = msg.pop("len", None)
+    if type(n) is not int or n < 0:
+        raise ProtocolError(f"{msg.get('t')!r} message lacks a valid payload length 'len'")
+    if n > max_payload:
+        raise MessageTooLargeError(
+            f"announced payload of {n} bytes exceeds the cap of {max_payload} for this chunk"
+        )
+    ct = msg.get("ct")
+    if not isinstance(ct, dict) or "payload" not in ct:
+        if n:
+            raise ProtocolError("a payload length without a compressed tensor")
+        return msg
+    if ct["payload"] != b"":
+        raise ProtocolError("the payload must follow the message, not be inside it")
+    view = destination(ct, n) if destination is not None and n else None
+    if view is None:
+        buf = bytearray(n)
+        await stream.receive_exactly_into(memoryview(buf))
+        ct["payload"] = buf
+    else:
+        if view.nbytes != n:  # a bug of the destination, not of the peer
+            raise RuntimeError(f"destination of {view.nbytes} bytes for a {n}-byte payload")
+        await stream.receive_exactly_into(view)
+        ct["payload"] = view
+    return msg
+
+
+def raw_float32_destination(numel: int, target: torch.Tensor | None = None) -> Destination:
+    """A :data:`Destination` that reads an uncompressed float32 payload of ``numel`` elements
+    into ``target`` (a contiguous float32 CPU tensor of that size; a new one if None) and any
+    other payload elsewhere."""
+
+    def choose(ct: dict[str, Any], n: int) -> memoryview | None:
+        if ct.get("codec") != RAW_CODEC_ID or ct.get("dtype") != "float32" or n != 4 * numel:
+            return None
+        into = torch.empty(numel, dtype=torch.float32) if target is None else target
+        return memoryview(into.view(torch.uint8).numpy())
+
+    return choose
 
 
 def error_msg(reason: str, *, left_out: bool = False) -> dict[str, Any]:

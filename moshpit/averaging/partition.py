@@ -65,7 +65,7 @@ class TensorLayout:
             i += 1
 
 
-def _single_view(
+def single_view(
     tensors: Sequence[torch.Tensor], layout: TensorLayout, start: int, end: int
 ) -> torch.Tensor | None:
     """A view of flat range [start, end) if it lies inside one contiguous float32 CPU tensor."""
@@ -83,7 +83,7 @@ def gather_copies(
     tensors: Sequence[torch.Tensor], layout: TensorLayout, start: int, end: int
 ) -> bool:
     """Whether :func:`gather` of this range copies (False: it returns a view, no work)."""
-    return end > start and _single_view(tensors, layout, start, end) is None
+    return end > start and single_view(tensors, layout, start, end) is None
 
 
 def gather(
@@ -94,7 +94,7 @@ def gather(
     A view of the caller's tensor when the range lies inside one contiguous float32 CPU tensor
     (the common case: no copy), else a new tensor. Callers must never write into the result.
     """
-    view = _single_view(tensors, layout, start, end) if end > start else None
+    view = single_view(tensors, layout, start, end) if end > start else None
     if view is not None:
         return view
     out = torch.empty(end - start, dtype=torch.float32)

@@ -16,7 +16,13 @@ from compression import NoCompression
 from dht.p2p import MemoryNetwork, P2PError
 from moshpit.averaging.aggregation import CenteredClip, ClippedMean
 from moshpit.averaging.allreduce import ALLREDUCE_PROTOCOL, AllReduceService
-from moshpit.averaging.allreduce_protocol import chunk_msg, hello_msg, result_msg
+from moshpit.averaging.allreduce_protocol import (
+    chunk_msg,
+    hello_msg,
+    receive_with_payload,
+    result_msg,
+    send_with_payload,
+)
 from moshpit.averaging.partition import chunk_bounds, chunk_numel_for, part_bounds
 from tests.averaging.test_allreduce import make_group, run_all, swarm, weighted_mean
 
@@ -45,9 +51,9 @@ async def drive_sender(
                 )
             )
         for m in messages:
-            await stream.send_msg(m)
+            await send_wire(stream, m)
         while read_replies:
-            replies.append(await stream.receive_msg())
+            replies.append(await receive_with_payload(stream, 1 << 24))
     except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError):
         pass
     finally:
@@ -57,6 +63,16 @@ async def drive_sender(
             except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
     return replies
+
+
+async def send_wire(stream, m) -> None:
+    """Send ``m`` as the protocol does: chunk/result payloads after the message, raw."""
+    is_map = isinstance(m, dict)
+    ct = m.get("ct", 0) if is_map else 0
+    if is_map and m.get("t") in ("chunk", "result") and (ct is None or isinstance(ct, dict)):
+        await send_with_payload(stream, m)
+    else:
+        await stream.send_msg(m)
 
 
 def _chunk(service: AllReduceService, group, total: int) -> int:
@@ -357,9 +373,10 @@ async def test_malicious_reducer_results_are_rejected(autojump_clock):
 
         async def evil_handler(stream):
             await stream.receive_msg()  # hello
-            await stream.receive_msg()  # chunk 0
-            await stream.send_msg(
-                result_msg(0, NoCompression().compress(torch.full((b2 - a2,), math.nan)), 0.0, 3)
+            await receive_with_payload(stream, 1 << 20)  # chunk 0
+            await send_with_payload(
+                stream,
+                result_msg(0, NoCompression().compress(torch.full((b2 - a2,), math.nan)), 0.0, 3),
             )
             with trio.move_on_after(5):
                 await stream.receive_msg()
