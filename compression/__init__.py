@@ -10,6 +10,7 @@ from .base import (
     CompressedTensor,
     codec_from_id,
     decompress,
+    decompress_into,
 )
 from .dgc import DGCMomentum, dgc_density_schedule
 from .errors import (
@@ -32,6 +33,7 @@ __all__ = [
     "CompressedTensor",
     "codec_from_id",
     "decompress",
+    "decompress_into",
     "CompressionError",
     "MalformedMessageError",
     "NonFiniteInputError",

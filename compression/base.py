@@ -256,6 +256,13 @@ class Codec(abc.ABC):
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
         """A flat float tensor (float32, or the original dtype when exact) of ``ct.numel``."""
 
+    @classmethod
+    def decode_into(cls, ct: CompressedTensor, out: torch.Tensor) -> None:
+        """Decode (validated) ``ct`` into the flat tensor ``out`` of ``ct.numel`` elements,
+        cast to its dtype. Codecs whose payload is already a tensor override this to skip
+        the intermediate tensor."""
+        out.copy_(cls.decode(ct, out.device).reshape(-1))
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"
@@ -296,6 +303,19 @@ def decompress(ct: CompressedTensor, device: torch.device | str | None = None) -
         raise MalformedMessageError(f"unknown dtype {ct.dtype!r}")
     out = _decode_float(ct, device)
     return out.to(EXACT_DTYPES[ct.dtype])
+
+
+def decompress_into(ct: CompressedTensor, out: torch.Tensor) -> None:
+    """Decode ``ct`` straight into ``out`` (``ct.numel`` elements, any float dtype; values are
+    cast to it): what :func:`decompress` then a copy would give, minus the temporary tensor.
+    Same validation and errors as :func:`decompress`."""
+    if ct.dtype not in EXACT_DTYPES:
+        raise MalformedMessageError(f"unknown dtype {ct.dtype!r}")
+    if out.numel() != ct.numel:
+        raise ValueError(f"out has {out.numel()} elements, the message {ct.numel}")
+    cls = codec_class(ct.codec_id)
+    cls.validate(ct)
+    cls.decode_into(ct, out.view(-1))
 
 
 _F32_MAX = float(torch.finfo(torch.float32).max)

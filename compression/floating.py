@@ -103,6 +103,10 @@ class NoCompression(Codec):
         dtype = EXACT_DTYPES[ct.dtype]
         return fresh_on(_bytes.view(ct.payload, dtype, ct.numel), device, dtype)
 
+    @classmethod
+    def decode_into(cls, ct: CompressedTensor, out: torch.Tensor) -> None:
+        out.copy_(_bytes.view(ct.payload, EXACT_DTYPES[ct.dtype], ct.numel))
+
 
 class _HalfPrecision(Codec):
     """Two bytes a value in ``half_dtype``; decodes to float32."""
@@ -116,6 +120,10 @@ class _HalfPrecision(Codec):
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
         return fresh_on(_bytes.view(ct.payload, cls.half_dtype, ct.numel), device, torch.float32)
+
+    @classmethod
+    def decode_into(cls, ct: CompressedTensor, out: torch.Tensor) -> None:
+        out.copy_(_bytes.view(ct.payload, cls.half_dtype, ct.numel))  # one widening copy
 
 
 class Float16(_HalfPrecision):

@@ -36,8 +36,16 @@ from abc import ABC, abstractmethod
 import torch
 
 
+class NonFiniteContribution(ValueError):
+    """A contribution holds NaN or +-Inf; :meth:`ChunkAggregation.add` changed nothing."""
+
+
 class ChunkAggregation(ABC):
-    """Combines the contributions to one chunk; not thread-safe (one task feeds it)."""
+    """Combines the contributions to one chunk; not thread-safe (one task feeds it).
+
+    ``add`` is also the reducer's NaN/Inf check of received chunks (the weighted mean gets it
+    for free from the squared norm it computes anyway, saving a pass over every chunk).
+    """
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
@@ -47,7 +55,8 @@ class ChunkAggregation(ABC):
 
     @abstractmethod
     def add(self, values: torch.Tensor, weight: float) -> None:
-        """Add one sender's validated float32 vector of length ``numel`` with weight >= 0."""
+        """Add one sender's float32 vector of length ``numel`` with weight >= 0; raises
+        :class:`NonFiniteContribution` (and adds nothing) if it holds NaN or +-Inf."""
 
     @abstractmethod
     def result(self) -> tuple[torch.Tensor, float] | None:
@@ -67,6 +76,13 @@ class Aggregator(ABC):
 
     @abstractmethod
     def begin(self, numel: int) -> ChunkAggregation: ...
+
+
+def _check_finite(values: torch.Tensor) -> None:
+    if values.numel():
+        lo, hi = torch.aminmax(values)
+        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+            raise NonFiniteContribution("chunk contains NaN or Inf")
 
 
 def squared_norm(values: torch.Tensor) -> float:
@@ -89,14 +105,21 @@ class _MeanChunk(ChunkAggregation):
         self.sq = 0.0  # sum_i w_i ||x_i||^2, for the deviation without keeping the x_i
 
     def add(self, values: torch.Tensor, weight: float) -> None:
-        self.count += 1
         if weight <= 0:
+            _check_finite(values)
+            self.count += 1
             return
+        # ||x||^2 is NaN/Inf exactly when x holds NaN/Inf (squared_norm redoes an overflow in
+        # float64): the finiteness check of the chunk, before anything is added
+        sq = squared_norm(values)
+        if not math.isfinite(sq):
+            raise NonFiniteContribution("chunk contains NaN or Inf")
+        self.count += 1
         if self.acc is None:  # a new buffer: ``values`` may be a read-only view
             self.acc = torch.mul(values, weight)
         else:
             self.acc.add_(values, alpha=weight)
-        self.sq += weight * squared_norm(values)
+        self.sq += weight * sq
         self.total_weight += weight
         self.contributors += 1
 
@@ -126,13 +149,14 @@ class _StoredChunk(ChunkAggregation):
         self.combine = combine
 
     def add_cost(self) -> int:
-        return 0  # keeps a reference
+        return self.numel // 4  # the NaN/Inf check; keeps a reference
 
     def result_cost(self) -> int:
         # stack, median (a sort per coordinate), clipping iterations: many passes per sender
         return 16 * self.numel * max(1, len(self.values))
 
     def add(self, values: torch.Tensor, weight: float) -> None:
+        _check_finite(values)
         self.count += 1
         if weight <= 0:
             return

@@ -39,6 +39,7 @@ How a round runs on member ``me`` (part ``j`` = flat range reduced by member ``j
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -63,7 +64,9 @@ from moshpit.averaging.allreduce_protocol import (
     all_finite,
     chunk_msg,
     decode_chunk,
+    decode_chunk_into,
     decode_cost,
+    decode_into_cost,
     error_msg,
     hello_group_id,
     hello_msg,
@@ -444,7 +447,13 @@ class _Round:
                 stream, max_chunk_message(b - a), raw_float32_destination(b - a)
             )
             ct = parse_chunk(msg, k, b - a)
-            values = await self.service._run_cpu(decode_chunk, ct, b - a, numel=decode_cost(ct))
+            # NaN/Inf: checked by the aggregation (the reducer excludes the sender)
+            values = await self.service._run_cpu(
+                functools.partial(decode_chunk, check_finite=False),
+                ct,
+                b - a,
+                numel=decode_cost(ct, check_finite=False),
+            )
             self.bytes_received += ct.nbytes
             await self.reducer.contribute(s, k, values)
 
@@ -521,16 +530,8 @@ class _Round:
         assert self.outputs is not None and self.tensors is not None and self.layout is not None
         if values is None:  # nobody with positive weight contributed: keep local values
             copy_range(self.tensors, self.outputs, self.layout, *bounds)
-        elif not _is_output_view(values, self.outputs, self.layout, bounds):
+        else:
             scatter(values, self.outputs, self.layout, bounds[0])
-        # else: the payload was received straight into the output (nothing to copy)
-
-    def _result_destination(self, a: int, b: int):
-        """Uncompressed float32 results are read straight into the output when the range
-        lies in one float32 output tensor (a rejected result is undone by ``finish``, which
-        restores local values for every part that did not complete)."""
-        assert self.outputs is not None and self.layout is not None
-        return raw_float32_destination(b - a, single_view(self.outputs, self.layout, a, b))
 
     async def exchange(self, j: int) -> None:
         """Send part ``j`` to its reducer and receive the averaged part back."""
@@ -591,20 +592,31 @@ class _Round:
     async def _receive_results(
         self, stream: P2PStream, j: int, received: list[int], progress: list[trio.Event]
     ) -> None:
+        assert self.outputs is not None and self.layout is not None
         for k, (a, b) in enumerate(self.chunks[j]):
+            # Where the range lies in one float32 output tensor, the result is decoded straight
+            # into it (uncompressed float32: even received into it). A result rejected after
+            # that leaves garbage there, which ``finish`` replaces with the local values, as
+            # for every part that did not complete.
+            target = single_view(self.outputs, self.layout, a, b)
             with trio.fail_after(self.reducer_timeout):
                 msg = await receive_with_payload(
-                    stream, max_chunk_message(b - a), self._result_destination(a, b)
+                    stream, max_chunk_message(b - a), raw_float32_destination(b - a, target)
                 )
             res: Result = parse_result(msg, k, b - a)
             if res.ct is None:
                 self._write((a, b), None)
+            elif target is not None:
+                await self.service._run_cpu(
+                    decode_chunk_into, res.ct, target, numel=decode_into_cost(res.ct)
+                )
             else:
                 values = await self.service._run_cpu(
                     decode_chunk, res.ct, b - a, numel=decode_cost(res.ct)
                 )
-                self.bytes_received += res.ct.nbytes
                 self._write((a, b), values)
+            if res.ct is not None:
+                self.bytes_received += res.ct.nbytes
             self._count_averaged(j, (a, b), res.ct is not None, res.contributors)
             self.part_dev[j] += res.deviation
             received[0] = k + 1
@@ -960,22 +972,6 @@ def _check_out(tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> 
     outputs = [o.untyped_storage().data_ptr() for o in out if o.numel()]
     if len(set(outputs)) != len(outputs) or inputs & set(outputs):
         raise ValueError("out tensors must not share memory with each other or with the inputs")
-
-
-def _is_output_view(
-    values: torch.Tensor,
-    outputs: Sequence[torch.Tensor],
-    layout: TensorLayout,
-    bounds: tuple[int, int],
-) -> bool:
-    """Whether ``values`` already is the output range ``bounds`` (received in place)."""
-    view = single_view(outputs, layout, *bounds)
-    return (
-        view is not None
-        and values.numel() == view.numel()
-        and values.numel() > 0
-        and values.data_ptr() == view.data_ptr()
-    )
 
 
 def _restore_nonfinite(out: torch.Tensor, local: torch.Tensor) -> int:

@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from compression import CompressedTensor, CompressionError, NoCompression, decompress
+from compression import (
+    CompressedTensor,
+    CompressionError,
+    NoCompression,
+    decompress,
+    decompress_into,
+)
 from dht.p2p.errors import MessageTooLargeError
 
 if TYPE_CHECKING:
@@ -300,11 +306,12 @@ def parse_result(msg: Any, k: int, numel: int) -> Result:
     return Result(ct, dev, n)
 
 
-def decode_chunk(ct: CompressedTensor, numel: int) -> torch.Tensor:
+def decode_chunk(ct: CompressedTensor, numel: int, *, check_finite: bool = True) -> torch.Tensor:
     """Decompress a validated chunk into a flat float32 tensor; reject NaN/Inf.
 
-    Uncompressed float32 is a read-only view of the payload (cheap: one read pass for the
-    NaN/Inf check); other codecs decode into a new tensor (CPU-heavy for big chunks: call it
+    ``check_finite=False`` leaves the NaN/Inf check to the caller (a reducer's aggregation
+    gets it from a pass it makes anyway). Uncompressed float32 is a read-only view of the
+    payload (cheap: one read pass for the NaN/Inf check); other codecs decode into a new tensor (CPU-heavy for big chunks: call it
     in a worker thread, see :func:`decode_cost`).
     """
     if is_raw_float32(ct):
@@ -324,9 +331,36 @@ def decode_chunk(ct: CompressedTensor, numel: int) -> torch.Tensor:
         values = values.reshape(-1).to(torch.float32)
     if values.numel() != numel:
         raise ProtocolError(f"chunk decoded to {values.numel()} elements, expected {numel}")
-    if not all_finite(values):
+    if check_finite and not all_finite(values):
         raise ProtocolError("chunk contains NaN or Inf")
     return values
+
+
+def decode_chunk_into(ct: CompressedTensor, target: torch.Tensor) -> None:
+    """Decode a validated chunk into ``target`` (a flat float32 tensor of its size) and reject
+    NaN/Inf (ProtocolError; ``target`` then holds garbage the caller must undo).
+
+    An uncompressed float32 payload that was received into ``target`` itself costs only the
+    check; half precision is one widening copy; other codecs decode through a temporary.
+    """
+    payload = ct.payload
+    in_place = (
+        is_raw_float32(ct)
+        and target.numel() > 0
+        and torch.frombuffer(payload, dtype=torch.uint8).data_ptr() == target.data_ptr()
+    )
+    if not in_place:
+        try:
+            decompress_into(ct, target)
+        except CompressionError as e:
+            raise ProtocolError(f"cannot decode chunk: {e}") from e
+    if not all_finite(target):
+        raise ProtocolError("chunk contains NaN or Inf")
+
+
+def decode_into_cost(ct: CompressedTensor) -> int:
+    """Rough work of :func:`decode_chunk_into` in element-passes."""
+    return ct.numel // 4 if is_raw_float32(ct) else 3 * ct.numel
 
 
 def all_finite(values: torch.Tensor) -> bool:
@@ -348,11 +382,13 @@ def is_raw_float32(ct: CompressedTensor) -> bool:
     return ct.codec_id == RAW_CODEC_ID and ct.dtype == "float32"
 
 
-def decode_cost(ct: CompressedTensor) -> int:
+def decode_cost(ct: CompressedTensor, *, check_finite: bool = True) -> int:
     """Rough work of :func:`decode_chunk` in element-passes: a view plus one vectorised
     read-only pass (aminmax, several times faster than a copy) for uncompressed float32,
     a decode into a new tensor plus the check for other codecs."""
-    return ct.numel // 4 if is_raw_float32(ct) else 3 * ct.numel
+    if is_raw_float32(ct):
+        return ct.numel // 4 if check_finite else 0
+    return 3 * ct.numel
 
 
 def raw_float32(values: torch.Tensor) -> CompressedTensor:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import trio
 
-from moshpit.averaging.aggregation import Aggregator
+from moshpit.averaging.aggregation import Aggregator, NonFiniteContribution
 from moshpit.averaging.allreduce_protocol import all_finite
 
 logger = logging.getLogger(__name__)
@@ -184,15 +184,27 @@ class PartReducer:
                 await self._add_deferred()
                 await self._add(sender, k, values)
         self._notify()
+        if sender not in self.active:  # its chunk (or a deferred one) was refused just now
+            raise SenderFailed(self._reason(sender))
 
     async def _add(self, sender: int, k: int, values: torch.Tensor) -> None:
-        """Aggregate one contribution with its normalised weight (caller holds the lock)."""
+        """Aggregate one contribution with its normalised weight (caller holds the lock).
+
+        The aggregation is where received chunks are checked for NaN/Inf: a sender whose
+        chunk holds any is excluded (from this chunk on) and nothing of it is added.
+        """
         assert self.weights is not None
+        if sender not in self.active:
+            return  # excluded while this (deferred) chunk waited
         agg = self._pending.get(k)
         if agg is None:
             agg = self._pending[k] = self.aggregator.begin(values.numel())
         weight = self.weights.get(sender, 0.0)
-        await self._run_cpu(agg.add, values, weight, numel=agg.add_cost())
+        try:
+            await self._run_cpu(agg.add, values, weight, numel=agg.add_cost())
+        except NonFiniteContribution as e:
+            logger.info("sender %d sent NaN/Inf in chunk %d; excluded", sender, k)
+            self.fail(sender, str(e), excluded=True)
 
     async def _add_deferred(self) -> None:
         while self._deferred:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moshpit.averaging.aggregation import CenteredClip, ClippedMean, WeightedMean
+from moshpit.averaging.aggregation import (
+    CenteredClip,
+    ClippedMean,
+    NonFiniteContribution,
+    WeightedMean,
+)
 
 
 def aggregate(agg, xs, ws):
@@ -91,3 +98,29 @@ def test_invalid_parameters():
             CenteredClip(bad)
     with pytest.raises(ValueError):
         CenteredClip(1.0, iterations=0)
+
+
+@pytest.mark.parametrize("agg", [WeightedMean(), ClippedMean(tau=1.0), CenteredClip(tau=1.0)])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("weight", [0.5, 0.0])
+def test_add_refuses_nan_and_inf_and_changes_nothing(agg, bad, weight):
+    """The reducer relies on add() as the NaN/Inf check of received chunks."""
+    chunk = agg.begin(100)
+    good = torch.randn(100)
+    chunk.add(good, 0.5)
+    poisoned = torch.randn(100)
+    poisoned[37] = bad
+    with pytest.raises(NonFiniteContribution, match="NaN or Inf"):
+        chunk.add(poisoned, weight)
+    mean, deviation = chunk.result()
+    assert torch.allclose(mean, good) and deviation == pytest.approx(0.0, abs=1e-6)
+    assert chunk.count == 1 and chunk.contributors == 1
+
+
+def test_huge_finite_values_are_not_mistaken_for_inf():
+    """float32 ||x||^2 overflows for values near 1e20; that is not a NaN/Inf contribution."""
+    chunk = WeightedMean().begin(4)
+    chunk.add(torch.full((4,), 1e20), 0.5)
+    chunk.add(torch.full((4,), -1e20), 0.5)
+    mean, deviation = chunk.result()
+    assert torch.equal(mean, torch.zeros(4)) and math.isfinite(deviation)

@@ -65,8 +65,15 @@ async def drive_sender(
     return replies
 
 
+class AsIs(dict):
+    """A message sent exactly as given (no payload moved behind it): a broken sender."""
+
+
 async def send_wire(stream, m) -> None:
     """Send ``m`` as the protocol does: chunk/result payloads after the message, raw."""
+    if isinstance(m, AsIs):
+        await stream.send_msg(dict(m))
+        return
     is_map = isinstance(m, dict)
     ct = m.get("ct", 0) if is_map else 0
     if is_map and m.get("t") in ("chunk", "result") and (ct is None or isinstance(ct, dict)):
@@ -270,6 +277,17 @@ def _attacks(part_len: int):
             [{"t": "chunk", "k": 0, "ct": {**good, "payload": b"\0" * 2_000_000}}],
             "MessageTooLarge",
         ),
+        # protocol v2 framing (payload inside the message) or a missing/negative length
+        "inline_payload": ([AsIs(chunk_of(torch.ones(part_len)))], "payload length"),
+        "negative_len": ([AsIs({"t": "chunk", "k": 0, "ct": good, "len": -1})], "payload length"),
+        "payload_and_len": (
+            [AsIs({"t": "chunk", "k": 0, "ct": good, "len": 4 * part_len})],
+            "must follow the message",
+        ),
+        "huge_len": (
+            [AsIs({"t": "chunk", "k": 0, "ct": {**good, "payload": b""}, "len": 1 << 30})],
+            "MessageTooLarge",
+        ),
         "wrong_total": ([], "flat size"),  # hello patched below
         "nan_weight": ([], "weight"),
         "wrong_chunking": ([], "chunk size"),  # hello patched below
@@ -288,6 +306,10 @@ def _attacks(part_len: int):
         "not_a_map",
         "wrong_type",
         "huge",
+        "inline_payload",
+        "negative_len",
+        "payload_and_len",
+        "huge_len",
         "wrong_total",
         "nan_weight",
         "wrong_chunking",
