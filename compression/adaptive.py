@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ._sorting import sorted_values
 from .base import Codec, CompressedTensor, MetaValue, _decode_float
 from .errors import CompressionError
 from .floating import NoCompression
@@ -189,7 +190,7 @@ class GraVAC:
         idx_min = dgc_select(flat, density_to_k(n, 1.0 / self.theta_min), generator=self._topk._gen)
         k_c = min(idx_min.numel(), density_to_k(n, 1.0 / self.theta_c))
         top_in_min = torch.topk(flat[idx_min].abs(), k_c, sorted=False).indices
-        idx_c = idx_min[top_in_min].sort().values
+        idx_c = sorted_values(idx_min[top_in_min])
         energy = _energy(flat)
         gain_min = _energy(flat[idx_min]) / energy if energy else 1.0
         gain_c = _energy(flat[idx_c]) / energy if energy else 1.0

@@ -16,6 +16,7 @@ import math
 import torch
 
 from . import _bytes
+from ._sorting import sorted_values
 from .base import (
     Codec,
     CompressedTensor,
@@ -108,7 +109,7 @@ class Uniform8Bit(Codec):
         lo, hi = _aminmax(flat)
         if self.range_sigmas is not None and n > 1:
             sample = flat if n <= 16384 else sample_runs(flat, 16384, self._gen)
-            ordered = sample.float().sort().values
+            ordered = sorted_values(sample.float())
             m = ordered.numel() - 1
             q25, median, q75 = (float(ordered[round(m * q)]) for q in (0.25, 0.5, 0.75))
             sigma = (q75 - q25) / 1.349  # = std for Gaussian data
@@ -324,7 +325,7 @@ def _compander_levels(sample: torch.Tensor, group: int = 4) -> torch.Tensor:
     statistic encloses the same probability mass), so it adapts to any scale and to heavy
     tails, where a fixed-width histogram would put nearly all data into one bin.
     """
-    s = sample.double().sort().values
+    s = sorted_values(sample.double())
     q = s[::group]
     if q[-1] != s[-1]:
         q = torch.cat([q, s[-1:]])
@@ -339,7 +340,7 @@ def _compander_levels(sample: torch.Tensor, group: int = 4) -> torch.Tensor:
     lo_w, hi_w = cum[pos - 1], cum[pos]
     frac = ((targets - lo_w) / (hi_w - lo_w).clamp_min(1e-300)).clamp(0.0, 1.0)
     levels = q[pos - 1] + frac * (q[pos] - q[pos - 1])
-    return levels.float().sort().values
+    return sorted_values(levels.float())
 
 
 def _assign(

@@ -14,6 +14,7 @@ import secrets
 import torch
 
 from . import _bytes
+from ._sorting import sorted_values
 from .base import (
     Codec,
     CompressedTensor,
@@ -105,7 +106,7 @@ def dgc_select(
         count = selected.numel()
         if count > k_hi:  # too many: exact top-k among the candidates only
             best = torch.topk(values[selected].abs(), k, sorted=False).indices
-            return selected[best].sort().values
+            return sorted_values(selected[best])
         if count >= k_lo:
             return selected
         if rank >= ranked.numel():
@@ -134,7 +135,7 @@ def _at_least(values: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def _exact_topk(values: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.topk(values.abs(), k, sorted=False).indices.sort().values
+    return sorted_values(torch.topk(values.abs(), k, sorted=False).indices)
 
 
 class TopK(Codec):
