@@ -152,9 +152,22 @@ class Uniform8Bit(Codec):
 
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
+        out = torch.empty(ct.numel, device=device)
+        cls._decode_to(ct, out)
+        return out
+
+    @classmethod
+    def decode_into(cls, ct: CompressedTensor, out: torch.Tensor) -> None:
+        if out.dtype == torch.float32:
+            cls._decode_to(ct, out)  # straight into the destination: no temporary
+        else:
+            super().decode_into(ct, out)
+
+    @classmethod
+    def _decode_to(cls, ct: CompressedTensor, out: torch.Tensor) -> None:
+        device = out.device
         lo, step = meta_float(ct, "lo"), meta_float(ct, "step", positive=True)
         codes = _codes_on(ct, torch.uint8, 0, device)
-        out = torch.empty(ct.numel, device=device)
         lo_t = torch.tensor(lo, device=device)
         for start, stop in _bytes.spans(ct.numel, device):
             torch.add(lo_t, codes[start:stop], alpha=step, out=out[start:stop])
@@ -162,7 +175,6 @@ class Uniform8Bit(Codec):
         if m:
             values = _bytes.view(ct.payload, torch.float32, m, values_at).to(device)
             out[cls.outlier_indices(ct).to(device)] = values
-        return out
 
 
 # Largest value that still truncates to code 255; anything above it (x beyond hi + step/2,
