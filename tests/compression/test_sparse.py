@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compression import RandomK, ScaledSign, TopK, decompress, dgc_select, random_k_indices
-from compression._bytes import pack_bits, pack_uint, unpack_bits, unpack_uint
+from compression._bytes import (
+    _pack_uint_torch,
+    _unpack_uint_torch,
+    pack_bits,
+    pack_uint,
+    unpack_bits,
+    unpack_uint,
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -18,6 +25,9 @@ def test_pack_uint_round_trip(values, width):
     packed = pack_uint(t, width)
     assert packed.numel() == math.ceil(len(values) * width / 8)
     assert torch.equal(unpack_uint(packed, len(values), width), t)
+    # the CPU (numpy) and any-device (torch) packings write the same wire bytes
+    assert torch.equal(packed, _pack_uint_torch(t, width))
+    assert torch.equal(_unpack_uint_torch(packed, len(values), width), t)
 
 
 @settings(max_examples=30, deadline=None)
