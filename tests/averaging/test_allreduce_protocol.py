@@ -42,6 +42,11 @@ def test_all_finite_edge_cases():
     assert all_finite(torch.tensor([3.4e38, -3.4e38]))  # huge but finite: no overflow
     assert not all_finite(torch.tensor([[1.0, 2.0], [float("nan"), 0.0]]))
     assert not all_finite(torch.full((1 << 18,), math.inf)[::2])  # non-contiguous view
+    # the fast path (a finite sum) must not be fooled by a sum that overflows ...
+    assert all_finite(torch.full((1000,), 3e38))
+    # ... nor by +Inf and -Inf together (their sum is NaN, never finite)
+    assert not all_finite(torch.tensor([math.inf, -math.inf, 1.0]))
+    assert not all_finite(torch.cat([torch.full((999,), 3e38), torch.tensor([math.nan])]))
 
 
 def _wire(ct):
