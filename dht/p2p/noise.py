@@ -67,6 +67,10 @@ MAX_FRAME = 0xFFFF  # 2-byte length prefix
 MAX_PLAINTEXT = MAX_FRAME - TAGLEN  # 65519
 SEND_BATCH = 1 << 20  # bytes of frames written per raw send_all (bulk)
 _FRAME_ROOM = 2 * (2 + MAX_FRAME)  # the send buffer may pass SEND_BATCH by up to two frames
+SEAL_ALL_LIMIT = 2 << 20  # sends up to this size are encrypted whole before the first write
+# framing of SEAL_ALL_LIMIT bytes: 18 bytes per frame, frames hold >= _DIRECT_MIN bytes
+# except the packed ones (full) and one per part; plus room for the last frames
+_SEAL_ALL_ROOM = 18 * (SEAL_ALL_LIMIT // 4096 + 64) + _FRAME_ROOM
 _SMALL_SEND = 64 * 1024  # sends up to this size use a fresh exact-size buffer
 _DIRECT_MIN = 4096  # slices at least this large are encrypted in place; smaller ones packed
 RECEIVE_CHUNK = 256 * 1024  # bytes asked from the raw stream per read
@@ -351,9 +355,13 @@ class SecureSession(trio.abc.HalfCloseableStream):
 
     async def _send_large(self, views: list[memoryview]) -> None:
         if self._sbuf is None:
-            self._sbuf = bytearray(SEND_BATCH + _FRAME_ROOM)
+            self._sbuf = bytearray(SEAL_ALL_LIMIT + _SEAL_ALL_ROOM)
             self._stage = bytearray(MAX_PLAINTEXT)
         out = self._sbuf
+        # Up to SEAL_ALL_LIMIT bytes (every batch of the yamux writer) are all encrypted
+        # before the first write: callers' buffers are then never read after an await, which
+        # yamux relies on to send views of a sender's buffer without copying them.
+        flush_at = SEND_BATCH if sum(len(v) for v in views) > SEAL_ALL_LIMIT else len(out)
         stage = self._stage
         staged = 0  # bytes of small parts waiting in ``stage`` for a shared frame
         pos = 0  # bytes of frames in ``out``
@@ -375,7 +383,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
                             staged = 0
                         pos = self._seal(view[start : start + size], out, out_view, pos)
                     start += size
-                    if pos > SEND_BATCH:
+                    if pos > flush_at:
                         await self.raw.send_all(out_view[:pos])
                         pos = 0
             if staged:

@@ -113,6 +113,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         self._send_lot = trio.lowlevel.ParkingLot()
         self._reading = False
         self._sending = False
+        self._borrowed_pending = 0  # pieces of the caller's buffer still queued, not yet sent
         self._ack_pending = False  # inbound stream whose ACK rides on our first frame
 
     # -- introspection -------------------------------------------------------------------
@@ -279,8 +280,10 @@ class YamuxStream(trio.abc.HalfCloseableStream):
             raise trio.BusyResourceError("another task is already sending on this stream")
         self._sending = True
         try:
-            # bytes are immutable: frames can reference them without copying. A mutable buffer
-            # may change after we return, so its frames get their own copy.
+            # bytes are immutable: frames reference them. A mutable buffer (a tensor's memory)
+            # is not copied either: its frames are queued as views, and send_all returns only
+            # once the writer has sent them, so the caller may reuse the buffer afterwards.
+            # Cancelled before that, the views still queued are replaced by copies.
             immutable = isinstance(data, bytes)
             view = memoryview(data).cast("B")
             total = len(view)
@@ -289,24 +292,30 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                 self._raise_if_unwritable()
                 await trio.lowlevel.checkpoint()
                 return
-            while offset < total:
-                self._raise_if_unwritable()
-                if self._send_window <= 0:
+            owner = None if immutable else self
+            try:
+                while offset < total:
+                    self._raise_if_unwritable()
+                    if self._send_window <= 0:
+                        await self._send_lot.park()
+                        continue
+                    await self.session._wait_send_space()
+                    self._raise_if_unwritable()
+                    if self._send_window <= 0:
+                        continue
+                    n = min(total - offset, self._send_window, MAX_FRAME_PAYLOAD)
+                    piece = data if (immutable and n == total) else view[offset : offset + n]
+                    self._send_window -= n
+                    self.session._enqueue_data(self.stream_id, piece, self._flags(0), owner)
+                    offset += n
+                await self.session._after_enqueue()
+                while self._borrowed_pending:
+                    self._raise_if_unwritable()
                     await self._send_lot.park()
-                    continue
-                await self.session._wait_send_space()
-                self._raise_if_unwritable()
-                if self._send_window <= 0:
-                    continue
-                n = min(total - offset, self._send_window, MAX_FRAME_PAYLOAD)
-                if immutable:
-                    piece = data if n == total else view[offset : offset + n]
-                else:
-                    piece = bytes(view[offset : offset + n])
-                self._send_window -= n
-                self.session._enqueue_data(self.stream_id, piece, self._flags(0))
-                offset += n
-            await self.session._after_enqueue()
+            except BaseException:
+                if self._borrowed_pending:
+                    self.session._copy_borrowed(self)
+                raise
         finally:
             self._sending = False
 
@@ -484,6 +493,8 @@ class YamuxSession:
         # must stay ordered with their stream's data, so they use the normal queue.
         self._urgent: deque[bytes] = deque()
         self._out_bytes = 0
+        # queued pieces that are views of a sender's buffer (id -> the sending stream)
+        self._borrowed: dict[int, YamuxStream] = {}
         self._writer_lot = trio.lowlevel.ParkingLot()
         self._space_lot = trio.lowlevel.ParkingLot()
         self._pings: dict[int, trio.Event] = {}
@@ -552,6 +563,8 @@ class YamuxSession:
         self._accept_send.close()
         self._writer_lot.unpark_all()
         self._space_lot.unpark_all()
+        for owner in set(self._borrowed.values()):  # senders waiting for their views to go
+            owner._send_lot.unpark_all()
         for ev in self._pings.values():
             ev.set()
         if self._cancel_scope is not None:
@@ -672,11 +685,45 @@ class YamuxSession:
         while self._out_bytes >= _OUT_LIMIT and not self.closed:
             await self._space_lot.park()
 
-    def _enqueue_data(self, stream_id: int, payload: bytes | memoryview, flags: int = 0) -> None:
+    def _enqueue_data(
+        self,
+        stream_id: int,
+        payload: bytes | memoryview,
+        flags: int = 0,
+        owner: YamuxStream | None = None,
+    ) -> None:
+        """Queue one Data frame; ``owner``: ``payload`` is a view of that stream's caller's
+        buffer, which must not be reused before the writer has sent it."""
         self._out.append(pack_header(TYPE_DATA, flags, stream_id, len(payload)))
         self._out.append(payload)
+        if owner is not None:
+            self._borrowed[id(payload)] = owner
+            owner._borrowed_pending += 1
         self._out_bytes += HEADER_SIZE + len(payload)
         self._writer_lot.unpark()
+
+    def _release_borrowed(self, pieces: list[bytes | memoryview]) -> None:
+        """The writer sent these pieces: wake the senders whose buffers are now free."""
+        for piece in pieces:
+            owner = self._borrowed.pop(id(piece), None)
+            if owner is not None:
+                owner._borrowed_pending -= 1
+                if not owner._borrowed_pending:
+                    owner._send_lot.unpark_all()
+
+    def _copy_borrowed(self, owner: YamuxStream) -> None:
+        """``owner``'s send was cancelled: its pieces still queued get their own copies (the
+        caller may reuse its buffer now). Pieces the writer took are already encrypted: a
+        SecureSession seals a whole batch before its first await (see ``_writer``)."""
+        out = self._out
+        for i, piece in enumerate(out):
+            if self._borrowed.get(id(piece)) is owner:
+                out[i] = bytes(piece)
+        # forget them all, including those in the writer's current batch (already sealed or
+        # copied): nothing of this send is waited for any more
+        for key in [k for k, stream in self._borrowed.items() if stream is owner]:
+            del self._borrowed[key]
+        owner._borrowed_pending = 0
 
     def _enqueue_control(
         self, ftype: int, flags: int, stream_id: int, length: int, force: bool = False
@@ -731,9 +778,17 @@ class YamuxSession:
                     )
                     batch.append(piece)
                 if send_parts is not None:
-                    await send_parts(batch)  # one encrypted write, no joining of payloads
+                    # one encrypted write, no joining of payloads; the whole batch (at most
+                    # batch_limit + one frame) is sealed before send_parts first awaits, so
+                    # views of senders' buffers are never read after a cancelled send
+                    await send_parts(batch)
+                elif self._borrowed:  # a plain stream may hold on to what it is given
+                    borrowed = self._borrowed
+                    await self._write_pieces([bytes(p) if id(p) in borrowed else p for p in batch])
                 else:
                     await self._write_pieces(batch)
+                if self._borrowed:
+                    self._release_borrowed(batch)
                 self._out_bytes -= size
                 self._space_lot.unpark_all()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
