@@ -196,6 +196,14 @@ class SyncMode(TrainingMode):
         me = str(self.opt.tracker.peer_id)
         return [p for p in view.peers if p.peer_id != me and p.epoch == self.state.epoch - 1]
 
+    @staticmethod
+    def _contributing(same: list[Any]) -> list[Any]:
+        """Peers at our epoch that reported samples for it: those a round must wait for. A
+        peer that reached the epoch and then stopped stepping (paused, or busy elsewhere)
+        reports 0 and is not waited for; otherwise every round of the others would be
+        rejected as a possible split, forever. It catches up by loading state later."""
+        return [p for p in same if p.samples > 0]
+
     def _others(self, view: Any) -> tuple[list[Any], list[Any]]:
         """(peers at our epoch, peers past it), from the tracker's records, without us."""
         me = str(self.opt.tracker.peer_id)
@@ -235,7 +243,7 @@ class SyncMode(TrainingMode):
             weight=samples,
             timeout=self.round_timeout,
             compression=self._codec(num_peers),
-            gather={"peers": len(same) + 1 + len(near)},
+            gather={"peers": len(self._contributing(same)) + 1 + len(near)},
         )
         if self.delay_averaging:
             # epoch e's round runs while the batches of e + 1 are computed; applied late
