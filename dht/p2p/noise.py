@@ -346,14 +346,14 @@ class SecureSession(trio.abc.HalfCloseableStream):
                     joined = views[0] if len(views) == 1 else b"".join(views)
                     await self.raw.send_all(self._encrypt_batch(memoryview(joined)))
                 else:
-                    await self._send_large(views)
+                    await self._send_large(views, total)
             finally:
                 for v in views:
                     v.release()  # so the caller may resize a bytearray it passed us
         finally:
             self._sending = False
 
-    async def _send_large(self, views: list[memoryview]) -> None:
+    async def _send_large(self, views: list[memoryview], total: int) -> None:
         if self._sbuf is None:
             self._sbuf = bytearray(SEAL_ALL_LIMIT + _SEAL_ALL_ROOM)
             self._stage = bytearray(MAX_PLAINTEXT)
@@ -361,7 +361,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
         # Up to SEAL_ALL_LIMIT bytes (every batch of the yamux writer) are all encrypted
         # before the first write: callers' buffers are then never read after an await, which
         # yamux relies on to send views of a sender's buffer without copying them.
-        flush_at = SEND_BATCH if sum(len(v) for v in views) > SEAL_ALL_LIMIT else len(out)
+        flush_at = SEND_BATCH if total > SEAL_ALL_LIMIT else len(out)
         stage = self._stage
         staged = 0  # bytes of small parts waiting in ``stage`` for a shared frame
         pos = 0  # bytes of frames in ``out``
