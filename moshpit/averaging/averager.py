@@ -38,6 +38,7 @@ from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, DHTMatchmakingBacken
 from moshpit.averaging.partition import empty_like_all
 
 logger = logging.getLogger(__name__)
+HARD_STEP_SLACK = 30.0  # s past a step's bound before it is abandoned (a safety net)
 
 __all__ = ["Averager", "AveragerLockError", "StepResult", "tensor_schema"]
 
@@ -545,7 +546,24 @@ class Averager:
                         next_group_key=key,
                     )
                 try:
-                    return await self._step(key, float(weight), gather, started, end)
+                    # Every phase has its own timeout; this outer bound is the safety net that
+                    # keeps a step without ``timeout`` from ever waiting forever.
+                    hard_end = min(end, started + self._hard_step_bound()) + HARD_STEP_SLACK
+                    with trio.move_on_at(hard_end):
+                        return await self._step(key, float(weight), gather, started, end)
+                    logger.error(
+                        "averaging step under %s ran past %.0fs although each of its phases "
+                        "has a timeout; abandoned (please report this with the log above)",
+                        key,
+                        hard_end - started,
+                    )
+                    return StepResult(
+                        False,
+                        key,
+                        reason=f"step abandoned after {hard_end - started:.0f}s",
+                        timed_out=True,
+                        next_group_key=key,
+                    )
                 finally:
                     self._step_lock.release()
             finally:
@@ -553,6 +571,12 @@ class Averager:
         return StepResult(
             False, key, reason="cancelled: the averager was shut down", next_group_key=key
         )
+
+    def _hard_step_bound(self) -> float:
+        """The longest a step without ``timeout`` should take: its phases' timeouts. A step
+        is abandoned ``HARD_STEP_SLACK`` seconds after this (or after its own ``timeout``),
+        whatever it waits for; the phases' own timeouts should always end it before."""
+        return self.matchmaking_timeout + self.allreduce_timeout + 4 * self.request_timeout
 
     async def _step(
         self, key: str, weight: float, gather: Any, started: float, end: float

@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 import torch
 import trio
 
@@ -20,7 +21,7 @@ from dht.kademlia.clock import dht_clock, trio_clock
 from dht.kademlia.simulation import open_swarm
 from dht.p2p import MemoryNetwork
 from moshpit.averaging.allreduce_protocol import all_finite
-from moshpit.averaging.averager import Averager
+from moshpit.averaging.averager import HARD_STEP_SLACK, Averager
 from moshpit.averaging.partition import part_bounds
 from tests.averaging.test_allreduce import make_group, run_all, swarm, weighted_mean
 from tests.averaging.test_allreduce_failures import drive_sender
@@ -240,3 +241,27 @@ def test_result_contributor_count_is_validated():
     old = {k: v for k, v in result_msg(0, ct, 0.0, 1).items() if k != "n"}  # a v1 result
     with pytest.raises(ProtocolError, match="fields"):
         parse_result(old, 0, 4)
+
+
+async def test_a_step_that_would_wait_forever_is_abandoned(autojump_clock, caplog):
+    """The safety net: whatever a step gets stuck in (here the test hook, forever), a step
+    without ``timeout`` ends after its phases' timeouts plus slack, with a reason and an
+    ERROR, and the averager can step again."""
+    async with averager_swarm(2) as averagers:
+
+        async def stuck(group):
+            await trio.sleep_forever()
+
+        averagers[1]._before_allreduce = stuck
+        start = trio.current_time()
+        with caplog.at_level(logging.ERROR, logger="moshpit.averaging.averager"):
+            results = await _step_all(averagers)
+        bound = averagers[1]._hard_step_bound() + HARD_STEP_SLACK
+        r = results[1]
+        assert not r.succeeded and r.timed_out
+        assert r.reason == f"step abandoned after {bound:.0f}s"
+        assert trio.current_time() - start == pytest.approx(bound, abs=1.0)
+        assert "abandoned" in caplog.text
+        averagers[1]._before_allreduce = None
+        again = await _step_all(averagers)
+        assert all(res.succeeded for res in again)
