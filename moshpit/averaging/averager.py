@@ -548,19 +548,21 @@ class Averager:
                 try:
                     # Every phase has its own timeout; this outer bound is the safety net that
                     # keeps a step without ``timeout`` from ever waiting forever.
-                    hard_end = min(end, started + self._hard_step_bound()) + HARD_STEP_SLACK
+                    # counted from now: waiting for a previous step (above) is bounded apart
+                    now = trio.current_time()
+                    hard_end = min(end, now + self._hard_step_bound()) + HARD_STEP_SLACK
                     with trio.move_on_at(hard_end):
                         return await self._step(key, float(weight), gather, started, end)
                     logger.error(
                         "averaging step under %s ran past %.0fs although each of its phases "
                         "has a timeout; abandoned (please report this with the log above)",
                         key,
-                        hard_end - started,
+                        hard_end - now,
                     )
                     return StepResult(
                         False,
                         key,
-                        reason=f"step abandoned after {hard_end - started:.0f}s",
+                        reason=f"step abandoned after {hard_end - now:.0f}s",
                         timed_out=True,
                         next_group_key=key,
                     )
