@@ -37,6 +37,22 @@ def own_method(obj: object, name: str) -> Any:
     return getattr(obj, name) if getattr(type(obj), name, None) is not None else None
 
 
+async def fill_by_reads(stream: trio.abc.ReceiveStream, view: memoryview) -> int:
+    """Fill ``view`` from ``stream``: through the stream's own ``receive_exactly_into`` when
+    its class has one, else by reads copied in. Returns the bytes filled (short only at EOF)."""
+    fill = own_method(stream, "receive_exactly_into")
+    if fill is not None:
+        return await fill(view)
+    have = 0
+    while have < len(view):
+        data = await stream.receive_some(len(view) - have)
+        if not data:
+            break
+        view[have : have + len(data)] = data
+        have += len(data)
+    return have
+
+
 def _bin_header(n: int) -> bytes:
     if n < 0x100:
         return struct.pack(">BB", 0xC4, n)
@@ -231,16 +247,7 @@ class MessageReader:
         if have == n:
             await trio.lowlevel.checkpoint()
             return
-        fill = own_method(self.stream, "receive_exactly_into")
-        if fill is not None:
-            have += await fill(view[have:])
-        else:
-            while have < n:
-                data = await self.stream.receive_some(n - have)
-                if not data:
-                    break
-                view[have : have + len(data)] = data
-                have += len(data)
+        have += await fill_by_reads(self.stream, view[have:])
         if have < n:
             raise StreamClosedError(f"stream ended after {have} of {n} bytes of a payload")
 

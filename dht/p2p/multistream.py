@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 import trio
 
 from .errors import P2PTimeoutError, ProtocolNegotiationError
-from .messages import own_method
+from .messages import fill_by_reads
 from .varint import decode_uvarint, encode_uvarint
 
 logger = logging.getLogger(__name__)
@@ -288,16 +288,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         if have == n:
             await trio.lowlevel.checkpoint()
             return n
-        fill = own_method(self.inner, "receive_exactly_into")
-        if fill is not None:
-            return have + await fill(view[have:])
-        while have < n:
-            data = await self.inner.receive_some(n - have)
-            if not data:
-                break
-            view[have : have + len(data)] = data
-            have += len(data)
-        return have
+        return have + await fill_by_reads(self.inner, view[have:])
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.inner.wait_send_all_might_not_block()

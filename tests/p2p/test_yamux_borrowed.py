@@ -16,8 +16,10 @@ from dht.p2p.noise import noise_handshake
 from .conftest import socket_stream_pair, yamux_pair
 
 
-async def _secure_pair():
-    a_raw, b_raw = socket_stream_pair()
+async def _secure_pair(a_raw=None, b_raw=None):
+    """Noise sessions over two connected raw streams (a fresh socket pair by default)."""
+    if a_raw is None or b_raw is None:
+        a_raw, b_raw = socket_stream_pair()
     sessions = {}
 
     async def handshake(name, raw, initiator):
@@ -100,17 +102,7 @@ async def test_cancelled_send_never_leaks_later_writes_to_the_buffer(secure):
     original = os.urandom(4 * 1024 * 1024)
     a_raw, b_raw = socket_stream_pair()
     gate = _Gate(a_raw)
-    conns = (gate, b_raw)
-    if secure:
-        sessions = {}
-
-        async def handshake(name, raw, initiator):
-            sessions[name] = await noise_handshake(raw, Identity.generate(), initiator=initiator)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(handshake, "a", gate, True)
-            nursery.start_soon(handshake, "b", b_raw, False)
-        conns = (sessions["a"], sessions["b"])
+    conns = await _secure_pair(gate, b_raw) if secure else (gate, b_raw)
     async with yamux_pair(*conns, stream_window=16 * 1024 * 1024) as (client, server):
         stream = await client.open_stream()
         await stream.send_all(b"hello")
