@@ -83,6 +83,12 @@ class Writer:
             elif line.startswith(f"exited {pid} "):
                 return int(line.split()[2]), commits
 
+    def errors(self) -> str:
+        """What the writer printed on stderr so far (the reason a child failed)."""
+        self.close()
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read().decode(errors="replace")
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
@@ -119,10 +125,14 @@ def test_kill_9_at_random_moments_restores_old_or_new_state(tmp_path: pathlib.Pa
             )
             pid = writer.start()
             threading.Event().wait(rng.uniform(0, MAX_DELAY))
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it died on its own: wait_exit says how
+                pass
             status, commits = writer.wait_exit(pid)
             assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
-                f"the writer child died on its own (status {status}) before the kill"
+                f"the writer child died on its own (status {status}) before the kill: "
+                f"{writer.errors()}"
             )
             kills += 1
             ever_committed = ever_committed or bool(commits)

@@ -426,16 +426,24 @@ def test_sigterm_leave_checkpoints_and_a_restart_resumes_from_it(make_dhts, tmp_
 def test_laggard_without_donors_waits_then_goes_on_alone(make_dhts):
     dhts = make_dhts(3)
     quick = dict(FAST, min_matchmaking_time=1.0, request_timeout=1.0)
+    # the first round must hold all three: were one left out (a slow start on a loaded
+    # machine), it would wait load_state_timeout for a donor that never comes
+    all_three = dict(quick, min_group_size=3)
     models = [_model() for _ in dhts]
     peers = [
-        Peer(i, m, _opt(d, m, averager_options=quick, target_group_size=3, load_state_timeout=60))
+        Peer(
+            i, m, _opt(d, m, averager_options=all_three, target_group_size=3, load_state_timeout=60)
+        )
         for i, (d, m) in enumerate(zip(dhts, models, strict=True))
     ]
     try:
         _train_all(peers, 1)
+        for p in peers:
+            assert p.opt.epoch == 1 and p.opt.mode.rounds_succeeded == 1, p.opt.mode.last_result
         *others, laggard = peers
         for p in others:  # the other two go on without the laggard
             p.opt.target_group_size = 2
+            p.opt.mode.averager_options = dict(quick)
         _train_all(others, 2)
         others[0].opt.tracker.refresh(timeout=5)
         mode = laggard.opt.mode
