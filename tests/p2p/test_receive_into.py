@@ -12,6 +12,7 @@ import trio.testing
 from dht.p2p.errors import StreamClosedError, StreamResetError
 from dht.p2p.messages import MessageReader, send_msg
 from dht.p2p.multistream import PrefixedStream
+from dht.p2p.yamux import FLAG_SYN, TYPE_DATA, TYPE_WINDOW_UPDATE, YamuxSession, pack_header
 
 from .conftest import yamux_pair
 
@@ -141,3 +142,37 @@ async def test_message_then_raw_payload_through_reader_and_prefix(wrapped):
     assert bytes(buf) == payload
     with pytest.raises(StreamClosedError, match="payload"):
         await reader.receive_exactly_into(memoryview(bytearray(1)))
+
+
+async def test_a_payload_behind_its_header_in_one_read_goes_straight_into_the_readers_buffer():
+    """The header frame and the payload frames after it arrive in one read of the connection:
+    the session lets the woken reader parse the header and post its buffer before handing out
+    the rest, so the payload is copied once (into the buffer), never through the stream's
+    queue."""
+    client_raw, server_raw = trio.testing.memory_stream_pair()
+    client = YamuxSession(client_raw, is_client=True, name="client")
+    header, payload = b"HEADER", os.urandom(200_000)  # within the initial window
+    got: dict[str, bytes] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.run)
+        await server_raw.send_all(pack_header(TYPE_WINDOW_UPDATE, FLAG_SYN, 2, 0))
+        stream = await client.accept_stream()
+
+        async def read_message() -> None:
+            got["header"] = await stream.receive_some()
+            buf = bytearray(len(payload))
+            assert await stream.receive_exactly_into(memoryview(buf)) == len(payload)
+            got["payload"] = bytes(buf)
+
+        async with trio.open_nursery() as reading:
+            reading.start_soon(read_message)
+            await trio.testing.wait_all_tasks_blocked()  # the reader waits for the header
+            frames = bytearray(pack_header(TYPE_DATA, 0, 2, len(header)) + header)
+            for i in range(0, len(payload), 50_000):
+                piece = payload[i : i + 50_000]
+                frames += pack_header(TYPE_DATA, 0, 2, len(piece)) + piece
+            await server_raw.send_all(bytes(frames))  # one read for the session
+        assert got == {"header": header, "payload": payload}
+        assert stream.bytes_through_buffer == len(header)
+        await client.aclose()
+        nursery.cancel_scope.cancel()
