@@ -18,6 +18,8 @@ One JSON object per line:
 - CPU seconds per peer (``time.process_time``, all threads of the worker): ``step_cpu_s_per_peer``
   (median over rounds of the mean over peers, whole ``step()``) and the gloo all-reduce's
   (``gloo_cpu_s_per_peer``): less sensitive than wall time to other load on a shared machine.
+- ``step_sys_cpu_s_per_peer`` / ``gloo_sys_cpu_s_per_peer``: the kernel's share of those
+  (``os.times().system``: socket copies and syscalls), which no Python-side work removes.
 - ``cipher_floor_cpu_s_per_peer``: payload bytes sent x AES-256-GCM seal cost + bytes received x
   open cost, both measured in the same run (``{"kind": "cipher"}`` line): what encryption
   alone must cost; ``step_cpu_vs_cipher_floor`` is how far above it the whole step is.
@@ -125,20 +127,22 @@ def worker(argv: list[str]) -> int:
         if cmd["cmd"] == "gloo":
             t = torch.randn(cmd["numel"])
             dist.all_reduce(t)  # warm-up
-            times, cpu = [], []
+            times, cpu, sys_cpu = [], [], []
             for _ in range(cmd["reps"]):
                 dist.barrier()
                 t0 = time.perf_counter()
-                c0 = time.process_time()
+                c0, s0 = time.process_time(), os.times().system
                 dist.all_reduce(t)
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
+                sys_cpu.append(os.times().system - s0)
             del t
             emit(
                 {
                     "event": "gloo",
                     "seconds": statistics.median(times),
                     "cpu_s": statistics.median(cpu),
+                    "sys_s": statistics.median(sys_cpu),
                 }
             )
         elif cmd["cmd"] == "setup":
@@ -161,10 +165,11 @@ def worker(argv: list[str]) -> int:
             before = _mem()
             peak_ok = _reset_peak()
             t0 = time.perf_counter()
-            c0 = time.process_time()
+            c0, s0 = time.process_time(), os.times().system
             res = averager.step()
             step_s = time.perf_counter() - t0
             cpu_s = time.process_time() - c0
+            sys_s = os.times().system - s0
             after = _mem()
             emit(
                 {
@@ -173,6 +178,7 @@ def worker(argv: list[str]) -> int:
                     "group": res.group_size,
                     "step_s": step_s,
                     "cpu_s": cpu_s,
+                    "sys_s": sys_s,
                     "matchmaking_s": res.matchmaking_seconds,
                     "allreduce_s": res.allreduce_seconds,
                     "bytes_sent": res.bytes_sent,
@@ -332,8 +338,10 @@ def run_configs(
         gloo_rows = _all(procs, {"cmd": "gloo", "numel": numel, "reps": gloo_reps}, "gloo")
         gloo = statistics.median(r["seconds"] for r in gloo_rows)
         gloo_cpu = statistics.mean(r["cpu_s"] for r in gloo_rows)
+        gloo_sys = statistics.mean(r["sys_s"] for r in gloo_rows)
         row = {"kind": "gloo", "peers": num_peers, "numel": numel, "seconds": gloo,
-               "cpu_s_per_peer": round(gloo_cpu, 4), **extra}  # fmt: skip
+               "cpu_s_per_peer": round(gloo_cpu, 4), "sys_cpu_s_per_peer": round(gloo_sys, 4),
+               **extra}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
         for codec in codecs:
@@ -356,6 +364,7 @@ def run_configs(
             ar_each = [round(max(s["allreduce_s"] for s in rnd), 3) for rnd in per_round]
             ar_s = statistics.median(max(s["allreduce_s"] for s in rnd) for rnd in per_round)
             cpu_s = statistics.median(statistics.mean(s["cpu_s"] for s in rnd) for rnd in per_round)
+            sys_s = statistics.median(statistics.mean(s["sys_s"] for s in rnd) for rnd in per_round)
             sent = statistics.mean(s["bytes_sent"] for rnd in per_round for s in rnd)
             received = statistics.mean(s["bytes_received"] for rnd in per_round for s in rnd)
             # every payload byte sealed once by its sender and opened once by its receiver
@@ -377,7 +386,9 @@ def run_configs(
                 "allreduce_s": round(ar_s, 4),
                 "allreduce_s_per_round": ar_each,
                 "step_cpu_s_per_peer": round(cpu_s, 4),
+                "step_sys_cpu_s_per_peer": round(sys_s, 4),
                 "gloo_cpu_s_per_peer": round(gloo_cpu, 4),
+                "gloo_sys_cpu_s_per_peer": round(gloo_sys, 4),
                 "cipher_floor_cpu_s_per_peer": round(floor, 4),
                 "step_cpu_vs_cipher_floor": round(cpu_s / floor, 2) if floor > 0 else None,
                 "step_cpu_vs_gloo_cpu": round(cpu_s / gloo_cpu, 2) if gloo_cpu > 0 else None,
