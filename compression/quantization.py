@@ -12,7 +12,9 @@ and page-faulting several tensor-sized intermediates.
 from __future__ import annotations
 
 import math
+import threading
 
+import numpy as np
 import torch
 
 from . import _bytes
@@ -57,8 +59,36 @@ class _F32Slices:
         return self.scratch[: stop - start].copy_(part)
 
 
-def _scratch(n: int, device: torch.device, dtype=torch.float32) -> torch.Tensor:
-    return torch.empty(_bytes.scratch_len(n, device), dtype=dtype, device=device)
+# Per-thread scratch buffers, reused across calls. A fresh 1 MiB temporary costs a page fault
+# per page on first touch (glibc hands large blocks back to the OS), which was 40% of an
+# 8-bit encode of a 1 MiB chunk. Only slices up to _bytes.CHUNK elements are kept (<= 1 MiB
+# per buffer, a few buffers per thread); bigger ones (multi-threaded torch) are allocated
+# per call, where the work per allocation is larger anyway.
+_POOL = threading.local()
+
+
+def _not_equal(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``torch.ne(a, b, out=out)``; on the CPU through numpy, 3.5x faster here for float32
+    into bool (same result: a view of the same memory)."""
+    if a.device.type == "cpu":
+        np.not_equal(a.numpy(), b.numpy(), out=out.numpy())
+        return out
+    return torch.ne(a, b, out=out)
+
+
+def _scratch(n: int, device: torch.device, dtype=torch.float32, slot: int = 0) -> torch.Tensor:
+    """A temporary for one slice of an ``n``-element tensor; valid until this thread asks
+    again for the same ``(dtype, slot)`` (callers that need two of a dtype use two slots)."""
+    size = _bytes.scratch_len(n, device)
+    if device.type != "cpu" or size > _bytes.CHUNK:
+        return torch.empty(size, dtype=dtype, device=device)
+    pool = getattr(_POOL, "buffers", None)
+    if pool is None:
+        pool = _POOL.buffers = {}
+    buf = pool.get((dtype, slot))
+    if buf is None or buf.numel() < size:
+        buf = pool[(dtype, slot)] = torch.empty(max(size, 1), dtype=dtype)
+    return buf[:size]
 
 
 def _store(dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> None:
@@ -202,7 +232,7 @@ def _encode_uniform(
     count = 0
     if n:
         slices, tmp = _F32Slices(flat), _scratch(n, flat.device)
-        inside, hit = _scratch(n, flat.device), _scratch(n, flat.device, torch.bool)
+        inside, hit = _scratch(n, flat.device, slot=1), _scratch(n, flat.device, torch.bool)
         # code = trunc(x * inv + (0.5 - lo * inv)): rounding folded into the offset.
         # A large offset would cost precision in float32, so then subtract lo first.
         fused = abs(lo) * inv < 2**15
@@ -216,7 +246,7 @@ def _encode_uniform(
                 torch.sub(x, lo, out=t).mul_(inv).add_(0.5)
             if collect:  # more than (about) half a step outside [lo, hi]
                 c = torch.clamp(t, 0.0, _TOP, out=inside[:m])
-                hits = sparse_nonzero(torch.ne(t, c, out=hit[:m]))
+                hits = sparse_nonzero(_not_equal(t, c, hit[:m]))
                 t = c
                 if hits.numel():
                     count += hits.numel()
@@ -232,6 +262,7 @@ def _encode_uniform(
     idx = torch.cat(found) if len(found) > 1 else found[0]
     packed, width = pack_indices(idx)
     values_at = n + pad
+    buf[n:values_at].zero_()  # the padding: never send uninitialized memory
     _bytes.typed(buf, torch.float32, count, values_at).copy_(flat[idx])
     gaps_at = values_at + 4 * count
     buf[gaps_at : gaps_at + packed.numel()].copy_(packed)
