@@ -196,6 +196,7 @@ def run_swarm(
         if mode == "local":
             result["rounds"] = [m.rounds_succeeded for m in modes]
             result["rounds_started"] = [m.rounds_started for m in modes]
+            result["failure_reasons"] = [list(m.failure_reasons) for m in modes]
             result["bytes_sent"] = sum(m.bytes_sent for m in modes)
             result["period_history"] = modes[0].period.history
         elif mode == "diloco":

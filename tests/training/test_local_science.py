@@ -27,12 +27,16 @@ _spec.loader.exec_module(bench)
 
 def _check_adpsgd(fixed: dict, adaptive: dict, peers: int) -> None:
     assert fixed["period_history"] == [1]
-    assert fixed["rounds"] == [fixed["steps"]] * peers  # period 1: a round after every step
+    # period 1: a round after every step. Rounds can fail in a real swarm (the peer then keeps
+    # its values and trains on); seen once in ~35 runs here, so up to 1% may, with the reasons
+    steps = fixed["steps"]
+    assert fixed["rounds_started"] == [steps] * peers
+    assert min(fixed["rounds"]) >= steps - steps // 100, fixed["failure_reasons"]
     history = adaptive["period_history"]
     assert history[0] == 1 and history[-1] >= 8  # the period grew as training settled
     assert history == sorted(history)  # never shortened (no learning-rate drop here)
     # the group's spread is the same for every member: all peers took the same decisions
-    assert len(set(adaptive["rounds"])) == 1
+    assert len(set(adaptive["rounds"])) == 1, adaptive["failure_reasons"]
     assert max(adaptive["rounds"]) <= 0.5 * max(fixed["rounds"])
     assert abs(fixed["accuracy"] - adaptive["accuracy"]) <= 1.0
     assert fixed["accuracy"] >= 90.0  # the task was actually learned

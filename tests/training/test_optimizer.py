@@ -130,3 +130,24 @@ def test_local_mode_averages_in_the_background(dhts):
     finally:
         for opt in opts:
             opt.shutdown()
+
+
+def test_local_mode_counts_failed_rounds_and_says_why(dhts, caplog):
+    """A round that finds no group keeps the local values; the mode counts it and keeps the
+    reason (and logs it), so a run that averages less often than its period says can tell why."""
+    model = torch.nn.Linear(4, 1)
+    opt = _opt(dhts[0], model, mode="local", average_every=1, wait_for_rounds=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        with caplog.at_level("INFO", logger="moshpit.training.modes.local"):
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()  # the other DHT runs no optimizer: no group can form
+        mode = opt.mode
+        assert (mode.rounds_started, mode.rounds_succeeded, mode.rounds_failed) == (1, 0, 1)
+        assert "no group" in mode.failure_reasons[-1]
+        assert opt.epoch == 0  # nothing was averaged
+        assert any("averaging round 1 failed" in r.getMessage() for r in caplog.records)
+        trained = zip(model.parameters(), before, strict=True)
+        assert not all(torch.equal(p, q) for p, q in trained)  # the local step still applied
+    finally:
+        opt.shutdown()

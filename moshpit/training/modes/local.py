@@ -21,6 +21,7 @@ The epoch counts completed averaging rounds (progress is reported in local sampl
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from typing import Any
@@ -106,6 +107,10 @@ class LocalMode(TrainingMode):
         self.samples = 0  # since the last round started
         self.rounds_started = 0
         self.rounds_succeeded = 0
+        self.rounds_failed = 0
+        # why the last few rounds failed (a failed round keeps the local values: training goes
+        # on, but a run where many fail averages less often than its period says)
+        self.failure_reasons: collections.deque[str] = collections.deque(maxlen=16)
         self.bytes_sent = 0
         self._last_lr = self._lr()
 
@@ -190,6 +195,14 @@ class LocalMode(TrainingMode):
             spread = self.state.last_group_spread
             self.period.update(spread if spread is not None else self.state.last_round_deviation)
             self._pack_period()
+        else:
+            self.rounds_failed += 1
+            self.failure_reasons.append(result.reason)
+            logger.info(
+                "averaging round %d failed, local values kept: %s",
+                self.rounds_started,
+                result.reason,
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"period": self.period.state_dict(), "local_steps": self.local_steps}
