@@ -875,6 +875,8 @@ class YamuxSession:
                         pending_stream, pending_fin = None, False
                         if stream is not None and off < n and stream._reader_may_post_sink():
                             await self._let_reader_post_sink(stream)
+                            if self.closed:
+                                return
                     continue
                 if header or n - off < HEADER_SIZE:
                     need = HEADER_SIZE - len(header)
