@@ -199,6 +199,7 @@ def run_swarm(
             result["failure_reasons"] = [list(m.failure_reasons) for m in modes]
             result["bytes_sent"] = sum(m.bytes_sent for m in modes)
             result["period_history"] = modes[0].period.history
+            result["period_histories"] = [m.period.history for m in modes]
         elif mode == "diloco":
             result["rounds"] = [m.rounds_succeeded for m in modes]
             result["solo_steps"] = [m.solo_steps for m in modes]
