@@ -330,6 +330,32 @@ async def test_withdraw_removes_a_peer_at_once_and_report_brings_it_back(
         assert (await reader.arefresh()).num_peers == 0
 
 
+async def test_withdraw_while_the_first_publish_is_in_flight_still_removes_the_record(
+    autojump_clock, virtual_dht_time
+):
+    """The background loop's first store is on the network (5 ms of simulated latency) when
+    the peer withdraws: the withdrawal must wait for it and overwrite what it stored, not
+    conclude that nothing was ever published (a race seen in ~1 in 15 runs on real DHTs)."""
+    async with open_swarm(6, seed=8) as swarm:
+        reader = ProgressTracker(swarm.nodes[0], PREFIX, ttl=30)
+        node = swarm.nodes[1]
+        store, storing = node.store, trio.Event()
+
+        async def announced_store(*args, **kwargs):
+            storing.set()
+            return await store(*args, **kwargs)
+
+        node.store = announced_store
+        async with ProgressTracker(node, PREFIX, ttl=30) as leaving:
+            leaving.report(2, 5)
+            await storing.wait()  # the loop's store has left, no replica has answered yet
+            assert leaving._last_expiration == -math.inf
+            await leaving.awithdraw()
+            assert (await reader.arefresh()).num_peers == 0
+            await trio.sleep(20.0)
+            assert (await reader.arefresh()).num_peers == 0
+
+
 async def test_background_loop_aggregates_and_estimates_eta(autojump_clock, virtual_dht_time):
     async with open_swarm(6, seed=7) as swarm:
         async with (
