@@ -390,10 +390,9 @@ class ProgressTracker:
         self._ewma_seconds = 0.0
         self._version = 0  # bumped by every report that changed what we would publish
         self._published_version = -1
+        # the latest expiration any store of ours carried, acknowledged or not: a store that
+        # no replica acknowledged (timed out) may still have landed, and a withdrawal must beat it
         self._last_expiration = -math.inf
-        # the latest expiration any store of ours carried, accepted or not: a store that no
-        # replica acknowledged (timed out) may still have landed, and a withdrawal must beat it
-        self._attempted_expiration = -math.inf
         self._withdrawn = False
         self._epoch_started_at: dict[int, float] = {}
         self._global = GlobalProgress(0, 0, target_batch_size, 0, 0.0, None, [], {}, 0.0)
@@ -639,13 +638,12 @@ class ProgressTracker:
                 "time": mine.time,
             }
             expiration = max(now + self.ttl, self._last_expiration + 1e-3)
-            self._attempted_expiration = max(self._attempted_expiration, expiration)
+            self._last_expiration = expiration
             node = self._get_node()
             stored = await node.store(
                 self.key, value, expiration, subkey=owner_subkey(node.peer_id)
             )
             if stored:
-                self._last_expiration = expiration
                 with self._lock:
                     if not self._withdrawn:
                         self._published_version = version
@@ -708,10 +706,10 @@ class ProgressTracker:
         # under the publish lock: a publish in flight when we were called has finished, so
         # its record (even one stored without an acknowledgement) is known and overwritten
         async with self._publish_lock:
-            if self._attempted_expiration == -math.inf:
+            if self._last_expiration == -math.inf:
                 return  # nothing of ours was ever sent
             node = self._get_node()
-            expiration = max(self._attempted_expiration, get_dht_time()) + 1.0
+            expiration = max(self._last_expiration, get_dht_time()) + 1.0
             await node.store(self.key, None, expiration, subkey=owner_subkey(node.peer_id))
             self._last_expiration = expiration
 

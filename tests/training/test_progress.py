@@ -349,7 +349,7 @@ async def test_withdraw_while_the_first_publish_is_in_flight_still_removes_the_r
         async with ProgressTracker(node, PREFIX, ttl=30) as leaving:
             leaving.report(2, 5)
             await storing.wait()  # the loop's store has left, no replica has answered yet
-            assert leaving._last_expiration == -math.inf
+            assert leaving._published_version == -1  # not acknowledged yet
             await leaving.awithdraw()
             assert (await reader.arefresh()).num_peers == 0
             await trio.sleep(20.0)
