@@ -108,10 +108,13 @@ ALLREDUCE_PROTOCOL = "/moshpit/averaging/1.0.0"
 DEFAULT_CHUNK_NUMEL = 1 << 18  # 1 MiB of float32 per chunk message
 DEFAULT_WINDOW = 4  # chunks a sender may be ahead of the results it received
 # CPU work is estimated in element-passes (one read or write pass over one float32 element);
-# below this (~0.5-1 ms of memory-bound work) it runs inline on the event loop, because a
-# worker-thread hand-off (wake-up + GIL ping-pong, worse on busy cores) costs more than it
-# saves. With codec none and the default 1 MiB chunks every per-chunk step stays inline.
-THREAD_MIN_NUMEL = 1 << 20
+# below this (~2-4 ms of memory-bound work) it runs inline on the event loop, because a
+# worker-thread hand-off (wake-up + GIL ping-pong) costs more than it saves: with the
+# threshold at 2**20 passes, compressing and decoding 1 MiB chunks in threads cost 8-bit
+# 17-25% more CPU and wall time than inline, even with one peer per core (docs/allreduce.md).
+# Every per-chunk step of the default 1 MiB chunks stays inline; whole-tensor passes (the
+# NaN check of the local tensors, the final copy) still go to a thread.
+THREAD_MIN_NUMEL = 1 << 22
 CODEC_PASSES = 4  # rough passes of a codec's compress (cast/scale/pack) per element
 MAX_PENDING_STREAMS = 256  # incoming streams waiting for their round to start
 CLOSE_TIMEOUT = 2.0  # best-effort goodbye (error message / EOF) to a peer

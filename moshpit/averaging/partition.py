@@ -175,7 +175,12 @@ def part_bounds(group: GroupInfo, total: int) -> list[tuple[int, int]]:
 
 
 MIN_CHUNK_NUMEL = 1 << 14  # 64 KiB of float32: smaller chunks cost more in per-message overhead
-CHUNKS_PER_PEER = 16  # aim for this many chunks per (sender, reducer) pair on small vectors
+# Chunks per (sender, reducer) pair on vectors too small for full-size chunks: more chunks
+# pipeline better on slow links (a shorter fill and drain), fewer cost less per-message CPU.
+# 16 made every 8-bit chunk of a 4M-value round pay its fixed costs (sampling, message, decode
+# setup) twice as often: at 1 Gbit/s 8-bit took 1.04-1.06x gloo's time, 0.78-0.82x with 8,
+# while uncompressed float32 went from 1.13-1.17x to 1.16-1.26x (benchmarks/bench_wan.py).
+CHUNKS_PER_PEER = 8
 
 
 def chunk_numel_for(total: int, num_senders: int, max_chunk_numel: int) -> int:

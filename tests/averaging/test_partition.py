@@ -127,7 +127,7 @@ def test_part_sizes_sum_and_are_contiguous(bws, total):
 
 def test_chunk_numel_for_small_and_large_vectors():
     assert chunk_numel_for(10**9, 4, 1 << 18) == 1 << 18  # big: the configured maximum
-    assert chunk_numel_for(4 * 10**6, 5, 1 << 18) == 62500  # 16 chunks per sender pair
+    assert chunk_numel_for(4 * 10**6, 5, 1 << 18) == 125000  # 8 chunks per sender pair
     assert chunk_numel_for(1000, 3, 1 << 18) == MIN_CHUNK_NUMEL  # tiny: not below 64 KiB
     assert chunk_numel_for(1000, 3, 8) == 8  # an explicit small maximum wins
     assert chunk_numel_for(0, 1, 1 << 18) == MIN_CHUNK_NUMEL
