@@ -85,3 +85,28 @@ def test_teardown_on_error_kills_processes_and_removes_namespaces() -> None:
             raise RuntimeError("boom")
     assert proc.poll() is not None
     assert not (names & _namespaces())
+
+
+def test_uplink_report_measures_use_between_the_first_and_last_busy_interval() -> None:
+    from bench_wan import UplinkSampler
+
+    sampler = UplinkSampler([1, 2])
+    capacity = 1_000_000 / 8  # 1 Mbit/s in bytes per second
+    # 10 ms intervals: idle, then peer 0 at full rate for 4 intervals while peer 1 sends at
+    # full rate, stops for two intervals, then sends half, then all is idle again
+    rates = [(0, 0), (1, 1), (1, 0), (1, 0), (1, 0.5), (0, 0), (0, 0)]
+    t, sent = 0.0, [0, 0]
+    sampler.samples.append((t, list(sent)))
+    for r0, r1 in rates:
+        t += 0.01
+        sent = [sent[0] + int(r0 * capacity * 0.01), sent[1] + int(r1 * capacity * 0.01)]
+        sampler.samples.append((t, list(sent)))
+    report = sampler.report(1_000_000)
+    assert report["span_s"] == pytest.approx(0.04)
+    assert report["utilization"] == pytest.approx([1.0, 0.375], abs=0.01)
+    assert report["idle_share"] == [0.0, 0.5]
+    assert UplinkSampler([1]).report(1_000_000) == {
+        "span_s": 0.0,
+        "utilization": [],
+        "idle_share": [],
+    }
