@@ -552,3 +552,47 @@ async def test_unread_puts_plaintext_back_in_front(tcp_sessions):
     await sa.send_all(b"world")
     sb.unread(b"hello ")
     assert await _receive_exactly(sb, 11) == b"hello world"
+
+
+async def test_a_send_larger_than_the_socket_buffer_waits_and_arrives_intact(
+    tcp_sessions, monkeypatch
+):
+    """Batches go to the TCP descriptor directly; when the socket is full the sender waits
+    for it to drain (the receiver starts late) and every byte arrives in order."""
+    import dht.p2p.noise as noise_module
+
+    sa, sb = tcp_sessions
+    waits = []
+    wait_writable = trio.lowlevel.wait_writable
+
+    async def counting_wait(sock):
+        waits.append(sock)
+        await wait_writable(sock)
+
+    monkeypatch.setattr(noise_module.trio.lowlevel, "wait_writable", counting_wait)
+    payload = os.urandom(12 << 20)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sa.send_all, payload)
+        await trio.sleep(0.2)  # the kernel buffers fill; the sender must wait
+        assert await _receive_exactly(sb, len(payload)) == payload
+    assert waits and all(w is sa.raw.socket for w in waits)
+
+
+async def test_sending_on_a_closed_or_reset_connection_raises_trio_errors(tcp_sessions):
+    sa, sb = tcp_sessions
+    await sb.raw.aclose()  # the peer goes away: its kernel answers with RST
+    with pytest.raises(trio.BrokenResourceError, match="socket error while sending"):
+        with trio.fail_after(10):
+            for _ in range(1000):
+                await sa.send_all(os.urandom(1 << 20))
+                await trio.sleep(0.001)
+    await sa.raw.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await sa.send_all(os.urandom(1 << 20))
+
+
+async def test_sending_after_send_eof_raises_closed_resource_error(tcp_sessions):
+    sa, _ = tcp_sessions
+    await sa.send_eof()
+    with pytest.raises(trio.ClosedResourceError, match="after sending EOF"):
+        await sa.send_all(os.urandom(1 << 20))
