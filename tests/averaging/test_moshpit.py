@@ -245,11 +245,16 @@ async def test_churn_converges_geometrically(autojump_clock, virtual_dht_time):
             _, variance, spread = stats([averagers[i] for i in alive])
             variances.append(variance)
             spreads.append(spread)
-        # random groups of 4 would give ~0.25 per round; measured 0.13-0.39 per round, ~0.19 mean
+        # random groups of 4 would give ~0.25 per round. Measured over 24 runs: geometric mean
+        # 0.14-0.24, single rounds 0.07-0.78. The late rounds vary most: by then the variance
+        # left is mostly that of the few peers whom churn left alone in their group (they keep
+        # their values), so one such round can shrink it little; 2 runs in 24 had a round above
+        # 0.7 (one failed CI). The claims are geometric shrinking overall and no round growing
+        # the error (PAPERS.md)
         ratios = [b / a for a, b in zip(variances, variances[1:], strict=False)]
         geometric_mean_ratio = (variances[-1] / variances[0]) ** (1 / (len(variances) - 1))
         assert geometric_mean_ratio < 0.35, ratios
-        assert max(ratios) < 0.7, ratios
+        assert max(ratios) < 1.0, ratios
         # every live peer moved towards the mean (measured: 0.02x-0.12x after 5 rounds)
         assert spreads[-1] < spreads[0] * 0.5, spreads
 
