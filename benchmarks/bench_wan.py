@@ -63,7 +63,7 @@ class UplinkSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.samples.append((time.perf_counter(), [_tx_bytes(p) for p in self.pids]))
-            time.sleep(SAMPLE_S)
+            self._stop.wait(SAMPLE_S)
 
     def __enter__(self) -> UplinkSampler:
         self._thread.start()
