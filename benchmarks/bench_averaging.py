@@ -158,6 +158,7 @@ def worker(argv: list[str]) -> int:
                 allreduce_timeout=600.0,
                 matchmaking_timeout=60.0,
                 compression=_codec(cmd["codec"]),
+                bandwidth=cmd.get("bandwidth"),  # set: the round paces its connections to it
                 initial_group_bits="",
             )
             emit({"event": "setup"})
@@ -323,10 +324,13 @@ def run_configs(
     rounds: int,
     gloo_reps: int,
     extra: dict | None = None,
+    uplink_rate: float | None = None,
 ) -> list[dict]:
     """gloo baseline then every codec on each size; prints and returns the JSON rows.
 
-    ``extra`` is merged into every row (e.g. the link rate of a WAN testbed run).
+    ``extra`` is merged into every row (e.g. the link rate of a WAN testbed run). With
+    ``uplink_rate`` (bytes/s) every codec also runs with each peer's ``bandwidth`` set to it,
+    which paces the round's connections (rows with ``"paced": true``).
     """
     extra = extra or {}
     rows: list[dict] = []
@@ -344,13 +348,13 @@ def run_configs(
                **extra}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
-        for codec in codecs:
-            prefix = f"bench-{num_peers}-{numel}-{codec}"
-            _all(
-                procs,
-                {"cmd": "setup", "numel": numel, "codec": codec, "prefix": prefix},
-                "setup",
-            )
+        variants = [(c, None) for c in codecs]
+        if uplink_rate is not None:
+            variants = [(c, rate) for c in codecs for rate in (None, uplink_rate)]
+        for codec, bandwidth in variants:
+            prefix = f"bench-{num_peers}-{numel}-{codec}-{'paced' if bandwidth else 'tcp'}"
+            setup = {"cmd": "setup", "numel": numel, "codec": codec, "prefix": prefix}
+            _all(procs, {**setup, "bandwidth": bandwidth}, "setup")
             _all(procs, {"cmd": "step"}, "step")  # warm-up round (first-use allocations, dials)
             per_round = []
             for _ in range(rounds):
@@ -378,6 +382,7 @@ def run_configs(
                 "peers": num_peers,
                 "numel": numel,
                 "codec": codec,
+                "paced": bandwidth is not None,
                 "rounds": rounds,
                 "all_ok": ok,
                 "step_s": round(step_s, 4),

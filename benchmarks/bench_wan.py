@@ -11,6 +11,10 @@ with the ratios the issue's goals are stated in (moshpit all-reduce time / gloo 
     python benchmarks/bench_wan.py --rates 100mbit --codecs none uint8 --rounds 2
     python benchmarks/bench_wan.py --rates 100mbit --codecs none --uplinks   # + link use
 
+Every codec runs twice: with TCP alone sharing each peer's uplink, and ``_paced`` (each peer's
+``bandwidth`` set to its link rate, so the round caps its connections at shares of it; see
+``moshpit/averaging/pacing.py``); ``--no-pace`` skips the paced rows.
+
 ``--uplinks`` adds one more round of each (gloo included) while a thread samples every peer's
 uplink byte counter every 10 ms, and prints ``{"kind": "uplinks", ...}``: each peer's share of
 the link rate used over the round (``utilization``) and the share of 10 ms intervals in which
@@ -96,7 +100,12 @@ class UplinkSampler:
 
 
 def measure_uplinks(
-    procs: list[Proc], rate_bps: int, numel: int, codecs: list[str], extra: dict
+    procs: list[Proc],
+    rate_bps: int,
+    numel: int,
+    codecs: list[str],
+    extra: dict,
+    uplink_rate: float | None = None,
 ) -> list[dict]:
     """One more round of gloo and of each codec with the uplinks sampled (see --uplinks)."""
     pids = [p.p.pid for p in procs]
@@ -104,14 +113,16 @@ def measure_uplinks(
     with UplinkSampler(pids) as sampler:
         _all(procs, {"cmd": "gloo", "numel": numel, "reps": 1}, "gloo")
     rows.append({"kind": "uplinks", "impl": "gloo", **sampler.report(rate_bps), **extra})
-    for codec in codecs:
-        setup = {"cmd": "setup", "numel": numel, "codec": codec, "prefix": f"uplinks-{codec}"}
-        _all(procs, setup, "setup")
+    rates = (None,) if uplink_rate is None else (None, uplink_rate)
+    for codec, bandwidth in [(c, r) for c in codecs for r in rates]:
+        impl = codec if bandwidth is None else f"{codec}_paced"
+        setup = {"cmd": "setup", "numel": numel, "codec": codec, "prefix": f"uplinks-{impl}"}
+        _all(procs, {**setup, "bandwidth": bandwidth}, "setup")
         _all(procs, {"cmd": "step"}, "step")  # warm-up: dials, first-use allocations
         with UplinkSampler(pids) as sampler:
             _all(procs, {"cmd": "step"}, "step")
         _all(procs, {"cmd": "teardown"}, "teardown")
-        rows.append({"kind": "uplinks", "impl": codec, **sampler.report(rate_bps), **extra})
+        rows.append({"kind": "uplinks", "impl": impl, **sampler.report(rate_bps), **extra})
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
@@ -125,6 +136,7 @@ def run_rate(
     rounds: int,
     gloo_reps: int,
     uplinks: bool = False,
+    pace: bool = True,
 ) -> list[dict]:
     worker = [sys.executable, str(HERE / "bench_averaging.py"), "--worker"]
     with WanTestbed(num_peers, rate) as tb:
@@ -145,9 +157,11 @@ def run_rate(
         for p in procs:
             p.recv("ready")
         extra = {"rate": rate, "testbed": "netns+tbf"}
-        rows = run_configs(procs, num_peers, [numel], codecs, rounds, gloo_reps, extra)
+        # paced rows: every peer states its uplink (the shaped rate) as its bandwidth
+        uplink_rate = tb.rate_bps / 8 if pace else None
+        rows = run_configs(procs, num_peers, [numel], codecs, rounds, gloo_reps, extra, uplink_rate)
         if uplinks:
-            measure_uplinks(procs, tb.rate_bps, numel, codecs, extra)
+            measure_uplinks(procs, tb.rate_bps, numel, codecs, extra, uplink_rate)
         for p in procs:
             p.send({"cmd": "exit"})
         for p in procs:
@@ -161,9 +175,10 @@ def summarize(rows: list[dict]) -> dict:
                  "numel": gloo["numel"], "gloo_s": round(gloo["seconds"], 4)}  # fmt: skip
     for r in rows:
         if r["kind"] == "averaging":
-            out[f"{r['codec']}_s"] = r["allreduce_s"]
-            out[f"{r['codec']}_vs_gloo"] = r["allreduce_vs_gloo"]
-            out[f"{r['codec']}_ok"] = r["all_ok"]
+            name = f"{r['codec']}_paced" if r.get("paced") else r["codec"]
+            out[f"{name}_s"] = r["allreduce_s"]
+            out[f"{name}_vs_gloo"] = r["allreduce_vs_gloo"]
+            out[f"{name}_ok"] = r["all_ok"]
     return out
 
 
@@ -178,6 +193,11 @@ def main() -> int:
     parser.add_argument(
         "--uplinks", action="store_true", help="also sample every uplink during one more round"
     )
+    parser.add_argument(
+        "--no-pace",
+        action="store_true",
+        help="skip the paced rows (each peer's bandwidth set to the link rate)",
+    )
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason is not None:
@@ -185,7 +205,14 @@ def main() -> int:
         return 0
     for rate in args.rates:
         rows = run_rate(
-            args.peers, rate, args.numel, args.codecs, args.rounds, args.gloo_reps, args.uplinks
+            args.peers,
+            rate,
+            args.numel,
+            args.codecs,
+            args.rounds,
+            args.gloo_reps,
+            args.uplinks,
+            pace=not args.no_pace,
         )
         print(json.dumps(summarize(rows)), flush=True)
     return 0

@@ -142,6 +142,12 @@ class P2PStream(trio.abc.HalfCloseableStream):
     def reset(self) -> None:
         self._yamux.reset()
 
+    def set_max_send_rate(self, rate: float | None) -> bool:
+        """Cap the send rate (bytes/s; ``None`` lifts the cap) of the connection this stream
+        runs on: it applies to every stream to this peer on that connection. False where the
+        transport cannot pace (the in-memory network, or a system without the option)."""
+        return self._yamux.session.set_max_send_rate(rate)
+
     @property
     def buffered_bytes(self) -> int:
         """Bytes received on this stream that the application has not read yet."""

@@ -52,6 +52,7 @@ from .errors import (
     StreamResetError,
 )
 from .identity import Identity, PeerID, decode_public_key, verify_ed25519
+from .transport import set_max_send_rate
 
 logger = logging.getLogger(__name__)
 
@@ -393,6 +394,10 @@ class SecureSession(trio.abc.HalfCloseableStream):
                 pos = self._seal(stage_view[:staged], out, out_view, pos)
             if pos:
                 await self._raw_send_all(out_view[:pos])
+
+    def set_max_send_rate(self, rate: float | None) -> bool:
+        """Cap the underlying TCP connection's send rate (see ``transport.set_max_send_rate``)."""
+        return set_max_send_rate(self.raw, rate)
 
     async def _raw_send_all(self, data: memoryview) -> None:
         """``self.raw.send_all(data)``; on a TCP socket, written straight to its descriptor.

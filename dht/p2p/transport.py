@@ -31,6 +31,36 @@ def _set_nodelay(stream: trio.SocketStream) -> None:
         pass
 
 
+# Linux's SO_MAX_PACING_RATE (not every Python exports the name); other systems lack the option
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+_UNLIMITED_RATE = 0xFFFFFFFF  # the kernel's "no cap" value
+MIN_SEND_RATE = 1024  # bytes/s: a smaller cap would stall a connection's keep-alives
+
+
+def set_max_send_rate(stream: object, rate: float | None) -> bool:
+    """Cap a TCP connection's send rate at ``rate`` bytes/s (``None``: lift the cap).
+
+    The kernel paces the connection's packets (``SO_MAX_PACING_RATE``), so a sender with
+    several connections can share its uplink among them at rates it chooses, instead of
+    bursting into a receiver's already-busy downlink. False where it cannot be done: not a
+    TCP socket (the in-memory transport), or a system without the option.
+    """
+    if not isinstance(stream, trio.SocketStream) or not hasattr(socket, "SOL_SOCKET"):
+        return False
+    if rate is None:
+        value = _UNLIMITED_RATE
+    else:
+        if not rate > 0:
+            raise ValueError(f"rate must be a positive number of bytes/s, got {rate!r}")
+        value = min(_UNLIMITED_RATE - 1, max(MIN_SEND_RATE, int(rate)))
+    try:
+        stream.socket.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=I", value))
+    except OSError as e:
+        logger.debug("cannot set SO_MAX_PACING_RATE: %s", e)
+        return False
+    return True
+
+
 def sockaddr_to_multiaddr(sockaddr: tuple) -> Multiaddr:
     host, port = sockaddr[0], sockaddr[1]
     ip = ipaddress.ip_address(host)

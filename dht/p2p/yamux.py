@@ -597,6 +597,12 @@ class YamuxSession:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    def set_max_send_rate(self, rate: float | None) -> bool:
+        """Cap this connection's send rate, every stream together (False where the secure
+        channel or transport below cannot)."""
+        setter = getattr(self.conn, "set_max_send_rate", None)
+        return bool(setter(rate)) if setter is not None else False
+
     @property
     def buffered_bytes(self) -> int:
         """Received bytes not yet read by the application, summed over streams."""

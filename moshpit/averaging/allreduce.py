@@ -86,6 +86,7 @@ from moshpit.averaging.allreduce_reducer import (
     SenderFailed,
 )
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, GroupInfo, GroupInfoError
+from moshpit.averaging.pacing import UplinkPacer
 from moshpit.averaging.partition import (
     TensorLayout,
     chunk_bounds,
@@ -312,6 +313,7 @@ class _Round:
         reducer_timeout: float,
         out: list[torch.Tensor] | None = None,
         max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
+        uplink_rate: float | None = None,
     ) -> None:
         self.service = service
         self.group = group
@@ -358,6 +360,25 @@ class _Round:
                 local=me if self.is_sender else None,
                 max_weight_ratio=max_weight_ratio,
             )
+        self.pacer = self._plan_pacing(uplink_rate)
+
+    def _plan_pacing(self, uplink_rate: float | None) -> UplinkPacer | None:
+        """What this member sends to each other member: its chunks of their parts, and its
+        own part's results (elements stand in for bytes: both ways use similar codecs)."""
+        if uplink_rate is None:
+            return None
+        pacer = UplinkPacer(uplink_rate)
+        own = self.bounds[self.me][1] - self.bounds[self.me][0]
+        for j in range(self.group.size):
+            if j == self.me:
+                continue
+            if self.is_sender and self.chunks[j]:
+                pacer.plan(j, "chunks", self.bounds[j][1] - self.bounds[j][0])
+            if self.reducer is not None and self.group.modes[j] != MODE_AUX:
+                pacer.plan(j, "results", own)
+                pacer_ended = functools.partial(pacer.ended, j, "results")
+                self.reducer.on_fail(j, pacer_ended)  # a sender that never connects
+        return pacer
 
     # ---- reducer side ----
 
@@ -420,7 +441,12 @@ class _Round:
             raise ProtocolError(reason)
         reducer.declare(s, hello.weight)
         scope = trio.CancelScope()
-        reducer.on_fail(s, scope.cancel)
+        pacer = self.pacer
+        if pacer is not None:
+            pacer.attach(s, "results", stream)
+            reducer.on_fail(s, lambda: (scope.cancel(), pacer.ended(s, "results")))
+        else:
+            reducer.on_fail(s, scope.cancel)
         self._scopes.add(scope)
         try:
             with scope:
@@ -436,6 +462,8 @@ class _Round:
                     reducer.fail(s, reason, excluded=_is_violation(error))
         finally:
             self._scopes.discard(scope)
+            if pacer is not None:
+                pacer.ended(s, "results")
         if s not in reducer.active:
             raise SenderFailed(reducer._reason(s))
         if self.closed:
@@ -466,6 +494,9 @@ class _Round:
             k, msg = await self.reducer.next_result(s)
             with trio.fail_after(self.sender_timeout):
                 await send_with_payload(stream, msg)
+            if self.pacer is not None:
+                lo, hi = self.chunks[self.me][k]
+                self.pacer.sent(s, "results", hi - lo)
             if msg["ct"] is not None:
                 self.bytes_sent += len(msg["ct"]["payload"])
             if k == len(self.chunks[self.me]) - 1:
@@ -548,9 +579,13 @@ class _Round:
             logger.info("part %d: cannot reach reducer %s: %s", j, peer, e)
             return
         error: BaseException | None = _RoundEnded("round ended")
+        if self.pacer is not None:
+            self.pacer.attach(j, "chunks", stream)
         try:
             error = await _first_error(lambda: self._exchange_part(stream, j))
         finally:
+            if self.pacer is not None:
+                self.pacer.ended(j, "chunks")
             if error is None:
                 self.part_ok[j] = True
                 with trio.move_on_after(CLOSE_TIMEOUT) as cs:
@@ -590,6 +625,8 @@ class _Round:
             ct = await self.service._run_cpu(compress, numel=cost)
             with trio.fail_after(self.reducer_timeout):
                 await send_with_payload(stream, chunk_msg(k, ct))
+            if self.pacer is not None:
+                self.pacer.sent(j, "chunks", b - a)
             self.bytes_sent += ct.nbytes
 
     async def _receive_results(
@@ -655,6 +692,8 @@ class _Round:
         self.closed = True
         for scope in list(self._scopes):
             scope.cancel()
+        if self.pacer is not None:
+            self.pacer.close()
 
     async def finish(self, seconds: float, timed_out: bool) -> AllReduceResult:
         group, reducer = self.group, self.reducer
@@ -894,6 +933,7 @@ class AllReduceService:
         aggregation: Aggregator | None = None,
         numel: int | None = None,
         out: Sequence[torch.Tensor] | None = None,
+        uplink_rate: float | None = None,
     ) -> AllReduceResult:
         """Average ``tensors`` with the rest of ``group``; see the module docstring.
 
@@ -901,6 +941,11 @@ class AllReduceService:
         shared with them) to write the result into, returned as ``result.averaged``. A caller
         that averages repeatedly passes the same ones every round: fresh output memory costs
         a page fault per 4 KiB on first write, about 7x the copy itself on CPU.
+
+        ``uplink_rate``: this member's uplink in bytes/s. When given, the round caps each of
+        its connections at a share of it, proportional to what is left to send there (see
+        ``pacing.py``), so that on access links no peer's downlink is flooded while another
+        uplink idles. ``None`` (the default) leaves the sharing to TCP.
         """
         started = trio.current_time()
         me = group.index_of(self.host.peer_id)
@@ -926,13 +971,19 @@ class AllReduceService:
             total = numel
         else:
             raise ValueError("tensors are required (an aux member may pass numel= instead)")
+        if uplink_rate is not None and not (
+            isinstance(uplink_rate, (int, float)) and math.isfinite(uplink_rate) and uplink_rate > 0
+        ):
+            raise ValueError(
+                f"uplink_rate must be a positive number of bytes/s, got {uplink_rate!r}"
+            )
         if group.group_id in self._rounds:
             raise GroupInfoError("a round with this group id is already running on this host")
         self._learn_addrs(group, me)
         round_ = _Round(
             self, group, me, None if aux else tensors, total, layout, 0.0 if aux else float(weight),
             _Codecs(compression), aggregation or WeightedMean(), sender_timeout, reducer_timeout,
-            None if out is None else list(out), self.max_weight_ratio,
+            None if out is None else list(out), self.max_weight_ratio, uplink_rate,
         )  # fmt: skip
         self._rounds[group.group_id] = round_
         self._round_added.set()

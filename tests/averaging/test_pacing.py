@@ -1,0 +1,177 @@
+"""Uplink pacing: the pacer's shares, and a paced all-reduce round over real TCP."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+import torch
+
+from dht.p2p import P2PStream
+from dht.p2p.transport import SO_MAX_PACING_RATE
+from moshpit.averaging.allreduce import AllReduceService
+from moshpit.averaging.averager import Averager
+from moshpit.averaging.pacing import UplinkPacer
+from tests.averaging.test_allreduce import make_group, run_all, swarm, weighted_mean
+from tests.averaging.test_averager import FAST, two_dhts  # noqa: F401 - fixture
+
+UNLIMITED = 0xFFFFFFFF
+
+
+class FakeStream:
+    def __init__(self, paceable: bool = True) -> None:
+        self.caps: list[float | None] = []
+        self.paceable = paceable
+
+    def set_max_send_rate(self, rate: float | None) -> bool:
+        self.caps.append(rate)
+        return self.paceable
+
+    @property
+    def cap(self) -> float | None:
+        return self.caps[-1] if self.caps else None
+
+
+def test_caps_are_shares_of_the_rate_by_what_is_left():
+    pacer = UplinkPacer(12e6)
+    streams = {d: FakeStream() for d in (1, 2, 3)}
+    for d in (1, 2, 3):
+        pacer.plan(d, "chunks", 100)
+        pacer.plan(d, "results", 100)
+    pacer.attach(1, "chunks", streams[1])
+    assert streams[1].cap == 12e6  # alone: the whole uplink
+    pacer.attach(2, "chunks", streams[2])
+    pacer.attach(3, "chunks", streams[3])
+    assert [streams[d].cap for d in (1, 2, 3)] == [4e6, 4e6, 4e6]
+    # a second flow to the same member (its results) doubles that member's share
+    pacer.attach(1, "results", streams[1])
+    assert streams[1].cap == pytest.approx(6e6) and streams[2].cap == pytest.approx(3e6)
+    # whoever is behind gets more: 2 has sent half of its chunks
+    pacer.sent(2, "chunks", 50)
+    caps = {d: streams[d].cap for d in (1, 2, 3)}
+    assert caps[1] == pytest.approx(12e6 * 200 / 350)
+    assert caps[2] == pytest.approx(12e6 * 50 / 350)
+    assert caps[3] == pytest.approx(12e6 * 100 / 350)
+    assert sum(caps.values()) == pytest.approx(12e6)
+
+
+def test_finished_or_failed_flows_give_their_share_back_and_close_lifts_all():
+    pacer = UplinkPacer(9e6)
+    streams = {d: FakeStream() for d in (1, 2, 3)}
+    for d in (1, 2, 3):
+        pacer.plan(d, "chunks", 10)
+        pacer.attach(d, "chunks", streams[d])
+    pacer.sent(1, "chunks", 10)  # done: its connection is uncapped
+    assert streams[1].cap is None
+    assert streams[2].cap == pytest.approx(4.5e6) and streams[3].cap == pytest.approx(4.5e6)
+    pacer.ended(2, "chunks")  # failed midway
+    assert streams[2].cap is None and streams[3].cap == pytest.approx(9e6)
+    pacer.close()
+    assert all(s.cap is None for s in streams.values())
+    pacer.attach(1, "results", FakeStream())  # after close: nothing happens
+    pacer.sent(3, "chunks", 1)
+    assert streams[3].caps[-1] is None
+
+
+def test_a_flow_that_never_starts_takes_no_share_and_small_changes_are_not_applied():
+    pacer = UplinkPacer(1e6)
+    a, b = FakeStream(), FakeStream()
+    pacer.plan(1, "chunks", 1000)
+    pacer.plan(2, "chunks", 1000)
+    pacer.plan(3, "chunks", 1000)  # member 3 never connects
+    pacer.attach(1, "chunks", a)
+    pacer.attach(2, "chunks", b)
+    assert a.cap == pytest.approx(5e5) and b.cap == pytest.approx(5e5)
+    calls = len(a.caps)
+    pacer.sent(1, "chunks", 10)  # a 0.5% shift: not worth a system call
+    assert len(a.caps) == calls
+    pacer.sent(1, "chunks", 200)
+    assert len(a.caps) == calls + 1 and a.cap < 5e5
+
+
+def test_bad_rates_are_refused():
+    for bad in (0, -1.0, float("inf"), float("nan"), "fast"):
+        with pytest.raises(ValueError, match="positive number of bytes/s"):
+            UplinkPacer(bad)
+
+
+def _pacing_rate(host, peer) -> int:
+    caps = set()
+    for conn in host._conns.get(peer, ()):
+        raw = conn.session.conn.raw
+        value = raw.socket.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 4)
+        caps.add(struct.unpack("=I", value)[0])
+    (cap,) = caps
+    return cap
+
+
+async def test_a_paced_round_over_tcp_sends_at_the_stated_rate_and_lifts_its_caps(monkeypatch):
+    """3 members each state a 1 MB/s uplink: the round is exact, takes about as long as its
+    bytes at that rate (uncapped loopback: milliseconds), and leaves no cap behind."""
+    seen: list[float | None] = []
+    real = P2PStream.set_max_send_rate
+
+    def spy(self, rate):
+        seen.append(rate)
+        return real(self, rate)
+
+    monkeypatch.setattr(P2PStream, "set_max_send_rate", spy)
+    rate = 1e6
+    async with swarm(3, tcp=True) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(200_000)] for _ in range(3)]
+        results = await run_all(services, group, tensors, timeout=60, uplink_rate=rate)
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])
+        for r in results:
+            assert not r.failed_peers
+            assert torch.allclose(r.averaged[0].double(), want[0], atol=1e-5)
+        caps = [c for c in seen if c is not None]
+        assert caps and max(caps) <= rate * (1 + 1e-9)
+        slowest = max(r.seconds for r in results)
+        sent = max(r.bytes_sent for r in results)  # ~1.07 MB per member
+        # a few hundred KB per connection leave before pacing starts (the initial window)
+        assert slowest > 0.4 * sent / rate, (slowest, sent)
+        for s in services:
+            for other in services:
+                if other is not s:
+                    assert _pacing_rate(s.host, other.host.peer_id) == UNLIMITED
+
+
+async def test_memory_network_rounds_ignore_the_rate():
+    async with swarm(3) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(1000)] for _ in range(3)]
+        results = await run_all(services, group, tensors, timeout=20, uplink_rate=1.0)
+        assert all(not r.failed_peers for r in results)
+
+
+async def test_bad_uplink_rate_is_refused():
+    async with swarm(2) as services:
+        group = make_group(services)
+        with pytest.raises(ValueError, match="uplink_rate"):
+            await services[0].run(group, [torch.zeros(3)], uplink_rate=-1.0)
+
+
+@pytest.mark.parametrize("pace", [True, False])
+def test_averager_paces_at_its_bandwidth_unless_told_not_to(two_dhts, monkeypatch, pace):  # noqa: F811
+    rates: list[float | None] = []
+    real = AllReduceService.run
+
+    async def spy(self, *args, **kwargs):
+        rates.append(kwargs.get("uplink_rate"))
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(AllReduceService, "run", spy)
+    common = dict(target_group_size=2, initial_group_bits="", pace_uplink=pace, **FAST)
+    avs = [
+        Averager([torch.full((4,), float(i))], dht, "paced", bandwidth=5e6, **common)
+        for i, dht in enumerate(two_dhts)
+    ]
+    try:
+        futures = [av.step(wait=False) for av in avs]
+        assert all(f.result(timeout=30).succeeded for f in futures)
+    finally:
+        for av in avs:
+            av.shutdown()
+    assert rates == [5e6 if pace else None] * 2
