@@ -104,7 +104,8 @@ def test_volunteer_joins_trains_checkpoints_leaves_on_sigterm_and_resumes(tmp_pa
     peers: list[Volunteer] = [first]
     try:
         addr = first.wait_for(lambda e: e["event"] == "joined")["addr"]
-        second = volunteer(tmp_path, "bb", "--initial-peers", addr)
+        # a stated uplink: its averaging rounds pace their connections (SO_MAX_PACING_RATE)
+        second = volunteer(tmp_path, "bb", "--initial-peers", addr, "--uplink-mbit", "200")
         peers.append(second)
         joined = second.wait_for(lambda e: e["event"] == "joined")
         # it trains (samples go up, loss goes down) and averages with the first peer
@@ -162,16 +163,24 @@ def test_volunteer_stops_after_max_steps_with_a_final_report(tmp_path: Path):
     assert any((tmp_path / "c").iterdir()), "no checkpoint was written at the end"
 
 
-def test_volunteer_rejects_bad_arguments_in_one_line():
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--uplink-mbit", "nan"], "--uplink-mbit must be a number of Mbit/s >= 0"),
+        (["--uplink-mbit", "-100"], "--uplink-mbit must be a number of Mbit/s >= 0"),
+    ],
+)
+def test_volunteer_rejects_bad_arguments_in_one_line(argv, message):
     proc = subprocess.run(
-        [sys.executable, "-m", "moshpit", "train", "--batch-size", "0"],
+        [sys.executable, "-m", "moshpit", "train", *argv],
         capture_output=True,
         text=True,
         timeout=60,
         env=ENV,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "moshpit train: --batch-size must be >= 1"
+    assert proc.stderr.strip() == f"moshpit train: {message}"
 
 
 def test_volunteer_with_a_malformed_address_says_so_in_one_line():

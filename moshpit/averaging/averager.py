@@ -180,7 +180,7 @@ class Averager:
       sizes this peer's part of each all-reduce, and, unless ``pace_uplink=False``, caps the
       round's connections so that together they send at most this fast, each at a share that
       lets them finish together (see ``pacing.py``; over shaped 100 Mbit/s links it raised
-      link use from ~76% to ~86%). An overestimate leaves the sharing to TCP; an
+      link use from 73-76% to 88-92%). An overestimate leaves the sharing to TCP; an
       underestimate slows every round to the stated rate.
     :param pace_uplink: set False to use ``bandwidth`` only for part sizes.
     :param client_mode: this peer cannot accept connections: it never leads or reduces.

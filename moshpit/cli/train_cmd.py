@@ -85,6 +85,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam learning rate")
     parser.add_argument("--group-size", type=int, default=4, help="averaging group size")
     parser.add_argument(
+        "--uplink-mbit",
+        type=float,
+        default=0.0,
+        metavar="MBIT_PER_S",
+        help="this peer's uplink; averaging rounds pace their connections to it "
+        "(0: unknown, TCP shares the link)",
+    )
+    parser.add_argument(
         "--max-steps", type=int, default=0, help="stop after this many steps (0: never)"
     )
     parser.add_argument(
@@ -133,6 +141,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     for name in ("max_steps", "duration", "max_rate", "checkpoint_every"):
         if getattr(args, name) < 0:
             return f"--{name.replace('_', '-')} must be >= 0"
+    if not 0 <= args.uplink_mbit < float("inf"):
+        return "--uplink-mbit must be a number of Mbit/s >= 0"
     if not args.lr > 0 or not args.report_every > 0 or not args.deadline > 0:
         return "--lr, --report-every and --deadline must be > 0"
     if args.mode == "sync" and args.target_batch_size < args.batch_size:
@@ -307,7 +317,10 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
         checkpoint_every_seconds=args.checkpoint_every or None,
         target_group_size=args.group_size,
         averager_options=dict(
-            min_matchmaking_time=1.0, request_timeout=2.0, allreduce_timeout=10.0
+            min_matchmaking_time=1.0,
+            request_timeout=2.0,
+            allreduce_timeout=10.0,
+            bandwidth=args.uplink_mbit * 1e6 / 8 if args.uplink_mbit > 0 else None,
         ),
         load_state_timeout=10.0,
         progress_ttl=10.0,
