@@ -86,7 +86,7 @@ from moshpit.averaging.allreduce_reducer import (
     SenderFailed,
 )
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, GroupInfo, GroupInfoError
-from moshpit.averaging.pacing import UplinkPacer
+from moshpit.averaging.pacing import RoundPacing, UplinkPacer
 from moshpit.averaging.partition import (
     TensorLayout,
     chunk_bounds,
@@ -362,22 +362,22 @@ class _Round:
             )
         self.pacer = self._plan_pacing(uplink_rate)
 
-    def _plan_pacing(self, uplink_rate: float | None) -> UplinkPacer | None:
+    def _plan_pacing(self, uplink_rate: float | None) -> RoundPacing | None:
         """What this member sends to each other member: its chunks of their parts, and its
         own part's results (elements stand in for bytes: both ways use similar codecs)."""
         if uplink_rate is None:
             return None
-        pacer = UplinkPacer(uplink_rate)
+        pacer = self.service.pacer.round(self.group.group_id, uplink_rate)
         own = self.bounds[self.me][1] - self.bounds[self.me][0]
-        for j in range(self.group.size):
+        for j, peer in enumerate(self.group.members):
             if j == self.me:
                 continue
             if self.is_sender and self.chunks[j]:
-                pacer.plan(j, "chunks", self.bounds[j][1] - self.bounds[j][0])
+                pacer.plan(peer, "chunks", self.bounds[j][1] - self.bounds[j][0])
             if self.reducer is not None and self.group.modes[j] != MODE_AUX:
-                pacer.plan(j, "results", own)
-                pacer_ended = functools.partial(pacer.ended, j, "results")
-                self.reducer.on_fail(j, pacer_ended)  # a sender that never connects
+                pacer.plan(peer, "results", own)
+                # a sender that never connects gives its share back when the reducer drops it
+                self.reducer.on_fail(j, functools.partial(pacer.ended, peer, "results"))
         return pacer
 
     # ---- reducer side ----
@@ -443,8 +443,8 @@ class _Round:
         scope = trio.CancelScope()
         pacer = self.pacer
         if pacer is not None:
-            pacer.attach(s, "results", stream)
-            reducer.on_fail(s, lambda: (scope.cancel(), pacer.ended(s, "results")))
+            pacer.attach(peer, "results", stream)
+            reducer.on_fail(s, lambda: (scope.cancel(), pacer.ended(peer, "results")))
         else:
             reducer.on_fail(s, scope.cancel)
         self._scopes.add(scope)
@@ -463,7 +463,7 @@ class _Round:
         finally:
             self._scopes.discard(scope)
             if pacer is not None:
-                pacer.ended(s, "results")
+                pacer.ended(peer, "results")
         if s not in reducer.active:
             raise SenderFailed(reducer._reason(s))
         if self.closed:
@@ -496,7 +496,7 @@ class _Round:
                 await send_with_payload(stream, msg)
             if self.pacer is not None:
                 lo, hi = self.chunks[self.me][k]
-                self.pacer.sent(s, "results", hi - lo)
+                self.pacer.sent(stream.remote_peer, "results", hi - lo)
             if msg["ct"] is not None:
                 self.bytes_sent += len(msg["ct"]["payload"])
             if k == len(self.chunks[self.me]) - 1:
@@ -580,12 +580,12 @@ class _Round:
             return
         error: BaseException | None = _RoundEnded("round ended")
         if self.pacer is not None:
-            self.pacer.attach(j, "chunks", stream)
+            self.pacer.attach(peer, "chunks", stream)
         try:
             error = await _first_error(lambda: self._exchange_part(stream, j))
         finally:
             if self.pacer is not None:
-                self.pacer.ended(j, "chunks")
+                self.pacer.ended(peer, "chunks")
             if error is None:
                 self.part_ok[j] = True
                 with trio.move_on_after(CLOSE_TIMEOUT) as cs:
@@ -626,7 +626,7 @@ class _Round:
             with trio.fail_after(self.reducer_timeout):
                 await send_with_payload(stream, chunk_msg(k, ct))
             if self.pacer is not None:
-                self.pacer.sent(j, "chunks", b - a)
+                self.pacer.sent(stream.remote_peer, "chunks", b - a)
             self.bytes_sent += ct.nbytes
 
     async def _receive_results(
@@ -830,6 +830,7 @@ class AllReduceService:
         self.max_weight_ratio = float(max_weight_ratio)
         self._limiter = trio.CapacityLimiter(max_threads or max(1, min(4, os.cpu_count() or 1)))
         self._rounds: dict[bytes, _Round] = {}
+        self.pacer = UplinkPacer()  # shared by concurrent rounds: caps belong to connections
         self._round_added = trio.Event()
         self._pending_streams = 0
         self._registered = register

@@ -1,16 +1,19 @@
-"""Share a member's uplink among the connections of one all-reduce round.
+"""Share a member's uplink among the connections of its all-reduce rounds.
 
 In a butterfly all-reduce every member sends to every other member at once: its chunks to each
 reducer, and its part's results to each sender. Where peers sit behind access links, each
 peer's uplink and downlink are both bottlenecks, and TCP alone shares two tiers of them badly:
 flows from several uplinks pile into one downlink while other uplinks go idle (measured on
-the shaped-link testbed: 76% link use, against 95% for gloo's ring, which has one flow per
-link). A member that knows its uplink rate caps each of its connections at a share of that rate,
-proportional to the bytes it still has to send there. The connections then finish together,
-and no downlink receives much more than its owner's rate, since every member does the same.
+the shaped-link testbed: 73-76% link use, against 91-95% for gloo's ring, which has one flow
+per link). A member that knows its uplink rate caps each of its connections at a share of that
+rate, proportional to the bytes it still has to send there. The connections then finish
+together, and no downlink receives much more than its owner's rate, since every member does
+the same.
 
 The caps are kernel pacing rates on the TCP sockets (``P2PStream.set_max_send_rate``); the
-in-memory network cannot pace, so there the pacer does nothing.
+in-memory network cannot pace, so there the pacer does nothing. A cap belongs to a
+connection, and rounds of several averagers on one Host may share connections, so one pacer
+serves every round of an ``AllReduceService``: shares are computed over all their flows.
 """
 
 from __future__ import annotations
@@ -29,91 +32,140 @@ class Paceable(Protocol):
     def set_max_send_rate(self, rate: float | None) -> bool: ...
 
 
+FlowKey = tuple[Hashable, Hashable, Hashable]  # (round, destination peer, flow name)
+
+
 class UplinkPacer:
-    """Caps the send rate of each destination's connection at ``rate * left_d / sum(left)``.
+    """Caps each destination's connection at ``rate * left_d / sum(left)``.
 
     ``left_d`` counts what this member still has to send to destination ``d`` over the flows
-    that have a stream attached (a flow that never starts takes no share). Flows are named by
-    ``(dest, flow)``; amounts are in any unit proportional to bytes (elements, for a round
-    whose codec is the same both ways). :meth:`close` lifts every cap.
+    that have a stream attached (a flow that never starts takes no share), summed over every
+    round in progress; ``rate`` is the largest rate those rounds stated. Amounts are in any
+    unit proportional to bytes (elements, for rounds whose codec is the same both ways).
+    Rounds use it through :meth:`round`.
     """
 
-    def __init__(self, rate: float) -> None:
-        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
-            raise ValueError(f"uplink rate must be a positive number of bytes/s, got {rate!r}")
-        self.rate = float(rate)
-        self._planned: dict[tuple[int, Hashable], int] = {}
-        self._left: dict[tuple[int, Hashable], int] = {}  # attached flows only
-        self._streams: dict[int, list[Paceable]] = {}
-        self._applied: dict[int, float | None] = {}
-        self.closed = False
+    def __init__(self) -> None:
+        self._rates: dict[Hashable, float] = {}
+        self._planned: dict[FlowKey, int] = {}
+        self._left: dict[FlowKey, int] = {}  # attached flows only
+        self._streams: dict[tuple[Hashable, Hashable], list[Paceable]] = {}  # (round, dest)
+        self._applied: dict[Hashable, float | None] = {}  # dest -> its cap now
         self.capped = 0  # how many times a cap was set (for tests and logs)
 
-    def plan(self, dest: int, flow: Hashable, amount: int) -> None:
-        """This round will send ``amount`` to ``dest`` over ``flow`` once it is attached."""
-        if amount > 0:
-            self._planned[(dest, flow)] = amount
+    def round(self, key: Hashable, rate: float) -> RoundPacing:
+        """Start pacing a round's flows at ``rate`` bytes/s (finish with ``RoundPacing.close``)."""
+        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+            raise ValueError(f"uplink rate must be a positive number of bytes/s, got {rate!r}")
+        if key in self._rates:
+            raise ValueError(f"round {key!r} is already paced")
+        self._rates[key] = float(rate)
+        return RoundPacing(self, key)
 
-    def attach(self, dest: int, flow: Hashable, stream: Paceable) -> None:
-        """``flow`` to ``dest`` starts on ``stream`` (its connection gets the destination's cap)."""
-        if self.closed:
-            return
-        amount = self._planned.pop((dest, flow), 0)
+    @property
+    def rate(self) -> float | None:
+        return max(self._rates.values()) if self._rates else None
+
+    def _plan(self, key: FlowKey, amount: int) -> None:
+        if amount > 0 and key[0] in self._rates:
+            self._planned[key] = amount
+
+    def _attach(self, key: FlowKey, stream: Paceable) -> None:
+        amount = self._planned.pop(key, 0)
         if amount <= 0:
             return
-        self._left[(dest, flow)] = amount
-        streams = self._streams.setdefault(dest, [])
+        self._left[key] = amount
+        streams = self._streams.setdefault((key[0], key[1]), [])
         if stream not in streams:
             streams.append(stream)
-        self._applied.pop(dest, None)  # a new stream (perhaps a new connection) needs its cap
+            self._applied.pop(key[1], None)  # perhaps a new connection: it needs its cap
         self._rebalance()
 
-    def sent(self, dest: int, flow: Hashable, amount: int) -> None:
-        key = (dest, flow)
-        if self.closed or key not in self._left:
-            return
-        self._left[key] = max(0, self._left[key] - amount)
-        self._rebalance()
+    def _sent(self, key: FlowKey, amount: int) -> None:
+        if key in self._left:
+            self._left[key] = max(0, self._left[key] - amount)
+            self._rebalance()
 
-    def ended(self, dest: int, flow: Hashable) -> None:
-        """``flow`` finished or failed: whatever it had left is no longer sent."""
-        self._planned.pop((dest, flow), None)
-        if self.closed or self._left.pop((dest, flow), None) is None:
-            return
-        self._rebalance()
+    def _ended(self, key: FlowKey) -> None:
+        self._planned.pop(key, None)
+        if self._left.pop(key, None) is not None:
+            self._rebalance()
 
-    def close(self) -> None:
-        """Lift every cap this pacer set (the connections outlive the round)."""
-        if self.closed:
+    def _close(self, round_key: Hashable) -> None:
+        if self._rates.pop(round_key, None) is None:
             return
-        self.closed = True
-        for dest, applied in self._applied.items():
-            if applied is not None:
-                self._apply(dest, None)
-        self._left.clear()
-        self._streams.clear()
+        for table in (self._planned, self._left):
+            for key in [k for k in table if k[0] == round_key]:
+                del table[key]
+        # lift the round's own connections first: another round may share them, and then
+        # gets its cap back from the rebalance below
+        for rk, dest in [k for k in self._streams if k[0] == round_key]:
+            for stream in self._streams.pop((rk, dest)):
+                self._set(stream, dest, None)
+            self._applied.pop(dest, None)
+        self._rebalance()
 
     def _rebalance(self) -> None:
-        per_dest: dict[int, int] = {}
-        for (dest, _), left in self._left.items():
+        rate = self.rate
+        per_dest: dict[Hashable, int] = {}
+        for (_, dest, _), left in self._left.items():
             per_dest[dest] = per_dest.get(dest, 0) + left
         total = sum(per_dest.values())
-        for dest in self._streams:
+        for dest in {d for _, d in self._streams}:
             left = per_dest.get(dest, 0)
-            cap = self.rate * left / total if left > 0 else None
-            applied = self._applied.get(dest, -1.0)
-            if cap is None or applied is None or applied == -1.0:
-                changed = cap != applied
+            cap = rate * left / total if left > 0 and rate is not None else None
+            if dest not in self._applied:
+                changed = True
             else:
-                changed = abs(cap - applied) > CHANGE_TO_APPLY * applied
+                applied = self._applied[dest]
+                if cap is None or applied is None:
+                    changed = cap != applied
+                else:
+                    changed = abs(cap - applied) > CHANGE_TO_APPLY * applied
             if changed:
-                self._apply(dest, cap)
+                self._applied[dest] = cap
+                for (_, d), streams in self._streams.items():
+                    if d == dest:
+                        for stream in streams:
+                            self._set(stream, dest, cap)
 
-    def _apply(self, dest: int, cap: float | None) -> None:
-        self._applied[dest] = cap
-        for stream in self._streams.get(dest, ()):
-            try:
-                if stream.set_max_send_rate(cap) and cap is not None:
-                    self.capped += 1
-            except OSError as e:  # a closed connection: nothing left to pace on it
-                logger.debug("cannot pace the connection to member %d: %s", dest, e)
+    def _set(self, stream: Paceable, dest: Hashable, cap: float | None) -> None:
+        try:
+            if stream.set_max_send_rate(cap) and cap is not None:
+                self.capped += 1
+        except OSError as e:  # a closed connection: nothing left to pace on it
+            logger.debug("cannot pace the connection to %s: %s", dest, e)
+
+
+class RoundPacing:
+    """One round's flows in an :class:`UplinkPacer` (destinations are peer ids)."""
+
+    def __init__(self, pacer: UplinkPacer, key: Hashable) -> None:
+        self.pacer = pacer
+        self.key = key
+        self.closed = False
+
+    def plan(self, dest: Hashable, flow: Hashable, amount: int) -> None:
+        """This round will send ``amount`` to ``dest`` over ``flow`` once it is attached."""
+        if not self.closed:
+            self.pacer._plan((self.key, dest, flow), amount)
+
+    def attach(self, dest: Hashable, flow: Hashable, stream: Paceable) -> None:
+        """``flow`` to ``dest`` starts on ``stream`` (its connection gets the destination's cap)."""
+        if not self.closed:
+            self.pacer._attach((self.key, dest, flow), stream)
+
+    def sent(self, dest: Hashable, flow: Hashable, amount: int) -> None:
+        if not self.closed:
+            self.pacer._sent((self.key, dest, flow), amount)
+
+    def ended(self, dest: Hashable, flow: Hashable) -> None:
+        """``flow`` finished or failed: whatever it had left is no longer sent."""
+        if not self.closed:
+            self.pacer._ended((self.key, dest, flow))
+
+    def close(self) -> None:
+        """The round is over: its flows go, and so do its caps (the connections outlive it)."""
+        if not self.closed:
+            self.closed = True
+            self.pacer._close(self.key)

@@ -34,7 +34,7 @@ class FakeStream:
 
 
 def test_caps_are_shares_of_the_rate_by_what_is_left():
-    pacer = UplinkPacer(12e6)
+    pacer = UplinkPacer().round("r", 12e6)
     streams = {d: FakeStream() for d in (1, 2, 3)}
     for d in (1, 2, 3):
         pacer.plan(d, "chunks", 100)
@@ -57,7 +57,7 @@ def test_caps_are_shares_of_the_rate_by_what_is_left():
 
 
 def test_finished_or_failed_flows_give_their_share_back_and_close_lifts_all():
-    pacer = UplinkPacer(9e6)
+    pacer = UplinkPacer().round("r", 9e6)
     streams = {d: FakeStream() for d in (1, 2, 3)}
     for d in (1, 2, 3):
         pacer.plan(d, "chunks", 10)
@@ -69,13 +69,15 @@ def test_finished_or_failed_flows_give_their_share_back_and_close_lifts_all():
     assert streams[2].cap is None and streams[3].cap == pytest.approx(9e6)
     pacer.close()
     assert all(s.cap is None for s in streams.values())
-    pacer.attach(1, "results", FakeStream())  # after close: nothing happens
+    late = FakeStream()
+    pacer.plan(1, "results", 5)  # after close: nothing happens
+    pacer.attach(1, "results", late)
     pacer.sent(3, "chunks", 1)
-    assert streams[3].caps[-1] is None
+    assert late.caps == [] and streams[3].caps[-1] is None
 
 
 def test_a_flow_that_never_starts_takes_no_share_and_small_changes_are_not_applied():
-    pacer = UplinkPacer(1e6)
+    pacer = UplinkPacer().round("r", 1e6)
     a, b = FakeStream(), FakeStream()
     pacer.plan(1, "chunks", 1000)
     pacer.plan(2, "chunks", 1000)
@@ -90,10 +92,34 @@ def test_a_flow_that_never_starts_takes_no_share_and_small_changes_are_not_appli
     assert len(a.caps) == calls + 1 and a.cap < 5e5
 
 
+def test_concurrent_rounds_share_one_uplink_and_keep_a_shared_connection_capped():
+    """Two averagers on one Host: their rounds' caps together stay within the uplink, and the
+    first round to end does not leave the other's connection uncapped."""
+    shared = UplinkPacer()
+    first, second = shared.round("a", 10e6), shared.round("b", 10e6)
+    conn_x = FakeStream()  # both rounds send to peer "x" over the same connection
+    conn_y = FakeStream()
+    first.plan("x", "chunks", 100)
+    second.plan("x", "chunks", 100)
+    second.plan("y", "chunks", 200)
+    first.attach("x", "chunks", conn_x)
+    second.attach("x", "chunks", conn_x)
+    second.attach("y", "chunks", conn_y)
+    assert conn_x.cap == pytest.approx(5e6) and conn_y.cap == pytest.approx(5e6)
+    first.close()
+    assert conn_x.caps[-1] == pytest.approx(10e6 / 3)  # lifted, then capped for round b
+    assert conn_y.cap == pytest.approx(20e6 / 3)
+    second.close()
+    assert conn_x.cap is None and conn_y.cap is None
+    shared.round("c", 1e6)
+    with pytest.raises(ValueError, match="already paced"):
+        shared.round("c", 1e6)
+
+
 def test_bad_rates_are_refused():
     for bad in (0, -1.0, float("inf"), float("nan"), "fast"):
         with pytest.raises(ValueError, match="positive number of bytes/s"):
-            UplinkPacer(bad)
+            UplinkPacer().round("r", bad)
 
 
 def _pacing_rate(host, peer) -> int:
