@@ -96,6 +96,7 @@ from moshpit.averaging.partition import (
     gather,
     gather_copies,
     part_bounds,
+    round_link_seconds,
     scatter,
     single_view,
 )
@@ -156,6 +157,12 @@ class AllReduceResult:
     left_out_by: dict[PeerID, str] = field(default_factory=dict)
     averaged_numel: int = 0
     numel: int = 0
+    numel_sent: int = 0  # values in the chunks and results behind bytes_sent
+
+    @property
+    def wire_bytes_per_value(self) -> float | None:
+        """Payload bytes this member's codecs sent per value (None if it sent nothing)."""
+        return self.bytes_sent / self.numel_sent if self.numel_sent else None
 
     @property
     def failed_peers(self) -> set[PeerID]:
@@ -328,7 +335,10 @@ class _Round:
         self.is_sender = group.modes[me] != MODE_AUX
         self.bounds = part_bounds(group, layout_numel)
         self.chunk_numel = chunk_numel_for(
-            layout_numel, len(group.sender_indices), service.chunk_numel
+            layout_numel,
+            len(group.sender_indices),
+            service.chunk_numel,
+            link_seconds=round_link_seconds(group, layout_numel),
         )
         self.chunks = [chunk_bounds(a, b, self.chunk_numel) for a, b in self.bounds]
         self.outputs = (
@@ -343,6 +353,7 @@ class _Round:
         self.bad_reducers: dict[int, str] = {}
         self.left_out_by: dict[int, str] = {}
         self.bytes_sent = 0
+        self.numel_sent = 0
         self.bytes_received = 0
         self._connected: set[int] = set()
         self._scopes: set[trio.CancelScope] = set()
@@ -494,11 +505,12 @@ class _Round:
             k, msg = await self.reducer.next_result(s)
             with trio.fail_after(self.sender_timeout):
                 await send_with_payload(stream, msg)
+            lo, hi = self.chunks[self.me][k]
             if self.pacer is not None:
-                lo, hi = self.chunks[self.me][k]
                 self.pacer.sent(stream.remote_peer, "results", hi - lo)
             if msg["ct"] is not None:
                 self.bytes_sent += len(msg["ct"]["payload"])
+                self.numel_sent += hi - lo
             if k == len(self.chunks[self.me]) - 1:
                 await self._await_goodbye(stream, s)
             self.reducer.mark_sent(s, k)
@@ -628,6 +640,7 @@ class _Round:
             if self.pacer is not None:
                 self.pacer.sent(stream.remote_peer, "chunks", b - a)
             self.bytes_sent += ct.nbytes
+            self.numel_sent += b - a
 
     async def _receive_results(
         self, stream: P2PStream, j: int, received: list[int], progress: list[trio.Event]
@@ -749,6 +762,7 @@ class _Round:
             failed_reducers=failed_reducers,
             excluded=excluded,
             bytes_sent=self.bytes_sent,
+            numel_sent=self.numel_sent,
             bytes_received=self.bytes_received,
             seconds=seconds,
             deviation=deviation,

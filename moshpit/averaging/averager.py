@@ -667,6 +667,9 @@ class Averager:
                 out=self._out_buffers(),
                 uplink_rate=self.bandwidth if self.pace_uplink else None,
             )
+            if result.wire_bytes_per_value is not None:
+                # the next groups learn how dense our codec is (it sizes their chunks)
+                self.matchmaker.bytes_per_value = result.wire_bytes_per_value
             if result.averaged is not None:
                 await self._write(result.averaged)
         finally:

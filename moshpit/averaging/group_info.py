@@ -24,6 +24,17 @@ MAX_GROUP_SIZE = 256
 MAX_GROUP_ID_BYTES = 64
 MAX_ADDRS_PER_MEMBER = 16
 MAX_ADDR_CHARS = 256
+MAX_BYTES_PER_VALUE = 16.0  # float64 with framing to spare; anything above is nonsense
+
+
+def valid_bytes_per_value(value: object) -> bool:
+    """A finite number in (0, MAX_BYTES_PER_VALUE] (not a bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and 0 < value <= MAX_BYTES_PER_VALUE
+    )
 
 
 class GroupInfoError(ValueError):
@@ -40,6 +51,9 @@ class GroupInfo:
     ``addrs[i]`` are multiaddr strings where member i can be dialed (empty, or one tuple per
     member): members found through different DHT lookups may not know each other's addresses,
     so the leader passes them along and the all-reduce adds them to the host's peerstore.
+    ``bytes_per_value[i]`` is what member i's codec put on the wire per value in its last
+    round (``None`` = not known yet; empty = nobody said); with the bandwidths it tells every
+    member alike how long a round's transfers take, which decides the chunk size.
     """
 
     group_id: bytes
@@ -48,6 +62,7 @@ class GroupInfo:
     bandwidths: tuple[float | None, ...]
     gathered: tuple[Any, ...] = ()
     addrs: tuple[tuple[str, ...], ...] = ()
+    bytes_per_value: tuple[float | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_id, bytes) or not 0 < len(self.group_id) <= MAX_GROUP_ID_BYTES:
@@ -71,6 +86,15 @@ class GroupInfo:
                     )
                 if not all(isinstance(a, str) and len(a) <= MAX_ADDR_CHARS for a in member_addrs):
                     raise GroupInfoError(f"addrs must be strings of <= {MAX_ADDR_CHARS} chars")
+        if self.bytes_per_value:
+            if len(self.bytes_per_value) != n:
+                raise GroupInfoError("bytes_per_value must be empty or have one entry per member")
+            for bpv in self.bytes_per_value:
+                if bpv is not None and not valid_bytes_per_value(bpv):
+                    raise GroupInfoError(
+                        f"bytes_per_value must be None or a number in (0, "
+                        f"{MAX_BYTES_PER_VALUE}], got {bpv!r}"
+                    )
         for mode in self.modes:
             if mode not in MODES:
                 raise GroupInfoError(f"unknown member mode {mode!r}; expected one of {MODES}")
@@ -117,6 +141,7 @@ class GroupInfo:
             "bw": [None if b is None else float(b) for b in self.bandwidths],
             "gathered": list(self.gathered),
             "addrs": [list(a) for a in self.addrs],
+            "bpv": [None if b is None else float(b) for b in self.bytes_per_value],
         }
 
     @classmethod
@@ -129,9 +154,15 @@ class GroupInfo:
         try:
             members_raw, modes, bws = msg["members"], msg["modes"], msg["bw"]
             gid, gathered, addrs = msg["gid"], msg.get("gathered", []), msg.get("addrs", [])
+            bpvs = msg.get("bpv", [])
         except KeyError as e:
             raise GroupInfoError(f"group info lacks field {e.args[0]!r}") from None
-        for name, value in (("members", members_raw), ("modes", modes), ("bw", bws)):
+        for name, value in (
+            ("members", members_raw),
+            ("modes", modes),
+            ("bw", bws),
+            ("bpv", bpvs),
+        ):
             if not isinstance(value, (list, tuple)) or len(value) > MAX_GROUP_SIZE:
                 raise GroupInfoError(
                     f"group info field {name!r} must be a list of <= {MAX_GROUP_SIZE}"
@@ -159,4 +190,5 @@ class GroupInfo:
             bandwidths=tuple(bws),
             gathered=tuple(gathered),
             addrs=tuple(tuple(a) for a in addrs),
+            bytes_per_value=tuple(bpvs),
         )

@@ -49,12 +49,14 @@ import trio
 from moshpit.averaging.group_info import (
     MAX_ADDR_CHARS,
     MAX_ADDRS_PER_MEMBER,
+    MAX_BYTES_PER_VALUE,
     MAX_GROUP_SIZE,
     MODE_AUX,
     MODE_CLIENT,
     MODES,
     GroupInfo,
     GroupInfoError,
+    valid_bytes_per_value,
 )
 
 logger = logging.getLogger(__name__)
@@ -178,6 +180,7 @@ class JoinRequest:
     size: int
     addrs: tuple[str, ...] = ()
     schema: bytes | None = None
+    bytes_per_value: float | None = None
 
     def to_msg(self, prefix: str) -> dict[str, Any]:
         msg = {
@@ -193,6 +196,8 @@ class JoinRequest:
         }
         if self.schema is not None:
             msg["s"] = self.schema
+        if self.bytes_per_value is not None:
+            msg["bpv"] = self.bytes_per_value
         return msg
 
     @classmethod
@@ -213,6 +218,11 @@ class JoinRequest:
                 raise MatchmakingError("bandwidth must be positive")
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_GROUP_SIZE:
             raise MatchmakingError(f"group size must be an int in 1..{MAX_GROUP_SIZE}")
+        bpv = msg.get("bpv")
+        if bpv is not None and not valid_bytes_per_value(bpv):
+            raise MatchmakingError(
+                f"bytes per value must be a number in (0, {MAX_BYTES_PER_VALUE}]"
+            )
         return cls(
             key,
             order,
@@ -223,6 +233,7 @@ class JoinRequest:
             size,
             _addrs(msg.get("a", [])),
             _schema(msg.get("s")),
+            None if bpv is None else float(bpv),
         )
 
 
@@ -238,6 +249,7 @@ class _Member:
     gathered: Any
     deadline: float  # trio time by which this member stops waiting
     addrs: tuple[str, ...] = ()  # where the other members can dial it
+    bytes_per_value: float | None = None  # its codec's wire bytes per value, last round
 
 
 @dataclass
@@ -326,6 +338,9 @@ class Matchmaker:
         self.request_timeout = max(request_timeout, 1e-3)
         self.mode = mode
         self.bandwidth = bandwidth
+        # what our codec put on the wire per value in the last round (the Averager sets it;
+        # with the bandwidths it sizes the group's chunks)
+        self.bytes_per_value: float | None = None
         self.is_banned = is_banned
         # peers with another (or no) schema hash are never grouped with us (None: no check)
         self.schema = _schema(schema) if schema is not None else None
@@ -388,6 +403,7 @@ class Matchmaker:
                     gathered,
                     deadline,
                     tuple(self.backend.own_addrs()[:MAX_ADDRS]),
+                    self.bytes_per_value,
                 ),
             )
             self._round = rnd
@@ -543,6 +559,7 @@ class Matchmaker:
             bandwidths=tuple(m.bandwidth for m in members),
             gathered=tuple(m.gathered for m in members),
             addrs=tuple(m.addrs for m in members),
+            bytes_per_value=tuple(m.bytes_per_value for m in members),
         )
         logger.debug(
             "leading group %s under %s: %d members", group.group_id.hex()[:8], rnd.key, group.size
@@ -587,6 +604,7 @@ class Matchmaker:
             size=rnd.size,
             addrs=rnd.me.addrs,
             schema=self.schema,
+            bytes_per_value=rnd.me.bytes_per_value,
         )
         rnd.probing = True
         stream = None
@@ -702,6 +720,7 @@ class Matchmaker:
             request.gathered,
             trio.current_time() + request.seconds_left,
             request.addrs,
+            request.bytes_per_value,
         )
         lead = rnd.lead
         lead.followers[peer] = member

@@ -181,17 +181,53 @@ MIN_CHUNK_NUMEL = 1 << 14  # 64 KiB of float32: smaller chunks cost more in per-
 # setup) twice as often: at 1 Gbit/s 8-bit took 1.04-1.06x gloo's time, 0.78-0.82x with 8,
 # while uncompressed float32 went from 1.13-1.17x to 1.16-1.26x (benchmarks/bench_wan.py).
 CHUNKS_PER_PEER = 8
+# Chunks per pair where the group's links, by what its members state, take longer than
+# SLOW_ROUND_SECONDS to carry a round: the pipeline's fill and drain each take about one chunk
+# per sender pair, ~1/chunks of the round's link time, which there is time lost while the CPU
+# that smaller chunks cost is not the limit. 4 x 4M over 100 Mbit/s links, time / gloo's,
+# paced: uncompressed 1.07-1.12x -> 0.99-1.07x, 8-bit 0.27-0.29x -> 0.24-0.26x; the same size
+# without pacing 1.11-1.14x and 0.26-0.27x (benchmarks/bench_wan.py). A round whose bytes
+# cross in less (top-k anywhere, any codec at 1 Gbit/s on small vectors) is bound by CPU and
+# keeps CHUNKS_PER_PEER: top-k at 100 Mbit/s took 0.13x gloo's time with 24 per pair, 0.09x
+# with 8 (its CPU per peer 0.144 vs 0.099 s).
+CHUNKS_PER_PEER_SLOW_LINK = 24
+SLOW_ROUND_SECONDS = 0.25
 
 
-def chunk_numel_for(total: int, num_senders: int, max_chunk_numel: int) -> int:
-    """Chunk size for a round: ``max_chunk_numel`` for big vectors, smaller for small ones.
+def chunk_numel_for(
+    total: int, num_senders: int, max_chunk_numel: int, *, link_seconds: float | None = None
+) -> int:
+    """Chunk size for a round: ``max_chunk_numel`` for big vectors, smaller for small ones,
+    and smaller still where ``link_seconds`` (:func:`round_link_seconds`) says the round's
+    transfers are long.
 
     Small vectors would otherwise be one chunk per part (no pipelining, and the chunks in
     flight would be several times the vector). Deterministic in its arguments, which every
-    member knows, so all members chunk every part identically.
+    member knows (the link estimate comes from the group's GroupInfo), so all members chunk
+    every part identically.
     """
-    wanted = -(-total // (CHUNKS_PER_PEER * max(1, num_senders - 1)))
+    per_pair = CHUNKS_PER_PEER
+    if link_seconds is not None and link_seconds > SLOW_ROUND_SECONDS:
+        per_pair = CHUNKS_PER_PEER_SLOW_LINK
+    wanted = -(-total // (per_pair * max(1, num_senders - 1)))
     return max(1, min(max_chunk_numel, max(MIN_CHUNK_NUMEL, wanted)))
+
+
+def round_link_seconds(group: GroupInfo, total: int) -> float | None:
+    """About how long a round of ``total`` values keeps the group's slowest stated link busy.
+
+    Each member sends about ``2 (s-1)/s`` of the vector (chunks out, results back) for ``s``
+    senders, at the densest codec any member reported (``bytes_per_value``) over the smallest
+    bandwidth any member stated. None where nobody stated either: the caller then assumes
+    nothing about the links.
+    """
+    rates = [float(b) for b in group.bandwidths if b is not None]
+    densities = [float(b) for b in group.bytes_per_value if b is not None]
+    senders = len(group.sender_indices)
+    if not rates or not densities or senders < 2:
+        return None
+    sent = 2 * total * (senders - 1) / senders * max(densities)
+    return sent / min(rates)
 
 
 def chunk_bounds(start: int, end: int, chunk_numel: int) -> list[tuple[int, int]]:

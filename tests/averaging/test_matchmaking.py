@@ -365,7 +365,14 @@ async def test_malformed_requests_are_rejected_and_leader_keeps_working(autojump
 def test_join_request_validation():
     ok = JoinRequest("k", 1.0, 2.0, "node", None, None, 1)
     assert JoinRequest.from_msg(ok.to_msg("p")) == ok
+    dense = JoinRequest("k", 1.0, 2.0, "node", 5e6, None, 1, bytes_per_value=1.03)
+    assert JoinRequest.from_msg(dense.to_msg("p")) == dense
     for field, value in [
+        ("bpv", 0.0),
+        ("bpv", 1e6),
+        ("bpv", float("inf")),
+        ("bpv", "4"),
+        ("bpv", True),
         ("x", "1"),
         ("dl", -1.0),
         ("dl", 1e12),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import struct
 
@@ -180,13 +181,15 @@ async def test_bad_uplink_rate_is_refused():
 
 
 @pytest.mark.parametrize("pace", [True, False])
-def test_averager_paces_at_its_bandwidth_unless_told_not_to(two_dhts, monkeypatch, pace):  # noqa: F811
+def test_averager_paces_at_its_bandwidth_and_reports_its_codec_density(two_dhts, monkeypatch, pace):  # noqa: F811
     rates: list[float | None] = []
+    densities: list[tuple] = []
     real = AllReduceService.run
 
-    async def spy(self, *args, **kwargs):
+    async def spy(self, group, *args, **kwargs):
         rates.append(kwargs.get("uplink_rate"))
-        return await real(self, *args, **kwargs)
+        densities.append(group.bytes_per_value)
+        return await real(self, group, *args, **kwargs)
 
     monkeypatch.setattr(AllReduceService, "run", spy)
     common = dict(target_group_size=2, initial_group_bits="", pace_uplink=pace, **FAST)
@@ -195,9 +198,44 @@ def test_averager_paces_at_its_bandwidth_unless_told_not_to(two_dhts, monkeypatc
         for i, dht in enumerate(two_dhts)
     ]
     try:
-        futures = [av.step(wait=False) for av in avs]
-        assert all(f.result(timeout=30).succeeded for f in futures)
+        for _ in range(2):
+            futures = [av.step(wait=False) for av in avs]
+            assert all(f.result(timeout=30).succeeded for f in futures)
     finally:
         for av in avs:
             av.shutdown()
-    assert rates == [5e6 if pace else None] * 2
+    assert rates == [5e6 if pace else None] * 4
+    # the first groups know nothing of the codecs; the next ones carry what each member sent
+    # per value (uncompressed: 4 bytes), so that every member sizes chunks alike
+    assert densities[:2] == [(None, None)] * 2
+    assert densities[2:] == [(4.0, 4.0)] * 2
+
+
+async def test_members_stating_different_links_and_codecs_still_chunk_alike(monkeypatch):
+    """The chunk size follows the GroupInfo (slowest stated link, densest reported codec),
+    which every member has: a member that used its own would be refused by the others."""
+    import moshpit.averaging.allreduce as allreduce_module
+
+    sizes: list[int] = []
+    real = allreduce_module.chunk_numel_for
+
+    def spy(*args, **kwargs):
+        sizes.append(real(*args, **kwargs))
+        return sizes[-1]
+
+    monkeypatch.setattr(allreduce_module, "chunk_numel_for", spy)
+    async with swarm(3) as services:
+        group = dataclasses.replace(
+            make_group(services, bandwidths=[2e6, None, 5e6]), bytes_per_value=(4.0, None, 1.0)
+        )
+        tensors = [[torch.randn(1 << 20)] for _ in range(3)]
+        results = await run_all(services, group, tensors, timeout=60)
+        want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])
+        for r in results:
+            assert not r.failed_peers
+            assert torch.allclose(r.averaged[0].double(), want[0], atol=1e-5)
+            # uncompressed: 4 payload bytes per value sent, which the next group learns
+            assert r.wire_bytes_per_value == 4.0
+    # 2 * 2/3 * 4 MiB over 2 MB/s is ~2.8 s of link time: 24 chunks per sender pair
+    # (21,846 values) instead of 8 (65,536)
+    assert sizes == [21846] * 3

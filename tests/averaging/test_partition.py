@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,6 +22,7 @@ from moshpit.averaging.partition import (
     gather_copies,
     part_bounds,
     part_sizes,
+    round_link_seconds,
     scatter,
 )
 
@@ -133,6 +136,30 @@ def test_chunk_numel_for_small_and_large_vectors():
     assert chunk_numel_for(0, 1, 1 << 18) == MIN_CHUNK_NUMEL
 
 
+def test_a_round_that_keeps_the_links_busy_gets_three_times_the_chunks():
+    assert chunk_numel_for(4 << 20, 4, 1 << 18) == 174763  # 8 per sender pair
+    # 4 x 4M float32 at 100 Mbit/s: ~2 s on the wire -> 24 per pair
+    assert chunk_numel_for(4 << 20, 4, 1 << 18, link_seconds=2.0) == 58255
+    # bound by CPU (top-k anywhere, small vectors at 1 Gbit/s): the default stays
+    assert chunk_numel_for(4 << 20, 4, 1 << 18, link_seconds=0.2) == 174763
+    assert chunk_numel_for(4 << 20, 4, 1 << 18, link_seconds=None) == 174763
+    # big vectors keep the configured maximum either way
+    assert chunk_numel_for(10**9, 4, 1 << 18, link_seconds=100.0) == 1 << 18
+
+
+def test_round_link_seconds_uses_the_slowest_link_and_the_densest_codec():
+    n = 4 << 20
+    assert round_link_seconds(group(bandwidths=[None] * 4), n) is None
+    stated = group(bandwidths=[12.5e6, None, 125e6, 125e6])
+    assert round_link_seconds(stated, n) is None  # nobody reported a codec density yet
+    dense = dataclasses.replace(stated, bytes_per_value=(4.0, None, 1.0, 0.03))
+    # each member sends 2 * 3/4 of the vector; at 4 bytes a value over 12.5 MB/s
+    assert round_link_seconds(dense, n) == pytest.approx(2 * n * 0.75 * 4 / 12.5e6)
+    sparse = dataclasses.replace(stated, bytes_per_value=(0.03, 0.03, 0.03, 0.03))
+    assert round_link_seconds(sparse, n) == pytest.approx(0.015, rel=0.01)
+    assert round_link_seconds(dataclasses.replace(dense, modes=("node",) + ("aux",) * 3), n) is None
+
+
 def test_chunk_bounds():
     assert chunk_bounds(3, 10, 3) == [(3, 6), (6, 9), (9, 10)]
     assert chunk_bounds(5, 5, 4) == []
@@ -160,7 +187,18 @@ def test_group_info_wire_roundtrip_and_bad_input():
         b"gid", tuple(PEERS[:3]), ("node", "client", "aux"), (1e6, None, 3), ({"x": 1}, None, 2)
     )
     assert GroupInfo.from_msg(g.to_msg()) == g
+    dense = dataclasses.replace(g, bytes_per_value=(4.0, None, 0.03))
+    assert GroupInfo.from_msg(dense.to_msg()) == dense
+    no_bpv = {k: v for k, v in dense.to_msg().items() if k != "bpv"}  # from an older leader
+    assert GroupInfo.from_msg(no_bpv).bytes_per_value == ()
     for bad in [
+        {**g.to_msg(), "bpv": [1.0, 2.0]},
+        {**g.to_msg(), "bpv": [0.0, None, None]},
+        {**g.to_msg(), "bpv": [1e9, None, None]},
+        {**g.to_msg(), "bpv": [float("nan"), None, None]},
+        {**g.to_msg(), "bpv": [True, None, None]},
+        {**g.to_msg(), "bpv": ["4", None, None]},
+        {**g.to_msg(), "bpv": "abc"},
         None,
         {},
         {**g.to_msg(), "members": [b"junk"] * 3},
