@@ -11,6 +11,7 @@ Part sizes come only from :class:`GroupInfo`, so every member computes the same 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -181,17 +182,29 @@ MIN_CHUNK_NUMEL = 1 << 14  # 64 KiB of float32: smaller chunks cost more in per-
 # setup) twice as often: at 1 Gbit/s 8-bit took 1.04-1.06x gloo's time, 0.78-0.82x with 8,
 # while uncompressed float32 went from 1.13-1.17x to 1.16-1.26x (benchmarks/bench_wan.py).
 CHUNKS_PER_PEER = 8
-# Chunks per pair where the group's links, by what its members state, take longer than
-# SLOW_ROUND_SECONDS to carry a round: the pipeline's fill and drain each take about one chunk
-# per sender pair, ~1/chunks of the round's link time, which there is time lost while the CPU
-# that smaller chunks cost is not the limit. 4 x 4M over 100 Mbit/s links, time / gloo's,
-# paced: uncompressed 1.07-1.12x -> 0.99-1.07x, 8-bit 0.27-0.29x -> 0.24-0.26x; the same size
-# without pacing 1.11-1.14x and 0.26-0.27x (benchmarks/bench_wan.py). A round whose bytes
-# cross in less (top-k anywhere, any codec at 1 Gbit/s on small vectors) is bound by CPU and
-# keeps CHUNKS_PER_PEER: top-k at 100 Mbit/s took 0.13x gloo's time with 24 per pair, 0.09x
-# with 8 (its CPU per peer 0.144 vs 0.099 s).
-CHUNKS_PER_PEER_SLOW_LINK = 24
-SLOW_ROUND_SECONDS = 0.25
+# Where the group's links, by what its members state, take a while to carry a round, more
+# chunks per pair: the pipeline's fill and drain each take about one chunk per sender pair,
+# L/c of a round whose transfers take L seconds with c chunks per pair, while every chunk
+# costs each member ~2(s-1) messages of CPU (chunks out to s-1 reducers, results out to s-1
+# senders), at PER_MESSAGE_SECONDS each (measured: top-k rounds of 4 x 4M spent 45 ms more
+# CPU per peer with 24 chunks per pair than with 8, ~0.5 ms per extra message). The sum
+# L/c + 2(s-1)*p*c is smallest at c = sqrt(L / (2(s-1)p)); never fewer than CHUNKS_PER_PEER.
+# 4 x 4M at 100 Mbit/s: uncompressed (L ~2 s) gets 26 per pair, 8-bit (0.5 s) 13, top-k
+# (0.015 s) 8; at 1 Gbit/s uncompressed (0.2 s) 8. Measured with pacing (bench_wan.py, time
+# / gloo's): uncompressed 1.07-1.12x with 8 per pair, 1.01-1.05x with this rule, 0.98-1.01x
+# with 24; 8-bit 0.27-0.29x, 0.27x, 0.25-0.26x. A flat 24 also made top-k 0.13x instead of
+# 0.09x, and 8 peers' 8-bit rounds on 2 shared cores (CPU-bound) 0.40x instead of 0.32x; with
+# the square root they take 0.09x and 0.29x.
+PER_MESSAGE_SECONDS = 0.5e-3
+MAX_CHUNKS_PER_PEER = 32
+
+
+def chunks_per_pair(link_seconds: float | None, num_senders: int) -> int:
+    """How many chunks each (sender, reducer) pair should carry (see PER_MESSAGE_SECONDS)."""
+    if link_seconds is None or not math.isfinite(link_seconds) or link_seconds <= 0:
+        return CHUNKS_PER_PEER
+    best = math.sqrt(link_seconds / (2 * max(1, num_senders - 1) * PER_MESSAGE_SECONDS))
+    return max(CHUNKS_PER_PEER, min(MAX_CHUNKS_PER_PEER, round(best)))
 
 
 def chunk_numel_for(
@@ -199,16 +212,14 @@ def chunk_numel_for(
 ) -> int:
     """Chunk size for a round: ``max_chunk_numel`` for big vectors, smaller for small ones,
     and smaller still where ``link_seconds`` (:func:`round_link_seconds`) says the round's
-    transfers are long.
+    transfers are long (:func:`chunks_per_pair`).
 
     Small vectors would otherwise be one chunk per part (no pipelining, and the chunks in
     flight would be several times the vector). Deterministic in its arguments, which every
     member knows (the link estimate comes from the group's GroupInfo), so all members chunk
     every part identically.
     """
-    per_pair = CHUNKS_PER_PEER
-    if link_seconds is not None and link_seconds > SLOW_ROUND_SECONDS:
-        per_pair = CHUNKS_PER_PEER_SLOW_LINK
+    per_pair = chunks_per_pair(link_seconds, num_senders)
     wanted = -(-total // (per_pair * max(1, num_senders - 1)))
     return max(1, min(max_chunk_numel, max(MIN_CHUNK_NUMEL, wanted)))
 

@@ -236,6 +236,6 @@ async def test_members_stating_different_links_and_codecs_still_chunk_alike(monk
             assert torch.allclose(r.averaged[0].double(), want[0], atol=1e-5)
             # uncompressed: 4 payload bytes per value sent, which the next group learns
             assert r.wire_bytes_per_value == 4.0
-    # 2 * 2/3 * 4 MiB over 2 MB/s is ~2.8 s of link time: 24 chunks per sender pair
-    # (21,846 values) instead of 8 (65,536)
-    assert sizes == [21846] * 3
+    # 2 * 2/3 * 4 MiB over 2 MB/s is ~2.8 s of link time: sqrt(2.8 / (2 * 2 * 0.5 ms)) = 37,
+    # so the most, 32 chunks per sender pair (16,384 values), instead of 8 (65,536)
+    assert sizes == [16384] * 3

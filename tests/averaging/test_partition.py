@@ -12,10 +12,13 @@ from hypothesis import strategies as st
 from dht.p2p import Identity
 from moshpit.averaging.group_info import GroupInfo, GroupInfoError
 from moshpit.averaging.partition import (
+    CHUNKS_PER_PEER,
+    MAX_CHUNKS_PER_PEER,
     MIN_CHUNK_NUMEL,
     TensorLayout,
     chunk_bounds,
     chunk_numel_for,
+    chunks_per_pair,
     copy_range,
     empty_like_all,
     gather,
@@ -136,13 +139,18 @@ def test_chunk_numel_for_small_and_large_vectors():
     assert chunk_numel_for(0, 1, 1 << 18) == MIN_CHUNK_NUMEL
 
 
-def test_a_round_that_keeps_the_links_busy_gets_three_times_the_chunks():
+def test_a_round_that_keeps_the_links_busy_gets_more_chunks():
     assert chunk_numel_for(4 << 20, 4, 1 << 18) == 174763  # 8 per sender pair
-    # 4 x 4M float32 at 100 Mbit/s: ~2 s on the wire -> 24 per pair
-    assert chunk_numel_for(4 << 20, 4, 1 << 18, link_seconds=2.0) == 58255
+    # 4 x 4M float32 at 100 Mbit/s: ~2 s on the wire -> sqrt(2 / (2 * 3 * 0.5 ms)) = 26 per pair
+    assert chunks_per_pair(2.0, 4) == 26
+    assert chunk_numel_for(4 << 20, 4, 1 << 18, link_seconds=2.0) == 53774
+    assert chunks_per_pair(0.5, 4) == 13  # 8-bit at 100 Mbit/s
+    assert chunks_per_pair(0.59, 8) == 9  # 8 senders pay 7 messages per chunk
     # bound by CPU (top-k anywhere, small vectors at 1 Gbit/s): the default stays
-    assert chunk_numel_for(4 << 20, 4, 1 << 18, link_seconds=0.2) == 174763
-    assert chunk_numel_for(4 << 20, 4, 1 << 18, link_seconds=None) == 174763
+    for short in (0.015, 0.2, None, 0.0, -1.0, float("nan"), float("inf")):
+        assert chunks_per_pair(short, 4) == CHUNKS_PER_PEER
+        assert chunk_numel_for(4 << 20, 4, 1 << 18, link_seconds=short) == 174763
+    assert chunks_per_pair(1e6, 4) == MAX_CHUNKS_PER_PEER
     # big vectors keep the configured maximum either way
     assert chunk_numel_for(10**9, 4, 1 << 18, link_seconds=100.0) == 1 << 18
 
