@@ -180,9 +180,10 @@ class Averager:
       sizes this peer's part of each all-reduce, and, unless ``pace_uplink=False``, caps the
       round's connections so that together they send at most this fast, each at a share that
       lets them finish together (see ``pacing.py``; over shaped 100 Mbit/s links it raised
-      link use from 73-76% to 88-92%). An overestimate leaves the sharing to TCP; an
+      link use from 71-82% to 88-92%). An overestimate leaves the sharing to TCP; an
       underestimate slows every round to the stated rate.
-    :param pace_uplink: set False to use ``bandwidth`` only for part sizes.
+    :param pace_uplink: set False to use ``bandwidth`` only for part sizes (and chunk sizes:
+      with the members' codec densities it tells how long a round keeps the links busy).
     :param client_mode: this peer cannot accept connections: it never leads or reduces.
     :param auxiliary: this peer helps reduce but contributes nothing (weight 0).
     :param initial_group_bits: the starting key bits (a string of 0/1; its length is the number
