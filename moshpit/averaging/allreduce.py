@@ -86,7 +86,7 @@ from moshpit.averaging.allreduce_reducer import (
     SenderFailed,
 )
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, GroupInfo, GroupInfoError
-from moshpit.averaging.pacing import RoundPacing, UplinkPacer
+from moshpit.averaging.pacing import PACE_MIN_LINK_SECONDS, RoundPacing, UplinkPacer
 from moshpit.averaging.partition import (
     TensorLayout,
     chunk_bounds,
@@ -334,11 +334,12 @@ class _Round:
         self.reducer_timeout = reducer_timeout
         self.is_sender = group.modes[me] != MODE_AUX
         self.bounds = part_bounds(group, layout_numel)
+        self.link_seconds = round_link_seconds(group, layout_numel)
         self.chunk_numel = chunk_numel_for(
             layout_numel,
             len(group.sender_indices),
             service.chunk_numel,
-            link_seconds=round_link_seconds(group, layout_numel),
+            link_seconds=self.link_seconds,
         )
         self.chunks = [chunk_bounds(a, b, self.chunk_numel) for a, b in self.bounds]
         self.outputs = (
@@ -378,6 +379,8 @@ class _Round:
         own part's results (elements stand in for bytes: both ways use similar codecs)."""
         if uplink_rate is None:
             return None
+        if self.link_seconds is not None and self.link_seconds < PACE_MIN_LINK_SECONDS:
+            return None  # the codecs, not the links, bound this round: pacing only costs CPU
         pacer = self.service.pacer.round(self.group.group_id, uplink_rate)
         own = self.bounds[self.me][1] - self.bounds[self.me][0]
         for j, peer in enumerate(self.group.members):

@@ -239,3 +239,26 @@ async def test_members_stating_different_links_and_codecs_still_chunk_alike(monk
     # 2 * 2/3 * 4 MiB over 2 MB/s is ~2.8 s of link time: sqrt(2.8 / (2 * 2 * 0.5 ms)) = 37,
     # so the most, 32 chunks per sender pair (16,384 values), instead of 8 (65,536)
     assert sizes == [16384] * 3
+
+
+@pytest.mark.parametrize("density, paced", [(0.03, False), (4.0, True)])
+async def test_rounds_bound_by_cpu_are_not_paced(monkeypatch, density, paced):
+    """With the members' codec densities known, a round that keeps the links busy only briefly
+    (sparse codecs, fast links) is not paced: there pacing only costs CPU."""
+    seen: list[float | None] = []
+    real = P2PStream.set_max_send_rate
+
+    def spy(self, rate):
+        seen.append(rate)
+        return real(self, rate)
+
+    monkeypatch.setattr(P2PStream, "set_max_send_rate", spy)
+    async with swarm(3, tcp=True) as services:
+        # 2 * 2/3 * 1M values over 5 MB/s: 0.009 s sparse, 1.1 s dense (PACE_MIN_LINK_SECONDS 0.15)
+        group = dataclasses.replace(
+            make_group(services, bandwidths=[5e6] * 3), bytes_per_value=(density,) * 3
+        )
+        tensors = [[torch.randn(1 << 20)] for _ in range(3)]
+        results = await run_all(services, group, tensors, timeout=60, uplink_rate=20e6)
+        assert all(not r.failed_peers for r in results)
+    assert any(c is not None for c in seen) is paced
