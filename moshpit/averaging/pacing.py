@@ -4,7 +4,7 @@ In a butterfly all-reduce every member sends to every other member at once: its 
 reducer, and its part's results to each sender. Where peers sit behind access links, each
 peer's uplink and downlink are both bottlenecks, and TCP alone shares two tiers of them badly:
 flows from several uplinks pile into one downlink while other uplinks go idle (measured on
-the shaped-link testbed: 73-76% link use, against 91-95% for gloo's ring, which has one flow
+the shaped-link testbed: 71-82% link use, against 89-95% for gloo's ring, which has one flow
 per link). A member that knows its uplink rate caps each of its connections at a share of that
 rate, proportional to the bytes it still has to send there. The connections then finish
 together, and no downlink receives much more than its owner's rate, since every member does
