@@ -989,8 +989,10 @@ class AllReduceService:
             total = numel
         else:
             raise ValueError("tensors are required (an aux member may pass numel= instead)")
-        if uplink_rate is not None and not (
-            isinstance(uplink_rate, (int, float)) and math.isfinite(uplink_rate) and uplink_rate > 0
+        if uplink_rate is not None and (
+            isinstance(uplink_rate, bool)
+            or not isinstance(uplink_rate, (int, float))
+            or not (math.isfinite(uplink_rate) and uplink_rate > 0)
         ):
             raise ValueError(
                 f"uplink_rate must be a positive number of bytes/s, got {uplink_rate!r}"

@@ -62,7 +62,8 @@ class UplinkPacer:
 
     def round(self, key: Hashable, rate: float) -> RoundPacing:
         """Start pacing a round's flows at ``rate`` bytes/s (finish with ``RoundPacing.close``)."""
-        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        valid = isinstance(rate, (int, float)) and not isinstance(rate, bool)
+        if not (valid and math.isfinite(rate) and rate > 0):
             raise ValueError(f"uplink rate must be a positive number of bytes/s, got {rate!r}")
         if key in self._rates:
             raise ValueError(f"round {key!r} is already paced")

@@ -120,7 +120,7 @@ def test_concurrent_rounds_share_one_uplink_and_keep_a_shared_connection_capped(
 
 
 def test_bad_rates_are_refused():
-    for bad in (0, -1.0, float("inf"), float("nan"), "fast"):
+    for bad in (0, -1.0, float("inf"), float("nan"), "fast", True):
         with pytest.raises(ValueError, match="positive number of bytes/s"):
             UplinkPacer().round("r", bad)
 
@@ -178,8 +178,9 @@ async def test_memory_network_rounds_ignore_the_rate():
 async def test_bad_uplink_rate_is_refused():
     async with swarm(2) as services:
         group = make_group(services)
-        with pytest.raises(ValueError, match="uplink_rate"):
-            await services[0].run(group, [torch.zeros(3)], uplink_rate=-1.0)
+        for bad in (-1.0, 0, float("nan"), True, "1e6"):
+            with pytest.raises(ValueError, match="uplink_rate"):
+                await services[0].run(group, [torch.zeros(3)], uplink_rate=bad)
 
 
 @pytest.mark.parametrize("pace", [True, False])
