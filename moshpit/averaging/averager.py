@@ -240,7 +240,11 @@ class Averager:
                 raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
         if allreduce_timeout <= 0 or request_timeout <= 0:
             raise ValueError("allreduce_timeout and request_timeout must be positive")
-        if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
+        if bandwidth is not None and (
+            isinstance(bandwidth, bool)
+            or not isinstance(bandwidth, (int, float))
+            or not (math.isfinite(bandwidth) and bandwidth > 0)
+        ):
             raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
         self.prefix = prefix
         self.target_group_size = target_group_size

@@ -131,6 +131,9 @@ def test_invalid_arguments(two_dhts):
         Averager([torch.zeros(1)], dht, "p", 2, allreduce_timeout=float("inf"))
     with pytest.raises(ValueError):
         Averager([torch.zeros(1)], dht, "bad.0bprefix", 2)
+    for bad_bandwidth in (0, -1e6, float("nan"), True, "100mbit"):
+        with pytest.raises(ValueError, match="bandwidth"):
+            Averager([torch.zeros(1)], dht, "p", 2, bandwidth=bad_bandwidth)
     av = Averager([torch.zeros(1)], dht, "p", 2, **FAST)
     try:
         with pytest.raises(ValueError):
