@@ -45,7 +45,7 @@ def set_max_send_rate(stream: object, rate: float | None) -> bool:
     bursting into a receiver's already-busy downlink. False where it cannot be done: not a
     TCP socket (the in-memory transport), or a system without the option.
     """
-    if not isinstance(stream, trio.SocketStream) or not hasattr(socket, "SOL_SOCKET"):
+    if not isinstance(stream, trio.SocketStream):
         return False
     if rate is None:
         value = _UNLIMITED_RATE

@@ -18,12 +18,9 @@ serves every round of an ``AllReduceService``: shares are computed over all thei
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Hashable
 from typing import Protocol
-
-logger = logging.getLogger(__name__)
 
 CHANGE_TO_APPLY = 0.02  # a cap moves only when its share changes by more than this fraction
 # A round whose bytes keep the slowest stated link busy for less than this (``partition.
@@ -40,6 +37,7 @@ class Paceable(Protocol):
 
 
 FlowKey = tuple[Hashable, Hashable, Hashable]  # (round, destination peer, flow name)
+_NEVER = object()  # a destination whose connection was never given a cap
 
 
 class UplinkPacer:
@@ -109,7 +107,7 @@ class UplinkPacer:
         # gets its cap back from the rebalance below
         for rk, dest in [k for k in self._streams if k[0] == round_key]:
             for stream in self._streams.pop((rk, dest)):
-                self._set(stream, dest, None)
+                self._set(stream, None)
             self._applied.pop(dest, None)
         self._rebalance()
 
@@ -122,27 +120,21 @@ class UplinkPacer:
         for dest in {d for _, d in self._streams}:
             left = per_dest.get(dest, 0)
             cap = rate * left / total if left > 0 and rate is not None else None
-            if dest not in self._applied:
-                changed = True
+            applied = self._applied.get(dest, _NEVER)
+            if applied is _NEVER or applied is None or cap is None:
+                changed = cap is not applied
             else:
-                applied = self._applied[dest]
-                if cap is None or applied is None:
-                    changed = cap != applied
-                else:
-                    changed = abs(cap - applied) > CHANGE_TO_APPLY * applied
+                changed = abs(cap - applied) > CHANGE_TO_APPLY * applied
             if changed:
                 self._applied[dest] = cap
                 for (_, d), streams in self._streams.items():
-                    if d == dest:
-                        for stream in streams:
-                            self._set(stream, dest, cap)
+                    for stream in streams if d == dest else ():
+                        self._set(stream, cap)
 
-    def _set(self, stream: Paceable, dest: Hashable, cap: float | None) -> None:
-        try:
-            if stream.set_max_send_rate(cap) and cap is not None:
-                self.capped += 1
-        except OSError as e:  # a closed connection: nothing left to pace on it
-            logger.debug("cannot pace the connection to %s: %s", dest, e)
+    def _set(self, stream: Paceable, cap: float | None) -> None:
+        # a closed connection reports False (the transport swallows the socket's error)
+        if stream.set_max_send_rate(cap) and cap is not None:
+            self.capped += 1
 
 
 class RoundPacing:
