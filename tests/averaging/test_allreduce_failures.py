@@ -25,6 +25,7 @@ from moshpit.averaging.allreduce_protocol import (
 )
 from moshpit.averaging.partition import chunk_bounds, chunk_numel_for, part_bounds
 from tests.averaging.test_allreduce import make_group, run_all, swarm, weighted_mean
+from tests.averaging.test_pacing import UNLIMITED, connection_pacing_rate
 
 # ---------------------------------------------------------------- a hand-driven member
 
@@ -463,8 +464,11 @@ async def test_centered_clip_bounds_an_outlier_and_plain_mean_does_not():
     assert float((plain[0].averaged[0] - honest_mean).abs().min()) > 1e5 - 10
 
 
-async def test_reducer_quitting_mid_round_on_tcp():
-    """TCP loopback: the aux reducer's round is cancelled after it returned some chunks."""
+@pytest.mark.parametrize("uplink_rate", [None, 20e6])
+async def test_reducer_quitting_mid_round_on_tcp(uplink_rate):
+    """TCP loopback: the aux reducer's round is cancelled after it returned some chunks.
+    Paced (``uplink_rate``): the failed flows give their shares back, and when the round is
+    over no socket stays capped and no pacer state is left."""
     async with swarm(3, tcp=True, chunk_numel=1 << 12, window=1) as services:
         group = make_group(services, ["node", "node", "aux"])
         total = 400_000
@@ -474,7 +478,12 @@ async def test_reducer_quitting_mid_round_on_tcp():
 
         async def node(i):
             results[i] = await services[i].run(
-                group, tensors[i], timeout=60, sender_timeout=10, reducer_timeout=10
+                group,
+                tensors[i],
+                timeout=60,
+                sender_timeout=10,
+                reducer_timeout=10,
+                uplink_rate=uplink_rate,
             )
 
         async def aux():
@@ -490,7 +499,9 @@ async def test_reducer_quitting_mid_round_on_tcp():
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(quit_after_first_chunks)
-                    await services[2].run(group, None, numel=total, timeout=60)
+                    await services[2].run(
+                        group, None, numel=total, timeout=60, uplink_rate=uplink_rate
+                    )
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(node, 0)
@@ -504,3 +515,10 @@ async def test_reducer_quitting_mid_round_on_tcp():
             assert r.failed_reducers == {group.members[2]}
             assert torch.equal(r.averaged[0][a2:b2], tensors[i][0][a2:b2])
             assert torch.allclose(r.averaged[0][:a2].double(), want[:a2], atol=1e-5)
+        if uplink_rate is not None:
+            assert sum(s.pacer.capped for s in services) > 0
+            for s in services:
+                assert s.pacer._left == {} and s.pacer._rates == {}  # nothing left behind
+                for other in services:
+                    if other is not s and s.host.is_connected(other.host.peer_id):
+                        assert connection_pacing_rate(s.host, other.host.peer_id) == UNLIMITED
