@@ -34,7 +34,7 @@ from moshpit.training.preemption import critical_section
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AveragingRound", "TrainingStateAverager"]
+__all__ = ["AveragingRound", "TrainingStateAverager", "correct_after_round"]
 
 # param_groups entries that are plain numbers/strings/bools travel in the state's metadata
 _SCALAR_TYPES = (int, float, str, bool, type(None))
@@ -311,12 +311,18 @@ class TrainingStateAverager:
             return  # the buffers still hold the snapshot wherever nothing was averaged
         delta_sq = norm_sq = mean_sq = 0.0
         with critical_section(), self.averager.get_tensors(), torch.no_grad():
-            for tensor, buffer, snapshot in zip(
-                self._averaged_live(), self._buffers, self._snapshot, strict=True
+            for name, tensor, buffer, snapshot in zip(
+                self._averaged, self._averaged_live(), self._buffers, self._snapshot, strict=True
             ):
                 mean_sq += float(torch.linalg.vector_norm(buffer, dtype=torch.float64)) ** 2
+                # parameters have no domain; a statistic that is non-negative on both sides
+                # (Adam's exp_avg_sq, Adagrad's sum, BatchNorm's running_var) must stay so
+                nonnegative = not name.startswith("params.") and _nonnegative(snapshot, tensor)
+                if nonnegative:
+                    correct_after_round(tensor, buffer, snapshot, nonnegative=True)
                 buffer.sub_(snapshot)  # the buffer now holds this round's delta
-                tensor.add_(buffer.to(tensor.device, non_blocking=tensor.is_cuda))
+                if not nonnegative:
+                    tensor.add_(buffer.to(tensor.device, non_blocking=tensor.is_cuda))
                 delta_sq += float(torch.linalg.vector_norm(buffer, dtype=torch.float64)) ** 2
                 norm_sq += float(torch.linalg.vector_norm(snapshot, dtype=torch.float64)) ** 2
         # how far this peer was from its group's mean, relative to its state's size: the
@@ -588,6 +594,41 @@ class TrainingStateAverager:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
+
+
+def correct_after_round(
+    live: torch.Tensor, averaged: torch.Tensor, snapshot: torch.Tensor, *, nonnegative: bool
+) -> torch.Tensor:
+    """Apply a finished round to ``live`` in place: the round turned ``snapshot`` into
+    ``averaged`` while ``live`` moved on from ``snapshot`` (local steps during the round).
+
+    Signed state (parameters, first moments): ``live += averaged - snapshot``, which keeps
+    the local progress exactly. A non-negative statistic cannot take that rule: while the
+    round is in flight its live value decays (Adam's ``exp_avg_sq`` shrinks by ``beta2`` per
+    step), and once it is below ``snapshot - averaged`` the sum is negative and ``sqrt`` turns
+    the next step into NaN. So where the live value fell below the snapshot, the round's
+    change is scaled by that same decay: ``live * averaged / snapshot`` (what the average
+    would be had it decayed alongside); where it grew, the plain delta. Both are >= 0 and at
+    most ``max(live + averaged, averaged)``, and they agree where ``live == snapshot``. A
+    negative average (only a misbehaving peer sends one) counts as zero.
+    """
+    averaged = averaged.to(live.device, non_blocking=live.is_cuda)
+    snapshot = snapshot.to(live.device, non_blocking=live.is_cuda)
+    if not nonnegative:
+        return live.add_(averaged - snapshot)
+    averaged = averaged.clamp_min(0)
+    decayed = live < snapshot  # implies snapshot > 0: the ratio below is in [0, 1)
+    scaled = (live / snapshot).mul_(averaged)
+    shifted = (live + averaged).sub_(snapshot)
+    return live.copy_(torch.where(decayed, scaled, shifted))
+
+
+def _nonnegative(snapshot: torch.Tensor, live: torch.Tensor) -> bool:
+    """Both sides of a statistic hold no negative value (its domain, as far as we can tell:
+    user optimizers name their statistics as they like)."""
+    if snapshot.numel() == 0:
+        return False
+    return bool(snapshot.min() >= 0) and bool(live.min() >= 0)
 
 
 def _sync_devices(tensors: Iterable[torch.Tensor]) -> None:
