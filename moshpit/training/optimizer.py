@@ -26,15 +26,20 @@ keeps a diverged peer (NaN/Inf gradients) from publishing anything.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dht._logging import RateLimitedLogger
+from moshpit.training.health import NonFiniteStateError
 from moshpit.training.preemption import critical_section
 
 logger = logging.getLogger(__name__)
+
+LOSS_EMA = 0.9  # weight kept by the older losses in the loss this peer publishes
 
 __all__ = ["MODES", "Optimizer"]
 
@@ -114,6 +119,8 @@ class Optimizer:
         self.load_state_timeout = float(load_state_timeout)
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.skipped_steps = 0  # local steps dropped for non-finite gradients
+        self.loss: float | None = None  # moving average of the losses step() was given
+        self._log = RateLimitedLogger(logger, 10.0)  # one line per reason and 10 s, with counts
         self._closed = False
         self._started = False
 
@@ -165,11 +172,25 @@ class Optimizer:
 
     # ------------------------------------------------------------------ the loop
 
-    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
-        """One local step: see the module docstring for what each mode does with it."""
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        batch_size: int | None = None,
+        loss: Any = None,
+    ) -> Any:
+        """One local step: see the module docstring for what each mode does with it.
+
+        ``loss`` (or what ``closure`` returns): this step's loss, a number or a 0-d tensor;
+        optional. Its moving average is published with this peer's progress, so that
+        ``moshpit status`` shows the swarm's loss and flags a peer whose loss is NaN.
+
+        A peer whose parameters or optimizer state went NaN/Inf reloads a good state (the
+        swarm's, or its own last good checkpoint) with one WARNING and goes on; it raises
+        :class:`~moshpit.training.health.NonFiniteStateError` only when there is none, or when
+        the state keeps going bad.
+        """
         if self._closed:
             raise RuntimeError("this moshpit.Optimizer was shut down")
-        loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -178,19 +199,47 @@ class Optimizer:
         if not self._started:
             self._started = True
             self.mode.on_start()
+        if loss is not None:
+            self._note_loss(loss)
         if not self._gradients_finite():
-            self.skipped_steps += 1
-            logger.warning(
-                "non-finite gradients at epoch %d: this step is dropped and nothing is sent "
-                "(%d dropped so far); lower the learning rate if this repeats",
-                self.epoch,
-                self.skipped_steps,
-            )
+            bad = self.mode.non_finite_state()
+            if bad is not None:  # the gradients are NaN because the state is
+                self._recover(f"tensor {bad!r} of the state held NaN or Inf")
+            else:
+                self.skipped_steps += 1
+                self._log.warning(
+                    "gradients",
+                    "non-finite gradients at epoch %d: the step is dropped and nothing is sent "
+                    "(%d dropped so far). The parameters are finite, so this batch or the loss "
+                    "made them: check the data and the loss function, or lower the learning "
+                    "rate if the loss was growing",
+                    self.epoch,
+                    self.skipped_steps,
+                )
             self.zero_grad()
             return loss
         with critical_section():
-            self.mode.step(batch_size)
+            try:
+                self.mode.step(batch_size)
+            except NonFiniteStateError as e:  # a round or checkpoint found the state bad
+                self._recover(str(e))
+        self.tracker.report_health(checkpoint_failures=self.mode.state.failing_checkpoints)
         return loss
+
+    def _note_loss(self, loss: Any) -> None:
+        value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        if not math.isfinite(value):
+            self.tracker.report_health(finite=False)
+            return
+        self.loss = value if self.loss is None else LOSS_EMA * self.loss + (1 - LOSS_EMA) * value
+        self.tracker.report_health(loss=self.loss, finite=True)
+
+    def _recover(self, why: str) -> None:
+        """Replace a non-finite state by a good one (see :meth:`step`)."""
+        with critical_section():
+            self.mode.recover(why)
+        self.loss = None  # the losses so far belong to the state that went bad
+        self.tracker.report_health(finite=True)
 
     def _gradients_finite(self) -> bool:
         """One host sync per step (a per-parameter ``bool()`` would stall a GPU once each)."""

@@ -52,6 +52,8 @@ MAX_SAMPLES = 2**53
 MAX_SAMPLES_PER_SECOND = 1e12
 MAX_RECORDS = 4096  # records read per key (what one DHT node stores per key, too)
 MAX_IGNORED_REASONS = 64  # cap on GlobalProgress.ignored (a flood of junk subkeys stays small)
+MAX_LOSS = 1e12  # a published loss is clamped to +-this (a number, not a verdict)
+MAX_CHECKPOINT_FAILURES = 2**31
 EWMA_DECAY = 0.9  # per report: weight kept by the older samples/seconds sums
 
 
@@ -78,13 +80,31 @@ def peer_of_subkey(subkey: Any) -> str | None:
 
 @dataclass(frozen=True)
 class PeerProgress:
-    """One peer's record as published (after validation; clamping shows in ``ignored``)."""
+    """One peer's record as published (after validation; clamping shows in ``ignored``).
+
+    The health fields are optional on the wire (older peers do not send them): ``loss`` is
+    the peer's recent training loss (clamped to +-``MAX_LOSS``), ``finite`` is False when its
+    loss or state went NaN/Inf, ``checkpoint_failures`` counts its background checkpoints
+    that failed in a row (a full or read-only disk).
+    """
 
     peer_id: str
     epoch: int
     samples: int
     samples_per_second: float
     time: float
+    loss: float | None = None
+    finite: bool = True
+    checkpoint_failures: int = 0
+
+    @property
+    def problem(self) -> str | None:
+        """Why this peer is unhealthy, in a few words; None when it looks fine."""
+        if not self.finite:
+            return "its loss or state is NaN/Inf"
+        if self.checkpoint_failures:
+            return f"its last {self.checkpoint_failures} checkpoint(s) failed"
+        return None
 
 
 @dataclass(frozen=True)
@@ -150,7 +170,22 @@ def parse_progress_record(
             None,
             f"expires {expiration_time - now:.0f}s from now (more than {max_lifetime:.0f}s)",
         )
-    return PeerProgress(peer_id, int(epoch), int(samples), float(sps), float(when)), None
+    loss, finite, failures = value.get("loss"), value.get("ok", True), value.get("ckf", 0)
+    if loss is not None:
+        if not _is_number(loss):
+            return None, f"loss {loss!r} is not a number"
+        if not math.isfinite(loss):
+            loss, finite = None, False  # a NaN loss is a health report, not malformed
+        else:
+            loss = max(-MAX_LOSS, min(MAX_LOSS, float(loss)))
+    if not isinstance(finite, bool):
+        return None, f"ok {finite!r} is not a bool"
+    if not _is_int(failures, 0, MAX_CHECKPOINT_FAILURES):
+        return None, f"ckf {failures!r} is not an integer in [0, 2**31)"
+    record = PeerProgress(
+        peer_id, int(epoch), int(samples), float(sps), float(when), loss, finite, failures
+    )
+    return record, None
 
 
 def parse_progress_records(
@@ -396,6 +431,10 @@ class ProgressTracker:
         self._withdrawn = False
         self._epoch_started_at: dict[int, float] = {}
         self._global = GlobalProgress(0, 0, target_batch_size, 0, 0.0, None, [], {}, 0.0)
+        # health, published with the next record (a change of it alone does not force one)
+        self._loss: float | None = None
+        self._finite = True
+        self._checkpoint_failures = 0
 
         self._token: trio.lowlevel.TrioToken | None = None
         self._wakeup: trio.Event | None = None
@@ -444,6 +483,30 @@ class ProgressTracker:
         if changed:
             self._wake()
 
+    def report_health(
+        self,
+        *,
+        loss: float | None = None,
+        finite: bool | None = None,
+        checkpoint_failures: int | None = None,
+    ) -> None:
+        """Record this peer's recent loss, whether its state is finite, and how many of its
+        checkpoints failed in a row; they travel with the next published record. A change of
+        ``finite`` or of the failure count publishes soon, a new loss only with the next
+        record (every ``min_refresh_period`` while training)."""
+        with self._lock:
+            urgent = False
+            if loss is not None:
+                self._loss = float(loss)
+            if finite is not None and finite != self._finite:
+                self._finite, urgent = bool(finite), True
+            if checkpoint_failures is not None and checkpoint_failures != self._checkpoint_failures:
+                self._checkpoint_failures, urgent = int(checkpoint_failures), True
+            if urgent:
+                self._version += 1
+        if urgent:
+            self._wake()
+
     @property
     def samples_per_second(self) -> float:
         with self._lock:
@@ -455,8 +518,17 @@ class ProgressTracker:
         with self._lock:
             if self._epoch is None or self._withdrawn:
                 return None
+            loss = self._loss
+            finite = self._finite and (loss is None or math.isfinite(loss))
             return PeerProgress(
-                str(self.peer_id), self._epoch, self._samples, sps, self._report_time
+                str(self.peer_id),
+                self._epoch,
+                self._samples,
+                sps,
+                self._report_time,
+                loss if loss is not None and math.isfinite(loss) else None,
+                finite,
+                self._checkpoint_failures,
             )
 
     @property
@@ -631,12 +703,17 @@ class ProgressTracker:
             if mine is None:
                 return
             now = get_dht_time()
-            value = {
+            value: dict[str, Any] = {
                 "epoch": mine.epoch,
                 "samples": mine.samples,
                 "sps": mine.samples_per_second,
                 "time": mine.time,
+                "ok": mine.finite,
             }
+            if mine.loss is not None:
+                value["loss"] = max(-MAX_LOSS, min(MAX_LOSS, mine.loss))
+            if mine.checkpoint_failures:
+                value["ckf"] = min(mine.checkpoint_failures, MAX_CHECKPOINT_FAILURES - 1)
             expiration = max(now + self.ttl, self._last_expiration + 1e-3)
             self._last_expiration = expiration
             node = self._get_node()

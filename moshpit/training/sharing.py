@@ -8,7 +8,8 @@ every ``announce_ttl / 3`` seconds.
 
 A **joiner** reads those records, picks the newest epoch (the root announced by the most
 donors breaks ties), fetches the manifest from a donor and accepts it only if its SHA-256 is
-the signed root; then it fetches chunks in parallel from every peer that holds them, a bounded
+the signed root (and, once every chunk is in, only if no tensor holds NaN or Inf: otherwise
+every peer announcing that root is banned and the next newest state is fetched); then it fetches chunks in parallel from every peer that holds them, a bounded
 number of requests in flight per peer. Every chunk is checked against its digest; a peer that
 sends a bad chunk is banned for ``ban_seconds`` and the chunk is fetched elsewhere; a peer that
 fails (died, timed out) has its chunks re-queued. Verified chunks go to ``sink`` (the joiner's
@@ -34,6 +35,7 @@ Everything that arrives is validated: records, responses and requests are untrus
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -52,6 +54,7 @@ from moshpit.training.errors import (
     NoDonorError,
     StateDownloadError,
 )
+from moshpit.training.health import first_non_finite
 from moshpit.training.manifest import DIGEST_BYTES, Manifest, tensor_from_chunks
 
 __all__ = [
@@ -102,6 +105,7 @@ class DownloadResult:
     misbehaving: dict[Any, str]  # peer -> what it did (bad chunk, bad manifest, ...)
     chunks_from_sink: int = 0  # chunks the sink already held (a restarted joiner)
     bytes_by_peer: dict[Any, int] = field(default_factory=dict)
+    donors_announcing: list[Any] = field(default_factory=list)  # every holder of this root
 
 
 @dataclass
@@ -851,6 +855,29 @@ class StateSharing:
         sink: Any,
         misbehaving: dict[Any, str],
     ) -> DownloadResult:
+        """Download the newest state; one that holds NaN/Inf is refused (its donors banned:
+        every donor of a root serves the same bytes) and the next newest is tried."""
+        while True:
+            result = await self._download_newest(local_schema, deadline, sink, misbehaving)
+            names = [spec.name for spec in result.manifest.tensors]
+            named = list(zip(names, result.tensors, strict=True))
+            bad = await self._offload(
+                functools.partial(first_non_finite, named), nbytes=result.manifest.total_bytes
+            )
+            if bad is None:
+                return result
+            for peer in result.donors_announcing:
+                self._ban(
+                    peer, f"served a state whose tensor {bad!r} holds NaN or Inf", misbehaving
+                )
+
+    async def _download_newest(
+        self,
+        local_schema: Sequence[tuple[str, str, tuple[int, ...]]],
+        deadline: float,
+        sink: Any,
+        misbehaving: dict[Any, str],
+    ) -> DownloadResult:
         records = await self._wait_for_records(deadline)
         manifest, state = await self._fetch_manifest(records, misbehaving)
         manifest.check_fits(local_schema)  # StateMismatchError before any chunk is fetched
@@ -885,7 +912,15 @@ class StateSharing:
             self._retract_partial = self._retract_partial or announced
             self._wake.set()
         used = sorted(p for p, n in dl.bytes_by_peer.items() if n)
-        return DownloadResult(manifest, tensors, used, misbehaving, from_sink, dl.bytes_by_peer)
+        return DownloadResult(
+            manifest,
+            tensors,
+            used,
+            misbehaving,
+            from_sink,
+            dl.bytes_by_peer,
+            [*state.donors, *state.partial],
+        )
 
     async def _wait_for_records(self, deadline: float) -> list[_Record]:
         """Poll the DHT until some peer announces a complete state (NoDonorError at deadline)."""

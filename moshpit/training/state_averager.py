@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import shutil
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -27,8 +29,17 @@ from typing import Any
 
 import torch
 
+from dht._logging import RateLimitedLogger
 from moshpit.averaging.averager import Averager, StepResult
-from moshpit.training.errors import NoDonorError, StateDownloadError
+from moshpit.training.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    NoCheckpointError,
+    NoDonorError,
+    StateDownloadError,
+    StateError,
+)
+from moshpit.training.health import NonFiniteStateError, first_non_finite
 from moshpit.training.manifest import Manifest, dtype_name
 from moshpit.training.preemption import critical_section
 
@@ -38,6 +49,9 @@ __all__ = ["AveragingRound", "TrainingStateAverager", "correct_after_round"]
 
 # param_groups entries that are plain numbers/strings/bools travel in the state's metadata
 _SCALAR_TYPES = (int, float, str, bool, type(None))
+# a state that keeps going non-finite although it was reloaded each time is not a glitch
+MAX_RECOVERIES = 5
+RECOVERY_WINDOW = 300.0  # seconds
 
 
 class AveragingRound:
@@ -149,6 +163,16 @@ class TrainingStateAverager:
         self._last_checkpoint_epoch = 0
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moshpit-ckpt")
         self._writing: concurrent.futures.Future | None = None
+        # background checkpoints that failed (disk full, read-only, non-finite state): counted,
+        # logged at once (one line per reason and minute), shown by `moshpit status`
+        self.checkpoint_failures = 0
+        self.failing_checkpoints = 0  # failures since the last checkpoint that succeeded
+        self.last_checkpoint_error: str | None = None
+        self.newest_checkpoint_epoch: int | None = None  # of the newest good checkpoint
+        self._failure_lock = threading.Lock()
+        self._failure_log = RateLimitedLogger(logger, 60.0)
+        self.recoveries = 0  # times a non-finite state was replaced by a good one
+        self._recovered_at: list[float] = []
         self._store = None
         self._sharing = None
         self._sharing_service: concurrent.futures.Future | None = None
@@ -292,6 +316,12 @@ class TrainingStateAverager:
             for buffer, tensor in zip(self._buffers, live, strict=True):
                 buffer.copy_(tensor, non_blocking=tensor.is_cuda)
             _sync_devices(live)
+            bad = first_non_finite(zip(self._averaged, self._buffers, strict=True))
+            if bad is not None:
+                raise NonFiniteStateError(
+                    f"tensor {bad!r} of the local state holds NaN or Inf: not averaging it "
+                    "(recover() reloads a good state)"
+                )
             for snapshot, buffer in zip(self._snapshot, self._buffers, strict=True):
                 snapshot.copy_(buffer)
 
@@ -377,21 +407,37 @@ class TrainingStateAverager:
         self._check_open()
         if self._store is None:
             raise ValueError("no checkpoint_dir was given")
-        from moshpit.training.store import load_state
+        from moshpit.training.store import load_newest_intact
 
-        manifest, tensors = load_state(self._store)
+        restored = load_newest_intact(self._store, accept=_refuse_non_finite)
+        manifest = restored.manifest
         manifest.check_fits(self.schema())
-        epoch = self._adopt(manifest, tensors)
+        epoch = self._adopt(manifest, restored.tensors)
+        self.newest_checkpoint_epoch = epoch
         self._publish(manifest)
-        logger.info("restored the checkpoint of epoch %d from %s", epoch, self._store.directory)
+        if restored.passed_over:
+            logger.warning(
+                "restored the older checkpoint of epoch %d from %s instead of newer ones: %s "
+                "(damaged files, if any, were moved to %s)",
+                epoch,
+                self._store.directory,
+                "; ".join(restored.passed_over),
+                self._store.damaged_dir,
+            )
+        else:
+            logger.info("restored the checkpoint of epoch %d from %s", epoch, self._store.directory)
         return epoch
 
     def _restore_if_present(self) -> None:
-        from moshpit.training.errors import NoCheckpointError
-
         try:
             self.load_checkpoint()
         except NoCheckpointError:
+            return
+        except CheckpointFormatError:
+            raise  # a newer moshpit wrote it: upgrading is the fix, not starting over
+        except CheckpointError as e:  # nothing on disk is usable: the swarm's state is next
+            logger.warning("%s; loading the swarm's state instead", e)
+            self._synchronized = False
             return
         self._synchronized = not self.sync_on_start  # still catch up if the swarm is ahead
 
@@ -432,15 +478,80 @@ class TrainingStateAverager:
         if again or not self._synchronized:
             self._synchronize()
 
-    def _synchronize(self) -> None:
-        """Before the first round: catch up with the swarm if it is ahead of us."""
+    def state_is_finite(self) -> bool:
+        """True unless a floating-point tensor of the state holds NaN or Inf (one pass)."""
+        return first_non_finite(self._named_state()) is None
+
+    def recover(self, why: str) -> int:
+        """Replace a state that went non-finite by a good one; returns the epoch loaded.
+
+        The good state is the swarm's newest (from other peers: a joiner-style, verified
+        download) or this peer's newest intact, finite checkpoint, whichever is newer, the
+        other one if that fails. Logs one WARNING naming the cause and what was loaded.
+        Raises :class:`NonFiniteStateError` when there is nothing good to load, or when the
+        state keeps going bad (``MAX_RECOVERIES`` times in ``RECOVERY_WINDOW`` s): reloading
+        then only hides a learning rate or data problem.
+        """
+        self._check_open()
+        now = time.monotonic()
+        self._recovered_at = [t for t in self._recovered_at if now - t < RECOVERY_WINDOW]
+        if len(self._recovered_at) >= MAX_RECOVERIES:
+            raise NonFiniteStateError(
+                f"the state went non-finite {len(self._recovered_at) + 1} times in "
+                f"{RECOVERY_WINDOW:.0f} s although a good state was reloaded each time "
+                f"({why}): lower the learning rate, or check the data and the loss"
+            )
+        sources = [self._recover_from_swarm, self._recover_from_checkpoint]
+        if self._store is not None and self.newest_checkpoint_epoch is not None:
+            try:
+                swarm_epoch = max((s.epoch for s in self._find_states()), default=-1)
+            except Exception:  # noqa: BLE001 - no lookup: try our checkpoint first
+                swarm_epoch = -1
+            if swarm_epoch < self.newest_checkpoint_epoch:
+                sources.reverse()
+        problems = []
+        for source in sources:
+            try:
+                loaded = source()
+            except (StateError, TimeoutError) as e:
+                problems.append(str(e))
+                continue
+            if loaded is None:
+                continue
+            self._recovered_at.append(now)
+            self.recoveries += 1
+            logger.warning(
+                "the state went non-finite (%s): reloaded %s; training goes on", why, loaded
+            )
+            return self.epoch
+        raise NonFiniteStateError(
+            f"the state went non-finite ({why}) and no good state could be reloaded ("
+            + ("; ".join(problems) or "no donor serves one and no checkpoint_dir was given")
+            + "): lower the learning rate, or check the data and the loss"
+        )
+
+    def _recover_from_swarm(self) -> str:
+        epoch = self.load_state_from_peers(timeout=self.join_timeout)
+        return f"the swarm's state of epoch {epoch}"
+
+    def _recover_from_checkpoint(self) -> str | None:
+        if self._store is None:
+            return None
+        epoch = self.load_checkpoint()
+        return f"this peer's checkpoint of epoch {epoch}"
+
+    def _find_states(self) -> list[Any]:
         sharing = self._sharing
 
         async def newest(_dht: Any, _node: Any) -> Any:
             return await sharing.find_states()
 
+        return self.dht.run_coroutine(newest)
+
+    def _synchronize(self) -> None:
+        """Before the first round: catch up with the swarm if it is ahead of us."""
         try:
-            states = self.dht.run_coroutine(newest)
+            states = self._find_states()
         except Exception as e:  # noqa: BLE001 - a failed lookup just means "nobody known"
             logger.info("could not look for donors (%s); starting from the local state", e)
             states = []
@@ -474,17 +585,45 @@ class TrainingStateAverager:
         self._last_checkpoint_epoch = epoch
         if wait:
             future.result()
+        else:  # nobody waits for it: a failure must still be seen
+            future.add_done_callback(self._checkpoint_done)
         return future
 
     def _write_checkpoint(
         self, named: list[tuple[str, torch.Tensor]], epoch: int, metadata: dict[str, Any]
     ) -> Manifest:
+        """Runs in the writer thread. A non-finite state is never written over a good one."""
         from moshpit.training.store import save_state
 
+        bad = first_non_finite(named)
+        if bad is not None:
+            raise NonFiniteStateError(
+                f"not writing the checkpoint of epoch {epoch}: tensor {bad!r} holds NaN or Inf "
+                "(the last good checkpoint stays)"
+            )
         manifest = save_state(self._store, named, epoch, metadata)
+        self.newest_checkpoint_epoch = epoch
+        self.failing_checkpoints = 0
         self._publish(manifest)
         logger.info("checkpoint of epoch %d written (%d bytes)", epoch, manifest.total_bytes)
         return manifest
+
+    def _checkpoint_done(self, future: concurrent.futures.Future) -> None:
+        """A background checkpoint ended: count and log a failure at once (rate-limited)."""
+        if future.cancelled() or future.exception() is None:
+            return
+        error = future.exception()
+        with self._failure_lock:
+            self._failure_log.warning(
+                type(error).__name__,
+                "background checkpoint failed (%d so far; %s): %s",
+                self.checkpoint_failures + 1,
+                _free_space(self._store.directory if self._store is not None else None),
+                error,
+            )
+            self.last_checkpoint_error = str(error)
+            self.failing_checkpoints += 1
+            self.checkpoint_failures += 1  # last: readers see the count once it was logged
 
     def maybe_checkpoint(self) -> None:
         """Write a checkpoint in the background if one is due (``checkpoint_every_*``)."""
@@ -561,12 +700,27 @@ class TrainingStateAverager:
         if self._pending is not None:
             self._pending.future.cancel()
             self._pending = None
+        failed: CheckpointError | None = None
         if self._store is not None:
-            self.save_checkpoint(wait=True)
+            try:
+                self.save_checkpoint(wait=True)
+            except NonFiniteStateError as e:  # not a failure: the good checkpoint stays
+                logger.warning("%s", e)
+            except (CheckpointError, OSError) as e:
+                failed = CheckpointError(
+                    f"could not write the last checkpoint into {self._store.directory} ({e}); "
+                    + (
+                        f"the newest one on disk is of epoch {self.newest_checkpoint_epoch}"
+                        if self.newest_checkpoint_epoch is not None
+                        else "no checkpoint of this run is on disk"
+                    )
+                )
         remaining = deadline - (time.monotonic() - started)
         self.withdraw(timeout=max(0.5, min(5.0, remaining / 2)))
         self.shutdown()
         logger.info("left the swarm in %.2f s at epoch %d", time.monotonic() - started, self.epoch)
+        if failed is not None:
+            raise failed
 
     def _check_open(self) -> None:
         if self._closed:
@@ -621,6 +775,23 @@ def correct_after_round(
     scaled = (live / snapshot).mul_(averaged)
     shifted = (live + averaged).sub_(snapshot)
     return live.copy_(torch.where(decayed, scaled, shifted))
+
+
+def _refuse_non_finite(manifest: Manifest, tensors: Sequence[torch.Tensor]) -> str | None:
+    """A checkpoint holding NaN/Inf is passed over on restore (an older one may be good)."""
+    bad = first_non_finite(
+        (spec.name, t) for spec, t in zip(manifest.tensors, tensors, strict=True)
+    )
+    return None if bad is None else f"tensor {bad!r} holds NaN or Inf"
+
+
+def _free_space(directory: Path | None) -> str:
+    if directory is None:
+        return "no checkpoint directory"
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free in {directory}"
+    except OSError as e:
+        return f"free space unknown ({e.strerror})"
 
 
 def _nonnegative(snapshot: torch.Tensor, live: torch.Tensor) -> bool:

@@ -38,6 +38,7 @@ import secrets
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,12 +73,20 @@ from moshpit.training.manifest import (
     tensor_bytes,
 )
 
-__all__ = ["STORE_FORMAT_VERSION", "StateStore", "load_state", "save_state"]
+__all__ = [
+    "STORE_FORMAT_VERSION",
+    "RestoredState",
+    "StateStore",
+    "load_newest_intact",
+    "load_state",
+    "save_state",
+]
 
 logger = logging.getLogger(__name__)
 
 STORE_FORMAT_VERSION = 1
 LATEST_MAGIC = "moshpit-checkpoint"
+DAMAGED_DIR = "damaged"  # damaged files are moved here for inspection, never deleted
 MAX_LATEST_BYTES = 64 << 10
 TMP_PREFIX = ".tmp-"
 # Work is cut into batches of about this many bytes (and at most this many files), so that many
@@ -443,7 +452,7 @@ class StateStore:
 
     def read_chunk(self, digest: bytes) -> bytes | None:
         """A chunk's bytes, or None if absent. A chunk whose bytes do not match its digest is
-        deleted, or forgotten if it is in a pack (and None returned): the network path must
+        moved aside, or forgotten if it is in a pack (and None returned): the network path must
         never serve corrupt bytes."""
         _check_digest(digest)
         path = self._chunk_path(digest)
@@ -462,9 +471,10 @@ class StateStore:
             if data is not None and hashlib.sha256(data).digest() == digest:
                 return data
             logger.warning(
-                "chunk %s in %s does not match its digest (damaged disk?): deleted",
+                "chunk %s in %s does not match its digest (damaged disk?): moved to %s",
                 digest.hex()[:16],
                 self.directory,
+                DAMAGED_DIR,
             )
             self._discard_corrupt(path, inode)
         self._refresh_packs()
@@ -516,12 +526,33 @@ class StateStore:
         return problem
 
     def _discard_corrupt(self, path: str, inode: int) -> None:
-        """Delete a corrupt chunk file unless a good copy was renamed over it meanwhile."""
+        """Move a corrupt chunk file aside unless a good copy was renamed over it meanwhile."""
         try:
             if os.stat(path).st_ino == inode:
-                os.unlink(path)
+                self._set_aside(path, f"chunk-{os.path.basename(path)}")
         except FileNotFoundError:
             pass
+
+    @property
+    def damaged_dir(self) -> pathlib.Path:
+        """Where damaged files go (kept for inspection; delete them by hand when done)."""
+        return self.directory / DAMAGED_DIR
+
+    def _set_aside(self, path: str | os.PathLike, label: str) -> None:
+        """Move a damaged file out of the checkpoint's way into :attr:`damaged_dir` (a rename:
+        nothing is copied, and a damaged file is never deleted without a trace)."""
+        target = (
+            self.damaged_dir / f"{label}.{time.strftime('%Y%m%dT%H%M%S')}.{secrets.token_hex(3)}"
+        )
+        try:
+            self.damaged_dir.mkdir(exist_ok=True)
+            os.replace(path, target)
+        except FileNotFoundError:
+            return
+        except OSError as e:  # a read-only or full disk: leave it where it is
+            logger.warning("could not move damaged %s aside: %s", path, e)
+            return
+        logger.debug("moved damaged %s to %s", path, target)
 
     def put_chunk(self, digest: bytes, data: bytes | bytearray | memoryview) -> None:
         """Store one chunk (a downloader's path): verified, atomic, no-op if already present.
@@ -750,7 +781,9 @@ class StateStore:
         self._shared.flushed_once = True
 
     def _history_for_write(self) -> list[bytes]:
-        """The committed roots, or [] when LATEST is absent or unreadable (then we start over).
+        """The committed roots; when LATEST is absent or damaged, the intact manifests found
+        in manifests/ (newest epoch first), so that a commit after a damaged LATEST does not
+        garbage-collect the older states that still verify. A damaged LATEST is moved aside.
 
         A LATEST of a newer store format is never overwritten: that moshpit's checkpoints
         would become unreadable to it.
@@ -758,10 +791,36 @@ class StateStore:
         try:
             return self._read_latest()
         except NoCheckpointError:
-            return []
+            return self._intact_manifests()[: self.keep]
         except CheckpointCorruptError as e:
-            logger.warning("%s; the next commit replaces it", e)
+            logger.warning("%s; the next commit replaces it (the damaged copy is kept)", e)
+            self._set_aside(self._latest, "LATEST")
+            return self._intact_manifests()[: self.keep]
+
+    def _intact_manifests(self, exclude: Iterable[bytes] = ()) -> list[bytes]:
+        """Roots of the manifests in manifests/ that verify, newest epoch first (then newest
+        file): what LATEST would name, for a directory whose LATEST is gone or damaged."""
+        skip = set(exclude)
+        found: list[tuple[int, int, bytes]] = []
+        try:
+            entries = list(os.scandir(self._manifests))
+        except OSError:
             return []
+        for entry in entries:
+            try:
+                root = bytes.fromhex(entry.name)
+            except ValueError:
+                continue  # tmp files, not ours
+            if len(root) != DIGEST_BYTES or root in skip:
+                continue
+            try:
+                manifest = self.load_manifest(root)
+                mtime = entry.stat().st_mtime_ns
+            except (CheckpointError, OSError):
+                continue
+            found.append((manifest.epoch, mtime, root))
+        found.sort(reverse=True)
+        return [root for _, _, root in found]
 
     def _collect_garbage(self, history: list[bytes], known: dict[bytes, Manifest]) -> None:
         """Delete manifests not in ``history``, chunks none of them reference (unless pending),
@@ -783,7 +842,10 @@ class StateStore:
             if entry.name.startswith(TMP_PREFIX):
                 removed_other += self._remove_if_stale_tmp(entry.path)
             elif entry.name not in keep_names:
-                os.unlink(entry.path)
+                if self._manifest_intact(entry.path, entry.name):
+                    os.unlink(entry.path)
+                else:
+                    self._set_aside(entry.path, f"manifest-{entry.name}")
                 removed_other += 1
         for entry in os.scandir(self.directory):
             if entry.name.startswith(TMP_PREFIX):
@@ -818,6 +880,16 @@ class StateStore:
                 removed_other,
                 self.directory,
             )
+
+    @staticmethod
+    def _manifest_intact(path: str, name: str) -> bool:
+        """Do the file's bytes hash to its name (an unreadable file counts as damaged)?"""
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_MANIFEST_BYTES + 1)
+        except OSError:
+            return False
+        return hashlib.sha256(data).hexdigest() == name
 
     def _collect_packs(self, live: set[bytes]) -> int:
         """Delete packs without a live chunk; copy the live chunks of packs that are less than
@@ -859,7 +931,13 @@ class StateStore:
                 if self.durable:
                     _fsync_dir(self._packs)
             dead += sparse
+        with self._shared.lock:
+            damaged = {name for name, _ in self._shared.bad}
         for name in dead:
+            if name in damaged:  # holds a chunk that failed verification: keep it aside
+                self._set_aside(self._packs / name, f"pack-{name}")
+                removed += 1
+                continue
             try:
                 os.unlink(self._packs / name)
                 removed += 1
@@ -933,7 +1011,7 @@ class StateStore:
 
         Chunks are read straight into one preallocated buffer per tensor. A missing or corrupt
         chunk raises :class:`CheckpointCorruptError` naming the tensor (a corrupt chunk is
-        deleted or forgotten, so that :meth:`missing_chunks` reports it and a download can
+        moved aside or forgotten, so that :meth:`missing_chunks` reports it and a download can
         replace it).
         """
         self._refresh_packs()
@@ -979,7 +1057,7 @@ class StateStore:
 
     def _read_verified(self, ref: ChunkRef, target: memoryview, fds: dict[str, int]) -> str | None:
         """Read one chunk into ``target`` from its file or its pack; returns what is wrong
-        with it, or None. A corrupt chunk file is deleted (a packed copy may still serve)."""
+        with it, or None. A corrupt chunk file is moved aside (a packed copy may still serve)."""
         path = self._chunk_path(ref.digest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -1011,10 +1089,14 @@ class StateStore:
             finally:
                 os.close(fd)
             logger.warning(
-                "chunk %s in %s: %s; deleted", ref.digest.hex()[:16], self.directory, problem
+                "chunk %s in %s: %s; moved to %s",
+                ref.digest.hex()[:16],
+                self.directory,
+                problem,
+                DAMAGED_DIR,
             )
             self._discard_corrupt(path, st.st_ino)
-            problem += " (deleted)"
+            problem += f" (moved to {DAMAGED_DIR}/)"
         location = self._packed(ref.digest)
         if location is None:
             return problem
@@ -1173,6 +1255,69 @@ def _chunk_sizes(nbytes: int, chunk_bytes: int) -> list[int]:
 
 
 def load_state(store: StateStore) -> tuple[Manifest, list[torch.Tensor]]:
-    """The newest committed state of ``store``: its manifest and verified tensors."""
+    """The newest committed state of ``store``: its manifest and verified tensors (strict:
+    a damaged newest state raises; :func:`load_newest_intact` walks back instead)."""
     manifest = store.latest()
     return manifest, store.load_tensors(manifest)
+
+
+@dataclass
+class RestoredState:
+    """What :func:`load_newest_intact` loaded, and what it had to pass over to get there."""
+
+    manifest: Manifest
+    tensors: list[torch.Tensor]
+    passed_over: list[str]  # one line per damaged or refused state that is newer
+
+
+def load_newest_intact(
+    store: StateStore,
+    accept: Callable[[Manifest, list[torch.Tensor]], str | None] | None = None,
+) -> RestoredState:
+    """The newest state of ``store`` that verifies (and that ``accept`` does not refuse: it
+    returns a reason to pass a state over, or None).
+
+    Tries the roots LATEST names, newest first, then any other intact manifest in
+    manifests/ (a damaged or missing LATEST still leaves them). Damaged files met on the way
+    are moved to ``damaged/``. Raises :class:`NoCheckpointError` when the directory holds no
+    state at all, :class:`CheckpointFormatError` when every state is of a newer format, and
+    :class:`CheckpointCorruptError` listing every problem when none could be used.
+    """
+    problems: list[str] = []
+    try:
+        roots = store._read_latest()
+    except NoCheckpointError:
+        roots = []
+    except CheckpointCorruptError as e:
+        roots = []
+        problems.append(str(e))
+    roots = roots + store._intact_manifests(exclude=roots)
+    if not roots and not problems:
+        raise NoCheckpointError(f"no checkpoint in {store.directory} yet")
+    format_errors: list[CheckpointFormatError] = []
+    for root in roots:
+        try:
+            manifest = store.load_manifest(root)
+            tensors = store.load_tensors(manifest)
+        except CheckpointFormatError as e:
+            format_errors.append(e)
+            problems.append(str(e))
+            continue
+        except NoCheckpointError:
+            problems.append(f"state {root.hex()[:16]} named by LATEST has no manifest")
+            continue
+        except CheckpointCorruptError as e:
+            problems.append(str(e))
+            continue
+        refused = accept(manifest, tensors) if accept is not None else None
+        if refused is not None:
+            problems.append(f"the checkpoint of epoch {manifest.epoch}: {refused}")
+            continue
+        return RestoredState(manifest, tensors, problems)
+    if format_errors and len(format_errors) == len(roots):
+        raise format_errors[0]
+    raise CheckpointCorruptError(
+        f"no usable checkpoint in {store.directory}: " + "; ".join(problems)
+        if problems
+        else f"no usable checkpoint in {store.directory}"
+    )

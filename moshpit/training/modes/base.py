@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from moshpit.training.health import first_non_finite
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,6 +36,15 @@ class TrainingMode:
 
     def on_state_loaded(self) -> None:
         """After the state was replaced by a checkpoint or a donor's (reset local buffers)."""
+
+    def non_finite_state(self) -> str | None:
+        """The name of a state tensor holding NaN/Inf (None: all finite)."""
+        return first_non_finite(self.state._named_state())
+
+    def recover(self, why: str) -> None:
+        """Reload a good state after this peer's went non-finite (see TrainingStateAverager)."""
+        self.state.recover(why)
+        self.on_state_loaded()
 
     def step(self, batch_size: int) -> None:
         raise NotImplementedError

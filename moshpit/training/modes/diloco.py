@@ -56,6 +56,7 @@ from compression import (
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.averager import Averager, StepResult
 from moshpit.training.errors import NoDonorError, StateDownloadError
+from moshpit.training.health import first_non_finite
 from moshpit.training.modes.base import TrainingMode, params_of
 
 logger = logging.getLogger(__name__)
@@ -226,6 +227,39 @@ class DiLoCoMode(TrainingMode):
         if self.gravac is not None:
             self.gravac.reset()
         self.report_progress(0)
+
+    def _inner_state(self) -> list[tuple[str, torch.Tensor]]:
+        """The local model's parameters and the inner optimizer's tensors (not shared)."""
+        named = [(f"model.{i}", p) for i, p in enumerate(self.params)]
+        for i, p in enumerate(self.params):
+            for key, value in self.opt.inner.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    named.append((f"inner.{i}.{key}", value))
+        return named
+
+    def non_finite_state(self) -> str | None:
+        return first_non_finite([*self.state._named_state(), *self._inner_state()])
+
+    def recover(self, why: str) -> None:
+        """θ and the outer momentum went bad: reload them like a joiner. Only the inner loop
+        went bad: restart it from θ. Either way a parameter whose inner optimizer state holds
+        NaN/Inf gets a fresh one (it is local: nobody serves it)."""
+        if first_non_finite(self.state._named_state()) is not None:
+            self.state.recover(why)
+        else:
+            logger.warning(
+                "the inner model went non-finite (%s): restarted the inner loop from θ of "
+                "outer epoch %d",
+                why,
+                self.state.epoch,
+            )
+        for p in self.params:
+            state = self.opt.inner.state.get(p)
+            if state and first_non_finite(
+                (k, v) for k, v in state.items() if isinstance(v, torch.Tensor)
+            ):
+                state.clear()  # the optimizer initialises it again at its next step
+        self.on_state_loaded()
 
     def _model_from_theta(self) -> None:
         with torch.no_grad():
