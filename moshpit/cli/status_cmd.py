@@ -6,8 +6,9 @@ records (``{prefix}.state``, see ``moshpit/training/sharing.py``), aggregates th
 rule every peer uses, and prints a table plus a one-line health verdict (``--json``: one JSON
 object instead).
 
-Exit status: 0 when the run is healthy, 1 when it is not (no peers, stalled, no donor serves
-the current epoch) or the DHT could not be reached, 2 for a usage error (e.g. a bad address).
+Exit status: 0 when the run is healthy, 1 when it is not (no peers, stalled, a peer reports a
+NaN loss or state or failing checkpoints, no donor serves the current state) or the DHT could
+not be reached, 2 for a usage error (e.g. a bad address).
 """
 
 from __future__ import annotations
@@ -184,27 +185,48 @@ async def collect(
 
 
 def health_verdict(snapshot: Snapshot, stall_after: float) -> tuple[bool, str]:
-    """(healthy, one line for the operator)."""
+    """(healthy, one line for the operator).
+
+    Unhealthy: no peers, no progress for ``stall_after`` s, a peer that reports a NaN/Inf
+    loss or state or failing checkpoints, or no donor a joiner could load from. A donor
+    counts when it serves the current epoch, a later one, or the one before: a peer
+    checkpoints after it stepped, so the newest donor record trails the epoch by one for a
+    moment after every step (counting only the current epoch made the verdict flap).
+    """
     view = snapshot.progress
     if not view.peers:
         return False, f"no peers report progress under prefix {snapshot.prefix!r}"
     quiet = snapshot.now - max(p.time for p in view.peers)
     if quiet > stall_after:
         return False, f"stalled: no progress for {quiet:.0f} s ({len(view.peers)} peers listed)"
-    at_epoch = sum(1 for p in view.peers if p.epoch == view.epoch)
-    serving = [d for d in snapshot.donors if d.complete and d.epoch == view.epoch]
-    if not serving:
-        complete = [d.epoch for d in snapshot.donors if d.complete]
-        newest = f" (newest donor epoch: {max(complete)})" if complete else " (no donors at all)"
-        return False, (
-            f"no donor serves the current epoch {view.epoch}: joiners cannot load state{newest}"
+    problems = []
+    sick = [p for p in view.peers if p.problem is not None]
+    if sick:
+        problems.append(
+            f"{len(sick)} unhealthy peer(s): "
+            + ", ".join(f"{_short(p.peer_id)} ({p.problem})" for p in sick[:4])
+            + (", ..." if len(sick) > 4 else "")
         )
+    complete = [d.epoch for d in snapshot.donors if d.complete]
+    serving = [e for e in complete if e >= view.epoch - 1]
+    if not serving:
+        newest = f"newest donor epoch: {max(complete)}" if complete else "no donors at all"
+        problems.append(
+            f"no donor serves epoch {view.epoch} (or {view.epoch - 1}): joiners cannot load "
+            f"the current state ({newest})"
+        )
+    if problems:
+        return False, "unhealthy: " + "; ".join(problems)
+    at_epoch = sum(1 for p in view.peers if p.epoch == view.epoch)
     behind = sum(1 for p in view.peers if p.epoch < view.epoch)
     ahead = len(view.peers) - at_epoch - behind  # at most one honest-looking peer, or liars
     tail = (f", {behind} behind" if behind else "") + (f", {ahead} ahead" if ahead else "")
+    losses = sorted(p.loss for p in view.peers if p.loss is not None)
+    loss = f", median loss {losses[len(losses) // 2]:.4g}" if losses else ""
     return True, (
-        f"healthy: {at_epoch} peers at epoch {view.epoch}{tail}, "
-        f"{len(serving)} donors serve epoch {view.epoch}"
+        f"healthy: {at_epoch} peers at epoch {view.epoch}{tail}{loss}, "
+        f"{len(serving)} donors serve epoch {min(serving)}"
+        + (f"-{max(serving)}" if max(serving) != min(serving) else "")
     )
 
 
@@ -221,6 +243,10 @@ def to_json(snapshot: Snapshot, healthy: bool, verdict: str) -> dict[str, Any]:
                 "samples": p.samples,
                 "samples_per_second": p.samples_per_second,
                 "age_seconds": round(snapshot.now - p.time, 3),
+                "loss": p.loss,
+                "finite": p.finite,
+                "checkpoint_failures": p.checkpoint_failures,
+                "problem": p.problem,
                 "donor": donor is not None,
                 "donor_epoch": donor.epoch if donor is not None else None,
             }
@@ -271,8 +297,10 @@ def print_table(snapshot: Snapshot, verdict: str) -> None:
         ("epoch", "right"),
         ("samples", "right"),
         ("samples/s", "right"),
+        ("loss", "right"),
         ("updated", "right"),
         ("donor (epoch)", "left"),
+        ("health", "left"),
     ):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     listed = set()
@@ -284,12 +312,14 @@ def print_table(snapshot: Snapshot, verdict: str) -> None:
             str(p.epoch),
             str(p.samples),
             f"{p.samples_per_second:.1f}",
+            "-" if p.loss is None else f"{p.loss:.4g}",
             _age(snapshot.now - p.time) + " ago",
             _donor_cell(donor),
+            "ok" if p.problem is None else p.problem,
         )
     for donor in snapshot.donors:  # donors that do not train (no progress record)
         if donor.peer_id not in listed:
-            table.add_row(_short(donor.peer_id), "-", "-", "-", "-", _donor_cell(donor))
+            table.add_row(_short(donor.peer_id), "-", "-", "-", "-", "-", _donor_cell(donor), "")
     console = Console(width=max(100, Console().width))
     console.print(table)
     eta = "" if view.eta_seconds is None else f", next global step in ~{view.eta_seconds:.0f}s"

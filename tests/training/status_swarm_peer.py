@@ -2,10 +2,11 @@
 
 Usage: python3 status_swarm_peer.py SPEC [SPEC ...] -- [INITIAL_PEER ...]
 
-Each SPEC is ``prefix:epoch[:donor_epoch][:frozen]``: run a ProgressTracker under ``prefix``
-reporting ``epoch`` with growing samples every 0.1 s (``frozen``: report once, then only
-republish), and, with ``donor_epoch``, announce a complete state record under
-``{prefix}.state`` as a donor would. Prints ``MADDRS <addr> ...`` once ready; exits when stdin
+Each SPEC is ``prefix:epoch[:donor_epoch][:frozen][:nan]``: run a ProgressTracker under
+``prefix`` reporting ``epoch`` with growing samples every 0.1 s and a loss of 0.5 (``frozen``:
+report once, then only republish; ``nan``: report a NaN loss, as a diverged peer would), and,
+with ``donor_epoch``, announce a complete state record under ``{prefix}.state`` as a donor
+would. Prints ``MADDRS <addr> ...`` once ready; exits when stdin
 closes.
 """
 
@@ -32,8 +33,9 @@ def main() -> None:
     for spec in specs:
         prefix, epoch, *rest = spec.split(":")
         frozen = "frozen" in rest
-        donor = [r for r in rest if r != "frozen"]
+        donor = [r for r in rest if r not in ("frozen", "nan")]
         tracker = ProgressTracker(dht, prefix, ttl=TTL, min_refresh_period=0.05)
+        tracker.report_health(loss=0.5, finite="nan" not in rest)
         trackers.append((tracker, int(epoch), frozen))
         if donor:
             donors.append((prefix, int(donor[0])))

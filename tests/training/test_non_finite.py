@@ -217,3 +217,126 @@ def test_leaving_with_a_non_finite_state_keeps_the_good_checkpoint(dhts, tmp_pat
     state.epoch = 3
     state.leave_swarm(deadline=10)  # no exception: not writing a NaN state is not a failure
     assert StateStore(tmp_path).latest().epoch == 2
+
+
+# ---------------------------------------------------------------------- moshpit.Optimizer
+
+OPT_FAST = dict(
+    min_matchmaking_time=1.0, request_timeout=2.0, allreduce_timeout=10.0, initial_group_bits=""
+)
+
+
+def _optimizer(dht, model, **kwargs):
+    import moshpit
+
+    settings = dict(
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        dht=dht,
+        run_id="nf-opt",
+        batch_size_per_step=4,
+        target_group_size=2,
+        averager_options=OPT_FAST,
+        load_state_timeout=3.0,
+    )
+    settings.update(kwargs)
+    return moshpit.Optimizer(**settings)
+
+
+def _batch_step(model, opt, scale=1.0):
+    x = torch.randn(4, 3)
+    loss = (model(x) * scale).pow(2).mean()
+    loss.backward()
+    opt.step(loss=loss.detach())
+    opt.zero_grad()
+    return loss
+
+
+MODE_SETTINGS = {
+    "local": dict(mode="local", average_every=1000),
+    "sync": dict(mode="sync", target_batch_size=4),
+    "diloco": dict(mode="diloco", inner_steps=1000),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODE_SETTINGS))
+def test_a_peer_whose_state_went_nan_reloads_its_checkpoint_and_goes_on(
+    dhts, tmp_path, caplog, mode
+):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    settings = dict(MODE_SETTINGS[mode], checkpoint_dir=tmp_path)
+    opt = _optimizer(dhts[0], model, **settings)
+    try:
+        for _ in range(5):
+            _batch_step(model, opt)
+        opt.state.save_checkpoint()
+        good = _values(model)
+        _poison(model)  # as if an overflow had hit a weight
+        with caplog.at_level(logging.WARNING, logger="moshpit"):
+            for _ in range(3):
+                _batch_step(model, opt)
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, caplog.text
+        assert "went non-finite" in warnings[0].message
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        assert opt.skipped_steps == 0
+        # it went on from the checkpoint: close to the good values, not NaN, not fresh
+        assert all(
+            torch.allclose(p, q, atol=0.1) for p, q in zip(model.parameters(), good, strict=True)
+        )
+        assert opt.tracker.local_progress().finite
+    finally:
+        opt.shutdown()
+
+
+def test_nan_gradients_of_a_finite_state_are_dropped_with_rate_limited_advice(dhts, caplog):
+    model = torch.nn.Linear(3, 2)
+    opt = _optimizer(dhts[0], model, **MODE_SETTINGS["local"])
+    try:
+        with caplog.at_level(logging.WARNING, logger="moshpit"):
+            for _ in range(200):
+                model(torch.full((4, 3), float("nan"))).sum().backward()
+                opt.step()
+        assert opt.skipped_steps == 200
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(lines) == 1, lines  # not 200: one line per reason and interval
+        assert "parameters are finite" in lines[0] and "check the data" in lines[0]
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    finally:
+        opt.shutdown()
+
+
+def test_the_loss_and_health_travel_with_the_progress_record(dhts):
+    from moshpit.training.progress import ProgressTracker
+
+    model = torch.nn.Linear(3, 2)
+    opt = _optimizer(dhts[0], model, **MODE_SETTINGS["local"])
+    reader = ProgressTracker(dhts[1], "nf-opt")
+    try:
+        for _ in range(20):
+            _batch_step(model, opt)
+        assert opt.loss is not None and opt.loss > 0
+        deadline = time.monotonic() + 20
+        mine = None
+        while time.monotonic() < deadline:
+            peers = reader.refresh(timeout=5).peers
+            mine = next((p for p in peers if p.peer_id == str(dhts[0].peer_id)), None)
+            if mine is not None and mine.loss is not None:
+                break
+            time.sleep(0.2)
+        assert mine is not None and mine.finite and mine.checkpoint_failures == 0
+        assert 0 < mine.loss < 100  # a moving average of the losses step() was given
+        # a NaN loss flags the peer at once
+        opt.step(loss=float("nan"))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            peers = reader.refresh(timeout=5).peers
+            mine = next((p for p in peers if p.peer_id == str(dhts[0].peer_id)), None)
+            if mine is not None and not mine.finite:
+                break
+            time.sleep(0.2)
+        assert mine is not None and not mine.finite
+        assert mine.problem == "its loss or state is NaN/Inf"
+    finally:
+        reader.shutdown()
+        opt.shutdown()

@@ -50,11 +50,11 @@ class PeerProcess:
 
 @pytest.fixture(scope="module")
 def swarm():
-    first = PeerProcess(["run:12", "lonely:3", "frozen:7:7:frozen"], [])
+    first = PeerProcess(["run:12", "lonely:3", "frozen:7:7:frozen", "sick:5:5", "ahead:4"], [])
     peers = [first]
     try:
-        peers.append(PeerProcess(["run:12", "lonely:3"], first.maddrs))
-        peers.append(PeerProcess(["run:12:12", "lonely:3:2"], first.maddrs))
+        peers.append(PeerProcess(["run:12", "lonely:3", "sick:5:nan", "ahead:4"], first.maddrs))
+        peers.append(PeerProcess(["run:12:12", "lonely:3:1", "ahead:5:5"], first.maddrs))
         yield peers
     finally:
         for peer in peers:
@@ -94,7 +94,7 @@ def test_status_json_shows_peers_epochs_donors_and_a_healthy_verdict(swarm):
         lambda r: r["num_peers"] == 3 and all(p["samples_per_second"] > 0 for p in r["peers"]),
     )
     assert code == 0 and report["healthy"] is True
-    assert report["verdict"] == "healthy: 3 peers at epoch 12, 1 donors serve epoch 12"
+    assert report["verdict"] == "healthy: 3 peers at epoch 12, median loss 0.5, 1 donors serve epoch 12"
     assert report["epoch"] == 12 and report["prefix"] == "run"
     assert {p["peer_id"] for p in report["peers"]} == {peer.peer_id for peer in swarm}
     donor_flags = {p["peer_id"]: (p["donor"], p["donor_epoch"]) for p in report["peers"]}
@@ -112,7 +112,7 @@ def test_status_table_ends_with_the_verdict_line(swarm):
     done = status("--initial-peers", *swarm[0].maddrs, "--prefix", "run")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.rstrip("\n").splitlines()
-    assert lines[-1] == "healthy: 3 peers at epoch 12, 1 donors serve epoch 12"
+    assert lines[-1] == "healthy: 3 peers at epoch 12, median loss 0.5, 1 donors serve epoch 12"
     assert "global epoch 12" in done.stdout
     for peer in swarm:
         assert peer.peer_id[-6:] in done.stdout
@@ -123,8 +123,35 @@ def test_status_without_a_donor_for_the_current_epoch_is_unhealthy(swarm):
     code, report = wait_for_status(swarm, "lonely", lambda r: r["num_peers"] == 3)
     assert code == 1 and report["healthy"] is False
     assert report["verdict"] == (
-        "no donor serves the current epoch 3: joiners cannot load state (newest donor epoch: 2)"
+        "unhealthy: no donor serves epoch 3 (or 2): joiners cannot load the current state "
+        "(newest donor epoch: 1)"
     )
+
+
+def test_status_counts_a_donor_one_epoch_ahead(swarm):
+    """Peers at 4 and 5 (global epoch 4), the only donor at 5: joiners load epoch 5, which is
+    fine (the verdict used to flap to 'no donor serves the current epoch' here)."""
+    for _ in range(3):
+        code, report = wait_for_status(swarm, "ahead", lambda r: r["num_peers"] == 3)
+        assert code == 0, report["verdict"]
+        assert report["verdict"].startswith("healthy: 2 peers at epoch 4, 1 ahead")
+
+
+def test_status_names_a_peer_whose_loss_is_nan_and_exits_1(swarm):
+    code, report = wait_for_status(
+        swarm, "sick", lambda r: r["num_peers"] == 2 and not all(p["finite"] for p in r["peers"])
+    )
+    assert code == 1 and report["healthy"] is False
+    sick = [p for p in report["peers"] if not p["finite"]]
+    assert [p["peer_id"] for p in sick] == [swarm[1].peer_id]
+    assert report["verdict"] == (
+        f"unhealthy: 1 unhealthy peer(s): {swarm[1].peer_id[-6:]} (its loss or state is NaN/Inf)"
+    )
+    well = [p for p in report["peers"] if p["finite"]]
+    assert well[0]["loss"] == 0.5 and well[0]["problem"] is None
+    table = status("--initial-peers", swarm[0].maddrs[0], "--prefix", "sick")
+    assert table.returncode == 1
+    assert "its loss or state is NaN/Inf" in table.stdout
 
 
 def test_status_of_a_stalled_run(swarm):
@@ -189,8 +216,36 @@ def test_verdicts():
     assert not healthy and line.startswith("stalled: no progress for 105 s")
     partial = Donor("c", 4, 1, False, "00" * 32)
     healthy, line = health_verdict(snapshot(fresh, [partial]), 60)
-    assert not healthy and line.endswith("joiners cannot load state (no donors at all)")
+    assert not healthy and line.endswith("cannot load the current state (no donors at all)")
     mixed = [*fresh, PeerProgress("y", 2, 0, 1.0, 99.0), PeerProgress("z", 9, 0, 1.0, 99.0)]
     assert health_verdict(snapshot(mixed, [serving]), 60)[1] == (
         "healthy: 2 peers at epoch 4, 1 behind, 1 ahead, 1 donors serve epoch 4"
+    )
+    # donors one behind (just stepped, checkpoint on its way) and one ahead both count
+    trailing = Donor("d", 3, 1, True, "00" * 32)
+    leading = Donor("e", 5, 1, True, "00" * 32)
+    assert health_verdict(snapshot(fresh, [trailing, leading]), 60) == (
+        True,
+        "healthy: 2 peers at epoch 4, 2 donors serve epoch 3-5",
+    )
+    assert not health_verdict(snapshot(fresh, [Donor("f", 2, 1, True, "00" * 32)]), 60)[0]
+    # health fields: a NaN state or failing checkpoints make the run unhealthy, a loss shows
+    sick = [
+        PeerProgress("a", 4, 10, 1.0, 95.0, 0.25),
+        PeerProgress("b", 4, 10, 1.0, 95.0, None, False),
+    ]
+    assert health_verdict(snapshot(sick, [serving]), 60) == (
+        False,
+        "unhealthy: 1 unhealthy peer(s): b (its loss or state is NaN/Inf)",
+    )
+    full = [
+        PeerProgress("a", 4, 10, 1.0, 95.0, 0.25),
+        PeerProgress("b", 4, 10, 1.0, 95.0, 0.5, True, 3),
+    ]
+    assert health_verdict(snapshot(full, [serving]), 60)[1] == (
+        "unhealthy: 1 unhealthy peer(s): b (its last 3 checkpoint(s) failed)"
+    )
+    well = [PeerProgress("a", 4, 10, 1.0, 95.0, 0.25), PeerProgress("b", 4, 10, 1.0, 95.0, 0.5)]
+    assert health_verdict(snapshot(well, [serving]), 60)[1] == (
+        "healthy: 2 peers at epoch 4, median loss 0.5, 1 donors serve epoch 4"
     )
