@@ -5,6 +5,7 @@ peer from its checkpoint when restarted."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import signal
@@ -133,6 +134,35 @@ def test_volunteer_joins_trains_checkpoints_leaves_on_sigterm_and_resumes(tmp_pa
             peer.proc.send_signal(signal.SIGTERM)
         for peer in (first, again):
             assert peer.proc.wait(timeout=60) == 0, "".join(peer.stderr)
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+def test_uncapped_volunteers_with_slow_rounds_never_go_nan(tmp_path: Path):
+    """The README's volunteers, uncapped, with slow rounds (a stated 5 Mbit/s uplink), the
+    second joining after the first trained alone: the first used to go NaN at its first
+    round (Adam's second moments decayed below the round's correction), then serve NaN."""
+    uncapped = ("--max-rate", "0", "--uplink-mbit", "5", "--report-every", "0.5")
+    first = volunteer(tmp_path, "a", *uncapped, "--duration", "35")
+    peers = [first]
+    try:
+        addr = first.wait_for(lambda e: e["event"] == "joined")["addr"]
+        first.wait_for(lambda e: e["event"] == "progress" and e["elapsed"] > 8)
+        second = volunteer(tmp_path, "bb", "--initial-peers", addr, *uncapped, "--duration", "22")
+        peers.append(second)
+        finals = []
+        for peer in peers:
+            assert peer.proc.wait(timeout=120) == 0, "".join(peer.stderr)[-3000:]
+            rows = []
+            while not peer.events.empty():
+                rows.append(peer.events.get())
+            progress = [r for r in rows if r.get("event") == "progress"]
+            assert progress and all(math.isfinite(r["loss"]) for r in progress), progress[-3:]
+            finals.append(next(r for r in rows if r.get("event") == "final"))
+        assert all(f["accuracy"] > 0.8 for f in finals), finals
+        assert all(f["epoch"] >= 2 for f in finals), finals  # they did average
+        assert not any("non-finite" in line for p in peers for line in p.stderr)
     finally:
         for peer in peers:
             peer.kill()

@@ -282,6 +282,7 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
         params_to_text,
     )
     from moshpit.training.errors import NoDonorError, StateDownloadError
+    from moshpit.training.health import NonFiniteStateError
 
     started = time.monotonic()
     try:
@@ -353,8 +354,9 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
             x, y = next(stream)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
+            value = loss.item()
             try:
-                opt.step()
+                opt.step(loss=value)
             except (NoDonorError, StateDownloadError) as e:
                 # joining or catching up failed this time (donors left or were too slow): keep
                 # our state and train on; the next averaging round tries to catch up again
@@ -366,7 +368,6 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
             opt.zero_grad()
             steps += 1
             samples += args.batch_size
-            value = loss.item()
             ema_loss = value if ema_loss is None else 0.9 * ema_loss + 0.1 * value
             now = time.monotonic()
             done = (args.max_steps and steps >= args.max_steps) or (
@@ -407,6 +408,15 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
             samples=samples,
         )
         return 0
+    except NonFiniteStateError as e:  # diverged, and no good state to go back to
+        reporter.stop_live()
+        print(f"moshpit train: {e}", file=sys.stderr)
+        from moshpit.training.preemption import critical_section
+
+        with critical_section():
+            opt.leave_swarm(args.deadline)
+            dht.shutdown()
+        return 1
     finally:
         if not preempted:
             reporter.stop_live()
