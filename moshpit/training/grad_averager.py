@@ -138,15 +138,22 @@ class GradientAverager:
         timeout: float | None = None,
         compression: Any = None,
         gather: Any = None,
+        min_group_size: int | None = None,
     ) -> GradientRound:
         """Average the buffers with this epoch's peers, weighted by ``weight`` (samples).
 
         Returns at once; the buffers hold the group's weighted mean once the round succeeded
-        and keep this peer's values wherever nothing was averaged.
+        and keep this peer's values wherever nothing was averaged. ``min_group_size``: the
+        group does not start before this many peers joined it (the peers this one knows at
+        the epoch: a group that starts without one of them leaves it behind), capped at the
+        group size.
         """
         options = dict(self.averager_options)
         if compression is not None:
             options["compression"] = compression
+        if min_group_size is not None:
+            floor = options.get("min_group_size", 2)
+            options["min_group_size"] = max(floor, min(min_group_size, self.target_group_size))
         averager = Averager(
             self.buffers,
             dht=self.dht,

@@ -423,6 +423,7 @@ class ProgressTracker:
         self._report_time = 0.0
         self._ewma_samples = 0.0
         self._ewma_seconds = 0.0
+        self._reports = 0
         self._version = 0  # bumped by every report that changed what we would publish
         self._published_version = -1
         # the latest expiration any store of ours carried, acknowledged or not: a store that
@@ -472,16 +473,28 @@ class ProgressTracker:
                 # not to producing these samples, so it does not enter samples/s
                 if self._epoch is not None and epoch > self._epoch:
                     self._epoch_started_at.setdefault(epoch, now)  # we saw it begin
+            elif self._samples == 0 and self._reports == 1:
+                # the first interval ever: a trainer reports 0 when it starts, right after
+                # computing its first batch, so this interval holds no compute time (it made
+                # the first estimate thousands of samples/s)
+                pass
             elif samples >= self._samples and now > self._report_time:
                 self._ewma_samples = EWMA_DECAY * self._ewma_samples + (samples - self._samples)
                 self._ewma_seconds = EWMA_DECAY * self._ewma_seconds + (now - self._report_time)
             changed = self._withdrawn or epoch != self._epoch or samples != self._samples
             self._epoch, self._samples, self._report_time = epoch, samples, now
+            self._reports += 1
             self._withdrawn = False
             if changed:
                 self._version += 1
         if changed:
             self._wake()
+
+    def mark_idle(self) -> None:
+        """The time since the last report was not spent producing samples (waiting for a
+        round, loading state): leave it out of samples/s."""
+        with self._lock:
+            self._report_time = get_dht_time()
 
     def report_health(
         self,

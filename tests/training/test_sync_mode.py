@@ -394,10 +394,10 @@ def test_a_round_missing_peers_its_members_know_is_not_applied(make_dhts):
             gathered = {i: c for i, c in zip(members, claims, strict=False)}
             return StepResult(True, "k", members=members, gathered=gathered, averaged_fraction=1)
 
-        assert opt.mode._complete(result(2, {"peers": 2}, {"peers": 2}))
-        assert not opt.mode._complete(result(2, {"peers": 2}, {"peers": 4}))
-        assert opt.mode._complete(result(3, {"peers": 3}, {"peers": 10**9}, {"peers": 3}))  # cap
-        assert opt.mode._complete(result(2, {"peers": "many"}, None))  # junk claims count 0
+        assert opt.mode.rounds.complete(result(2, {"peers": 2}, {"peers": 2}))
+        assert not opt.mode.rounds.complete(result(2, {"peers": 2}, {"peers": 4}))
+        assert opt.mode.rounds.complete(result(3, {"peers": 3}, {"peers": 10**9}, {"peers": 3}))  # cap
+        assert opt.mode.rounds.complete(result(2, {"peers": "many"}, None))  # junk claims count 0
     finally:
         opt.shutdown()
     assert not serve_dir.exists()
@@ -406,3 +406,51 @@ def test_a_round_missing_peers_its_members_know_is_not_applied(make_dhts):
 def test_epoch_rounds_use_their_own_prefix():
     assert grads_prefix("run", 3) != grads_prefix("run", 4)
     assert grads_prefix("run", 3).startswith("run.grads.")
+
+
+@pytest.mark.parametrize("slow_peer", [False, True], ids=["equal", "one-2x-slower"])
+def test_back_to_back_steps_honor_the_target_batch(make_dhts, slow_peer):
+    """4 peers that step back to back (no waiting for the swarm): each global step holds at
+    most 1.1 x target_batch_size + one local batch per peer. The swarm's view lags by a
+    refresh, so a peer that waited for it (or for its own count) overshot ~3x."""
+    dhts = make_dhts(4)
+    models = [_model() for _ in dhts]
+    target = 4 * BATCH
+    patient = dict(FAST, min_matchmaking_time=10.0)
+    peers = [
+        Peer(
+            i,
+            m,
+            _opt(d, m, target_batch_size=target, target_group_size=4, averager_options=patient),
+        )
+        for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+    ]
+    epochs = 8
+    pauses = [0.02, 0.02, 0.02, 0.04 if slow_peer else 0.02]  # a step's compute time
+    try:
+        started = threading.Barrier(len(peers))
+        with concurrent.futures.ThreadPoolExecutor(len(peers)) as pool:
+            futures = [
+                pool.submit(p.train, epochs, pause=pause, max_steps=400, started=started)
+                for p, pause in zip(peers, pauses, strict=True)
+            ]
+            for future in futures:
+                future.result(timeout=240)
+        bound = 1.1 * target + len(peers) * BATCH
+        per_epoch = {
+            e: sum(len(i) for p in peers for ep, i in p.consumed if ep == e) for e in range(epochs)
+        }
+        for e in range(1, epochs):  # epoch 0 starts as the peers come up one by one
+            assert per_epoch[e] <= bound, (e, per_epoch, bound)
+        # what the code itself counted for each global step: the round members' samples
+        for p in peers:
+            counted = dict(p.opt.mode.step_samples)
+            assert all(counted[e] == per_epoch[e] for e in range(1, epochs)), (counted, per_epoch)
+        for p in peers:  # (a peer may load state once at the start: views are young)
+            assert p.opt.mode.solo_steps == 0
+        last = max(peers[0].params_at)
+        for p in peers[1:]:
+            assert _same(peers[0].params_at[last], p.params_at[last])
+    finally:
+        for p in peers:
+            p.opt.shutdown()

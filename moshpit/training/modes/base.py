@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 
+from dht.kademlia.clock import get_dht_time
 from moshpit.training.health import first_non_finite
 
 logger = logging.getLogger(__name__)
+
+FRESH_VIEW = 0.1  # s: an older view is read again before an epoch's round starts from it
 
 
 class TrainingMode:
@@ -62,6 +65,14 @@ class TrainingMode:
             except Exception as e:  # noqa: BLE001 - a failed read: use the last view
                 logger.debug("progress refresh failed (%r); using the last view", e)
         return self.opt.tracker.global_progress
+
+    def _fresh_view(self, view: Any) -> Any:
+        """``view``, read again if older than ``FRESH_VIEW`` s: who an epoch's round must
+        hold comes from it (one DHT read per epoch; a stale or partial view lets a group
+        start without a peer)."""
+        if get_dht_time() - view.time > FRESH_VIEW:
+            return self._view(force=True)
+        return view
 
     def report_progress(self, samples: int) -> None:
         self.opt.tracker.report(self.state.epoch, samples)

@@ -37,6 +37,7 @@ The epoch counts outer steps.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import time
@@ -58,6 +59,7 @@ from moshpit.averaging.averager import Averager, StepResult
 from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.health import first_non_finite
 from moshpit.training.modes.base import TrainingMode, params_of
+from moshpit.training.modes.epoch_rounds import EpochRounds, wait_unless_left_behind
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +190,7 @@ class DiLoCoMode(TrainingMode):
         self.local_steps = 0  # inner steps since the round's θ
         self.samples = 0
         self._alone = False
+        self.rounds = EpochRounds(str(optimizer.tracker.peer_id), optimizer.target_group_size)
         self._last_refresh = -float("inf")
         self._behind_since: float | None = None  # no donor served the newer state yet
         self._next_catch_up = -float("inf")
@@ -226,6 +229,7 @@ class DiLoCoMode(TrainingMode):
             spec.reset()
         if self.gravac is not None:
             self.gravac.reset()
+        self.rounds.alone()
         self.report_progress(0)
 
     def _inner_state(self) -> list[tuple[str, torch.Tensor]]:
@@ -276,17 +280,10 @@ class DiLoCoMode(TrainingMode):
         if self.local_steps >= self.inner_steps:
             self._outer_round()
 
-    def _others(self, view: Any) -> tuple[list[Any], list[Any]]:
-        """(peers at our epoch, peers past it), from the tracker's records, without us."""
-        me = str(self.opt.tracker.peer_id)
-        others = [p for p in view.peers if p.peer_id != me]
-        same = [p for p in others if p.epoch == self.state.epoch]
-        ahead = [p for p in others if p.epoch > self.state.epoch]
-        return same, ahead
-
     def _outer_round(self) -> None:
         epoch = self.state.epoch
-        same, ahead = self._others(self._view())
+        view = self._fresh_view(self._view())
+        same, ahead = self.rounds.others(view, epoch)
         if ahead:
             if time.monotonic() >= self._next_catch_up:
                 self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
@@ -297,11 +294,11 @@ class DiLoCoMode(TrainingMode):
         if self._alone:
             self._apply(solo=True)
             return
-        result = self._average(epoch)
+        result = self._average(epoch, self.rounds.expected(view, epoch))
         self.last_result = result
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
-        if result.succeeded:
+        if result.succeeded and self.rounds.complete(result):
             self.rounds_succeeded += 1
             if result.averaged_fraction < 1.0:
                 logger.warning(
@@ -310,17 +307,20 @@ class DiLoCoMode(TrainingMode):
                     epoch,
                     100 * result.averaged_fraction,
                 )
-            self._apply()
+            self._apply(members=result.members)
             return
         self.rounds_failed += 1
-        same, ahead = self._others(self._view(force=True))
+        view = self._view(force=True)
+        same, ahead = self.rounds.others(view, epoch)
+        self.rounds.forget_unseen(view)
         if ahead:
             self._catch_up(f"no round at epoch {epoch} ({result.reason}); others moved on")
-        elif not same:
+        elif not same and not self.rounds.with_us_last_round(view):
             logger.info("no other peer at outer epoch %d: training alone", epoch)
             self._alone = True
             self._apply(solo=True)
         else:  # the others are still in their inner steps: keep going, retry next step
+            self.opt.tracker.mark_idle()  # the wait was not training time
             logger.info("no outer round at epoch %d (%s); retrying", epoch, result.reason)
 
     def _load_deltas(self) -> None:
@@ -330,10 +330,16 @@ class DiLoCoMode(TrainingMode):
                 delta.copy_(theta)
                 delta.sub_(p.detach().to("cpu", torch.float32))
 
-    def _average(self, epoch: int) -> StepResult:
+    def _average(self, epoch: int, expected: int) -> StepResult:
+        """Average Δ with the peers of this outer epoch: the group waits for the ``expected``
+        peers this one knows at the epoch (see ``epoch_rounds.py``), and is abandoned when
+        the swarm moves past the epoch meanwhile."""
         options = dict(self.averager_options)
         if self.compression is not None:
             options["compression"] = self.compression
+        options["min_group_size"] = max(
+            options.get("min_group_size", 2), min(expected, self.opt.target_group_size)
+        )
         averager = Averager(
             self.deltas,
             dht=self.opt.dht,
@@ -344,10 +350,25 @@ class DiLoCoMode(TrainingMode):
         digest = self._theta_digest()
         try:
             weight = float(min(max(self.samples, 1), MAX_WEIGHT))
-            result = averager.step(weight=weight, gather=digest, timeout=self.round_timeout)
+            future = averager.step(
+                weight=weight,
+                gather={"theta": digest, "peers": expected},
+                timeout=self.round_timeout,
+                wait=False,
+            )
+            if not wait_unless_left_behind(future, epoch, self.refresh_period, self._view):
+                future.cancel()
+                return StepResult(
+                    False, averager.keys.key, reason="the swarm moved on to a later epoch"
+                )
+            try:
+                result = future.result()
+            except concurrent.futures.CancelledError:
+                return StepResult(False, averager.keys.key, reason="cancelled")
         finally:
             averager.shutdown()
-        if result.succeeded and any(d != digest for d in result.gathered.values()):
+        thetas = [g.get("theta") if isinstance(g, dict) else None for g in result.gathered.values()]
+        if result.succeeded and any(t != digest for t in thetas):
             # the mean Δ is applied to different θ: the peers will never share one model
             self.theta_mismatches += 1
             logger.warning(
@@ -355,8 +376,8 @@ class DiLoCoMode(TrainingMode):
                 "every peer from the same initial weights (same seed), or let newcomers join "
                 "after the first outer step (they then load θ from donors)",
                 epoch,
-                sum(d != digest for d in result.gathered.values()),
-                len(result.gathered),
+                sum(t != digest for t in thetas),
+                len(thetas),
             )
         return result
 
@@ -367,7 +388,7 @@ class DiLoCoMode(TrainingMode):
             h.update(theta.numpy().tobytes())
         return h.digest()
 
-    def _apply(self, solo: bool = False) -> None:
+    def _apply(self, solo: bool = False, members: Any = ()) -> None:
         """Outer step with the buffers' (mean) Δ, then restart the inner loop from the new θ."""
         for theta, delta in zip(self.theta, self.deltas, strict=True):
             theta.grad = delta
@@ -381,6 +402,10 @@ class DiLoCoMode(TrainingMode):
         self.local_steps = 0
         self.samples = 0
         self.state.epoch += 1
+        if members:
+            self.rounds.stepped_with(members)
+        else:
+            self.rounds.alone()
         self.report_progress(0)
         self.state.maybe_checkpoint()
 

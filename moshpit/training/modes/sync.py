@@ -1,12 +1,22 @@
 """``mode="sync"``: one optimizer step per ``target_batch_size`` samples of the whole swarm.
 
 Each ``step()`` adds ``grad * batch_size`` to CPU sums and reports ``(epoch, samples)`` to the
-progress tracker (``opt.tracker``). Once the swarm's samples at this epoch reach the target (the
-tracker's view, refreshed at most every ``refresh_period`` seconds, or this peer's own count
-alone), the peers of that epoch average their mean gradients weighted by samples (one round
+progress tracker (``opt.tracker``). Once the swarm's samples at this epoch reach the target,
+the peers of that epoch average their mean gradients weighted by samples (one round
 under ``{run_id}.grads.{epoch}``: peers of other epochs never join it), copy the result into
 ``.grad`` and call the inner optimizer: every member of the round applies the same update to
 the same parameters, so they stay bit-identical. Then ``epoch += 1`` and the sums restart.
+
+When is the target reached? The tracker's view lags by up to a refresh plus a publication
+period, long enough for every peer to reach the target on its own count (4 peers x 16 samples
+and a target of 64 made ~210 samples per step). So each peer *projects* the swarm's count:
+the members of its last round began this epoch together with it (the round ended for all at
+once), so each holds about our own count times its throughput relative to ours; another
+peer at our epoch counts with its last report extrapolated at its throughput. A peer is
+thus ready once its own count reaches its throughput's share of the target, and the peers
+enter the round together, each with at most one local batch past its share.
+``step_samples`` records what each global step held (the members' samples,
+shared through the round).
 
 What happens when a round does not go as planned:
 
@@ -28,6 +38,7 @@ computed and applies its result one step late (see docs/training.md, "sync").
 
 from __future__ import annotations
 
+import collections
 import logging
 import shutil
 import tempfile
@@ -35,12 +46,18 @@ import time
 from typing import Any
 
 from compression import GraVAC, NoCompression, TwoWayCompression
+from dht.kademlia.clock import get_dht_time
+from moshpit.averaging.averager import StepResult
 from moshpit.training.errors import NoDonorError
-from moshpit.training.grad_averager import GradientAverager, GradientRound
+from moshpit.training.grad_averager import GradientAverager, GradientRound, grads_prefix
 from moshpit.training.modes.base import TrainingMode, params_of
+from moshpit.training.modes.epoch_rounds import EpochRounds, wait_unless_left_behind
 from moshpit.training.preemption import critical_section
 
 logger = logging.getLogger(__name__)
+
+MAX_RATE_RATIO = 10.0  # a peer's throughput counts at most this x the swarm's median
+MAX_EXTRAPOLATION = 10.0  # s a peer's last report is projected forward at most
 
 
 class SyncMode(TrainingMode):
@@ -139,6 +156,9 @@ class SyncMode(TrainingMode):
         self.last_result: Any = None
         self.last_group_size = 0
         self.bytes_sent = 0  # gradient payload bytes this peer sent, over all rounds
+        # (epoch, samples the global step of that epoch held), for the most recent steps
+        self.step_samples: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
+        self.rounds = EpochRounds(str(optimizer.tracker.peer_id), optimizer.target_group_size)
 
     # ------------------------------------------------------------------ the loop
 
@@ -152,6 +172,7 @@ class SyncMode(TrainingMode):
                 spec.reset()
         if self.gravac is not None:
             self.gravac.reset()
+        self.rounds.alone()
         self.report_progress(0)
 
     def step(self, batch_size: int) -> None:
@@ -186,42 +207,64 @@ class SyncMode(TrainingMode):
         return self.state.epoch != epoch
 
     def _ready(self, view: Any) -> bool:
-        """Our own count alone, or the swarm's at our epoch, reached the target."""
+        """Our own count alone, or the swarm's projected to now (module doc), reached the
+        target."""
         if self.grads.samples >= self.target:
             return True
-        return view.epoch == self.state.epoch and view.samples_accumulated >= self.target
+        # (a view older than our epoch still projects: its records are extrapolated)
+        return view.epoch <= self.state.epoch and self.projected_samples(view) >= self.target
 
-    def _near(self, view: Any) -> list[Any]:
-        """Peers the view shows one epoch behind us (without us)."""
-        me = str(self.opt.tracker.peer_id)
-        return [p for p in view.peers if p.peer_id != me and p.epoch == self.state.epoch - 1]
+    def projected_samples(self, view: Any, now: float | None = None) -> float:
+        """The swarm's samples at our epoch now, projected from ``view`` (module doc).
 
-    @staticmethod
-    def _contributing(same: list[Any]) -> list[Any]:
-        """Peers at our epoch that reported samples for it: those a round must wait for. A
-        peer that reached the epoch and then stopped stepping (paused, or busy elsewhere)
-        reports 0 and is not waited for; otherwise every round of the others would be
-        rejected as a possible split, forever. It catches up by loading state later."""
-        return [p for p in same if p.samples > 0]
+        A member of our last round began this epoch when we did, so it holds about our own
+        count scaled by its speed relative to ours (or its report, if that is higher): then
+        each peer is ready once its own count reaches its throughput's share of the target,
+        whatever the lag of the view. Another peer at our epoch counts with its report
+        extrapolated at its throughput, for at most ``MAX_EXTRAPOLATION`` s (a peer that
+        stopped stepping is not counted forever). A throughput counts at most
+        ``MAX_RATE_RATIO`` x the median, so a liar cannot start rounds early at will.
+        """
+        now = get_dht_time() if now is None else now
+        me = self.rounds.me
+        # members of our last round, unless the view shows one paused or ahead
+        members = self.rounds.last_members & self.rounds.awaited(view, self.state.epoch, now)
+        epoch = self.state.epoch
+        own = self.grads.samples
+        own_rate = self.opt.tracker.samples_per_second
+        rates = sorted(
+            r
+            for r in [own_rate, *(p.samples_per_second for p in view.peers if p.peer_id != me)]
+            if r > 0
+        )
+        cap = MAX_RATE_RATIO * rates[len(rates) // 2] if rates else 0.0
 
-    def _others(self, view: Any) -> tuple[list[Any], list[Any]]:
-        """(peers at our epoch, peers past it), from the tracker's records, without us."""
-        me = str(self.opt.tracker.peer_id)
-        others = [p for p in view.peers if p.peer_id != me]
-        same = [p for p in others if p.epoch == self.state.epoch]
-        ahead = [p for p in others if p.epoch > self.state.epoch]
-        return same, ahead
+        def relative(rate: float) -> float:  # its speed / ours (1 while either is unknown)
+            return min(rate, cap) / own_rate if rate > 0 and own_rate > 0 else 1.0
+
+        total = float(own)
+        unseen = set(members)
+        for p in view.peers:
+            unseen.discard(p.peer_id)
+            if p.peer_id == me or p.epoch > epoch:
+                continue
+            reported = p.samples if p.epoch == epoch else 0
+            if p.peer_id in members:
+                total += max(reported, own * relative(p.samples_per_second))
+            elif p.epoch == epoch:
+                rate = min(p.samples_per_second, cap)
+                total += reported + rate * min(MAX_EXTRAPOLATION, max(0.0, now - p.time))
+        # members of our last round that this (partial) read of the DHT missed
+        return total + len(unseen) * own
 
     def _global_step(self, view: Any) -> None:
         epoch, samples = self.state.epoch, self.grads.samples
-        same, ahead = self._others(view)
+        view = self._fresh_view(view)
+        same, ahead = self.rounds.others(view, epoch)
         if ahead:
             if time.monotonic() >= self._next_catch_up:
                 self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
             return
-        # a peer one epoch behind in the view is most likely on its way (views lag by a
-        # refresh): it counts toward the group this round must hold
-        near = self._near(view)
         if same:
             self._alone = False
         # alone only once a failed round confirmed it: the view may predate others' reports
@@ -238,12 +281,15 @@ class SyncMode(TrainingMode):
         if solo:
             self._apply(solo=True)
             return
+        expected = self.rounds.expected(view, epoch)
         round_ = self.grads.start_round(
             epoch,
             weight=samples,
             timeout=self.round_timeout,
             compression=self._codec(num_peers),
-            gather={"peers": len(self._contributing(same)) + 1 + len(near)},
+            gather={"peers": expected, "samples": samples},
+            # wait for every peer we know at this epoch instead of leaving one behind
+            min_group_size=expected,
         )
         if self.delay_averaging:
             # epoch e's round runs while the batches of e + 1 are computed; applied late
@@ -263,13 +309,24 @@ class SyncMode(TrainingMode):
         """Delayed averaging: wait for the round in flight and apply it (e.g. before eval)."""
         self._collect_delayed(wait=True)
 
+    def _wait_for(self, round_: GradientRound) -> Any:
+        """The round's result; a round whose epoch the swarm left meanwhile is abandoned."""
+        if not wait_unless_left_behind(
+            round_.future, round_.epoch, self.refresh_period, self._view
+        ):
+            round_.cancel()
+            reason = "the swarm moved on to a later epoch meanwhile"
+            return StepResult(False, grads_prefix(self.opt.run_id, round_.epoch), reason=reason)
+        return round_.result()
+
     def _finish_round(self, round_: GradientRound) -> None:
-        result = round_.result()
+        result = self._wait_for(round_)
         self.last_result = result
         self.bytes_sent += result.bytes_sent
-        if result.succeeded and result.averaged_fraction >= 1.0 and self._complete(result):
+        if result.succeeded and result.averaged_fraction >= 1.0 and self.rounds.complete(result):
             self.rounds_succeeded += 1
             self.last_group_size = result.group_size
+            self._note_step(round_.epoch, result)
             self._apply()
             return
         if result.succeeded and result.averaged_fraction < 1.0:
@@ -283,44 +340,31 @@ class SyncMode(TrainingMode):
             )
         self.rounds_failed += 1
         view = self._view(force=True)
-        same, ahead = self._others(view)
+        same, ahead = self.rounds.others(view, self.state.epoch)
+        self.rounds.forget_unseen(view)
         if ahead:
             self._catch_up(f"no round at epoch {round_.epoch} ({result.reason}); others moved on")
-        elif not same:
+        elif not same and not self.rounds.with_us_last_round(view):
             logger.info("no other peer at epoch %d: training alone", round_.epoch)
             self._alone = True
             self._apply(solo=True)
         else:
             # the others have not reached the target yet or arrived late: the sums are kept
-            # (DGC takes back what it selected for this round, so nothing is lost)
+            # (DGC takes back what it selected for this round, so nothing is lost); the time
+            # spent waiting is not training time
+            self.opt.tracker.mark_idle()
             if self.dgc is not None and self._dgc_snapshot is not None:
                 self.dgc.load_state_dict(self._dgc_snapshot)
             logger.info("no gradient round at epoch %d (%s); retrying", round_.epoch, result.reason)
 
-    def _complete(self, result: Any) -> bool:
-        """Did the group hold every peer its members knew at this epoch (up to the group size)?
-
-        Two groups formed under the same key would each apply their own mean and split the
-        swarm. Each member declared how many peers it sees at the epoch (``gather``); all
-        members get the same declarations, so they all take the same decision here.
-        """
-        claims = [
-            value["peers"]
-            for value in result.gathered.values()
-            if isinstance(value, dict)
-            and isinstance(value.get("peers"), int)
-            and not isinstance(value.get("peers"), bool)
-        ]
-        expected = min(self.opt.target_group_size, max(claims, default=0))
-        if result.group_size >= expected:
-            return True
-        logger.warning(
-            "the gradient round held %d of the %d peers its members see at this epoch: not "
-            "applied (another group may have formed); retrying",
-            result.group_size,
-            expected,
-        )
-        return False
+    def _note_step(self, epoch: int, result: Any) -> None:
+        """Record the samples the members put into this epoch's step, and who they were."""
+        total = 0
+        for claim in result.gathered.values():
+            samples = claim.get("samples") if isinstance(claim, dict) else None
+            if isinstance(samples, int) and not isinstance(samples, bool) and samples >= 0:
+                total += samples
+        self.step_samples.append((epoch, total))
 
     def _apply(self, solo: bool = False) -> None:
         """The buffers hold this epoch's update: step the inner optimizer and move on."""
@@ -329,11 +373,17 @@ class SyncMode(TrainingMode):
         self.opt.inner.zero_grad(set_to_none=True)
         if solo:
             self.solo_steps += 1
-        self._advance()
+            self.step_samples.append((self.state.epoch, self.grads.samples))
+        self._advance(None if solo else self.last_result)
 
-    def _advance(self) -> None:
+    def _advance(self, result: Any = None) -> None:
+        """Enter the next epoch (``result``: the round we stepped with, None if alone)."""
         self.global_steps += 1
         self.state.epoch += 1
+        if result is not None and result.succeeded:
+            self.rounds.stepped_with(result.members)
+        else:
+            self.rounds.alone()
         self.grads.reset()
         self.report_progress(0)
         if self._pending is None:  # delayed: checkpoint once the update is applied
@@ -351,6 +401,8 @@ class SyncMode(TrainingMode):
         if result.succeeded:
             self.rounds_succeeded += 1
             self.last_group_size = result.group_size
+            self._note_step(round_.epoch, result)
+            self.rounds.remember(result.members)
         else:
             # the epoch already moved on: apply our own part rather than lose it
             self.rounds_failed += 1

@@ -1,0 +1,152 @@
+"""Who must be in an epoch's round: the rules ``sync`` and ``diloco`` share.
+
+Both modes run one averaging round per epoch under that epoch's own prefix, and every member
+must leave it with the same result: a round that starts without a peer which is at (or on
+its way to) the epoch leaves that peer behind, and two groups under one key would each apply
+their own mean and split the swarm. So a round waits for the peers this one knows at the
+epoch (``expected``: the matchmaking floor), every member declares how many it knows
+(``gather``), and a group smaller than any member's count is not applied (``complete``).
+
+What a peer knows comes from the progress tracker's view, which lags by a refresh and can be
+partial (a DHT read that missed a record), plus the members of its last round: they stepped
+with it and are at its epoch even while the view still shows them behind, or not at all.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from dht.kademlia.clock import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RECENT_REPORT", "EpochRounds", "wait_unless_left_behind"]
+
+RECENT_REPORT = 5.0  # s: a peer at our epoch that reported this recently is waited for
+
+
+class EpochRounds:
+    """The round membership rules of one peer (module doc)."""
+
+    def __init__(self, peer_id: str, target_group_size: int) -> None:
+        self.me = peer_id
+        self.target_group_size = target_group_size
+        self.last_members: frozenset[str] = frozenset()  # of our last round (not us)
+        self.epoch_started = get_dht_time()  # DHT time at which we entered our epoch
+
+    # ------------------------------------------------------------------ reading the view
+
+    def others(self, view: Any, epoch: int) -> tuple[list[Any], list[Any]]:
+        """(peers at ``epoch``, peers past it), from the view's records, without us."""
+        others = [p for p in view.peers if p.peer_id != self.me]
+        same = [p for p in others if p.epoch == epoch]
+        ahead = [p for p in others if p.epoch > epoch]
+        return same, ahead
+
+    @staticmethod
+    def contributing(same: list[Any], now: float | None = None) -> list[Any]:
+        """Peers at our epoch that reported samples for it, or reported at all in the last
+        ``RECENT_REPORT`` s: those a round must wait for. A peer that just reached the epoch
+        (or just started) is on its way; one that reached it and then stopped stepping
+        (paused, or busy elsewhere) keeps reporting 0 from long ago and is not waited for,
+        or every round of the others would be rejected as a possible split, forever. It
+        catches up by loading state later."""
+        now = get_dht_time() if now is None else now
+        return [p for p in same if p.samples > 0 or now - p.time < RECENT_REPORT]
+
+    def near(self, view: Any, epoch: int) -> list[Any]:
+        """Peers the view shows one epoch behind us (without us): most likely on their way."""
+        return [p for p in view.peers if p.peer_id != self.me and p.epoch == epoch - 1]
+
+    def expected(self, view: Any, epoch: int, now: float | None = None) -> int:
+        """How many peers (us included) this epoch's round must hold (see ``awaited``)."""
+        return len(self.awaited(view, epoch, now)) + 1
+
+    def awaited(self, view: Any, epoch: int, now: float | None = None) -> set[str]:
+        """The other peers this epoch's round must hold: the peers at our epoch
+        that are stepping, those one epoch behind in the view that reported recently (on
+        their way), and the members of our last round unless the view shows them ahead, or
+        behind or idle with a report older than ``RECENT_REPORT`` s (paused: waiting for
+        them would stall every round)."""
+        now = get_dht_time() if now is None else now
+        same, _ = self.others(view, epoch)
+        peers = {p.peer_id for p in self.contributing(same, now)}
+        peers |= {p.peer_id for p in self.near(view, epoch) if now - p.time < RECENT_REPORT}
+        shown = {p.peer_id: p for p in view.peers}
+        for member in self.last_members:
+            p = shown.get(member)
+            if p is None or (
+                p.epoch <= epoch
+                and (now - p.time < RECENT_REPORT or (p.epoch == epoch and p.samples > 0))
+            ):
+                peers.add(member)
+        peers.discard(self.me)
+        return peers
+
+    def with_us_last_round(self, view: Any) -> bool:
+        """Does the view still list a member of our last round (its report of this epoch may
+        not have reached the view yet: it is not gone, we are not alone)?"""
+        return any(p.peer_id in self.last_members for p in view.peers)
+
+    # ------------------------------------------------------------------ after a round
+
+    def complete(self, result: Any) -> bool:
+        """Did the group hold every peer its members knew at this epoch (up to the group size)?
+
+        Each member declared how many peers it knows (``gather["peers"]``); all members get
+        the same declarations, so they all take the same decision here.
+        """
+        claims = [
+            value["peers"]
+            for value in result.gathered.values()
+            if isinstance(value, dict)
+            and isinstance(value.get("peers"), int)
+            and not isinstance(value.get("peers"), bool)
+        ]
+        expected = min(self.target_group_size, max(claims, default=0))
+        if result.group_size >= expected:
+            return True
+        logger.warning(
+            "the round held %d of the %d peers its members see at this epoch: not applied "
+            "(another group may have formed); retrying",
+            result.group_size,
+            expected,
+        )
+        return False
+
+    def stepped_with(self, members: Any) -> None:
+        """A round was applied: its members enter the next epoch with us, now."""
+        self.remember(members)
+        self.epoch_started = get_dht_time()
+
+    def remember(self, members: Any) -> None:
+        """The members of our latest round (delayed averaging learns them one epoch late)."""
+        self.last_members = frozenset(str(m) for m in members) - {self.me}
+
+    def alone(self) -> None:
+        """We stepped without a round (alone, or after loading state)."""
+        self.last_members = frozenset()
+        self.epoch_started = get_dht_time()
+
+    def forget_unseen(self, view: Any) -> None:
+        """A round failed: stop waiting for last-round members a fresh view does not show
+        (they may be gone; a partial read costs one round that starts without them)."""
+        self.last_members &= {p.peer_id for p in view.peers}
+
+
+def wait_unless_left_behind(
+    future: concurrent.futures.Future, epoch: int, period: float, view: Callable[[], Any]
+) -> bool:
+    """Wait for a round of ``epoch``; False as soon as the swarm's view shows a later epoch
+    first (the peers the round waits for have moved on: it can only time out, while the
+    caller should load their state). ``view`` is read at most every ``period`` s."""
+    while not future.done():
+        concurrent.futures.wait([future], timeout=period)
+        if future.done():
+            break
+        if view().epoch > epoch:
+            return False
+    return True
