@@ -17,8 +17,10 @@ When the swarm has processed ``--samples`` samples the parent tells every peer t
 sends its final parameters. The swarm's final accuracy is the test accuracy of the average of
 the surviving peers' parameters (what one more averaging round would give everyone); the
 baseline is the same model and optimizer trained in one process on as many samples as the
-whole swarm processed. Verdict OK: the swarm is within 1 point of the baseline (or better), no
-peer was stuck, and every preempted peer came back.
+whole swarm processed, with 5 batch orders (one baseline alone moves by ~0.8 points from seed
+to seed on the 539 test images). Verdict OK: the swarm is at most 1 point plus twice the
+baselines' standard deviation below their mean (or better), no peer was stuck, and every
+preempted peer came back.
 
 Ctrl-C stops every peer, prints the table so far and a one-line summary, exits 130.
 """
@@ -32,6 +34,7 @@ import os
 import queue
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +48,8 @@ from moshpit.cli.demo_cmd import _sigint_ignored
 STARTUP_TIMEOUT = 90.0
 SYNC_TARGET_BATCH = 256  # mode sync: samples per global optimizer step
 STOP_TIMEOUT = 30.0
-ACCURACY_TOLERANCE = 0.01  # "within 1 point"
+ACCURACY_TOLERANCE = 0.01  # 1 point, plus twice the baselines' spread
+BASELINE_SEEDS = 5  # baselines trained (batch orders): ~1 s each on one core
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -614,7 +618,7 @@ def _conclude(
         final_acc, final_loss = float("nan"), float("nan")
     # one thread: the model is tiny, and spinning OpenMP teams on a busy machine are ~10x slower
     torch.set_num_threads(1)
-    with console.status("training the single-process baseline on the same number of samples..."):
+    with console.status("training the single-process baselines on the same number of samples..."):
         # sync takes one optimizer step per global batch (>= SYNC_TARGET_BATCH: peers keep
         # accumulating while a round forms), so its one-process equivalent takes as many steps
         # on as many samples; local mode is compared with the peers' batches of 32
@@ -622,9 +626,19 @@ def _conclude(
         if args.mode == "sync":
             epochs = max((int(f.get("epoch", 0)) for f in finals.values()), default=0)
             batch = max(SYNC_TARGET_BATCH, samples // max(1, epochs))
-        base_acc, base_loss, base_curve = train_baseline(
-            data, samples, batch_size=batch, seed=args.seed
-        )
+        # several seeds (batch orders): one baseline's accuracy moves by ~0.8 points from
+        # seed to seed on this 539-image test set, so the swarm is held to their mean, with
+        # a margin that grows with their measured spread
+        runs = [
+            train_baseline(data, samples, batch_size=batch, seed=args.seed + k)
+            for k in range(BASELINE_SEEDS)
+        ]
+    base_accs = [acc for acc, _, _ in runs]
+    base_acc = statistics.fmean(base_accs)
+    base_spread = statistics.stdev(base_accs)
+    base_loss = statistics.fmean(loss for _, loss, _ in runs)
+    base_curve = runs[0][2]
+    margin = ACCURACY_TOLERANCE + 2 * base_spread
     pre = record.preemptions
     preemptions = pre["SIGTERM"] + pre["SIGKILL"]
     stuck = sum(1 for s in swarm.slots if s.stuck)
@@ -634,16 +648,17 @@ def _conclude(
     missing = args.peers - len(finals)
     ok = (
         bool(flats)
-        and final_acc >= base_acc - ACCURACY_TOLERANCE
+        and final_acc >= base_acc - margin
         and stuck == 0
         and record.restarts == preemptions
         and missing == 0
     )
     gap = (final_acc - base_acc) * 100
+    close = final_acc >= base_acc - margin
     console.print(
         f"[bold]verdict: {'OK' if ok else 'NOT OK'}[/bold] — swarm {final_acc:.3f} vs baseline "
-        f"{base_acc:.3f} ({gap:+.1f} points; "
-        f"{'within 1 point or better' if final_acc >= base_acc - ACCURACY_TOLERANCE else 'more than 1 point worse'}), "
+        f"{base_acc:.3f} ± {base_spread:.3f} ({gap:+.1f} points; "
+        f"{'within' if close else 'more than'} the {100 * margin:.1f}-point margin), "
         f"{preemptions} preemptions survived ({pre['SIGTERM']} SIGTERM, {pre['SIGKILL']} kill -9), "
         f"{record.restarts} restarts, {stuck} stuck peers, {len(finals)}/{args.peers} peers at the "
         f"end, {samples} samples in {wall:.0f}s",
@@ -654,7 +669,9 @@ def _conclude(
         "swarm accuracy = test accuracy of the mean of the final peers' parameters "
         f"(each peer alone: {', '.join(f'{a:.3f}' for a in peer_acc.values()) or '-'}); "
         "baseline = the same MLP and Adam in one process on the same number of samples"
-        + (f" and as many optimizer steps (batches of {batch})" if args.mode == "sync" else ""),
+        + (f" and as many optimizer steps (batches of {batch})" if args.mode == "sync" else "")
+        + f", mean of {BASELINE_SEEDS} batch orders ({', '.join(f'{a:.3f}' for a in base_accs)}); "
+        f"margin = 1 point + 2 x their standard deviation",
         soft_wrap=True,
         highlight=False,
     )
@@ -666,6 +683,8 @@ def _conclude(
         "final_loss": round(final_loss, 4),
         "baseline_accuracy": round(base_acc, 4),
         "baseline_loss": round(base_loss, 4),
+        "baseline_accuracies": [round(a, 4) for a in base_accs],
+        "margin": round(margin, 4),
         "peer_accuracies": [round(a, 4) for a in peer_acc.values()],
         "preemptions": preemptions,
         "sigterm": pre["SIGTERM"],
