@@ -387,6 +387,13 @@ class Identity:
 
     @classmethod
     def _create_at(cls, path: Path) -> Identity:
+        try:
+            return cls._create_file(path)
+        except OSError as e:  # an unwritable directory, a full disk
+            raise IdentityError(f"cannot create identity file {path}: {e.strerror or e}") from None
+
+    @classmethod
+    def _create_file(cls, path: Path) -> Identity:
         identity = cls.generate()
         directory = path.parent
         directory.mkdir(parents=True, exist_ok=True)

@@ -244,70 +244,12 @@ def _join(args: argparse.Namespace) -> Any:
     raise AssertionError("unreachable")
 
 
-def run(args: argparse.Namespace) -> int:
-    problem = check_args(args)
-    if problem is not None:
-        print(f"moshpit train: {problem}", file=sys.stderr)
-        return 2
-    if args.ignore_sigint:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        from moshpit.training.demo_task import MissingDemoDependency, load_digits_split
-
-        data = load_digits_split()
-    except MissingDemoDependency as e:
-        print(f"moshpit train: {e}", file=sys.stderr)
-        return 2
-    import torch
-
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    reporter = _Reporter(args.json)
-    try:
-        return _train(args, data, reporter)
-    finally:
-        reporter.stop_live()
-
-
-def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
-    import torch
-
+def _make_optimizer(
+    args: argparse.Namespace, dht: Any, inner: Any, mode_options: dict[str, Any]
+) -> Any:
     import moshpit
-    from dht import BootstrapError
-    from dht.p2p import MultiaddrError
-    from moshpit.training.demo_task import (
-        evaluate,
-        make_model,
-        make_optimizer,
-        params_to_text,
-    )
-    from moshpit.training.errors import NoDonorError, StateDownloadError
-    from moshpit.training.health import NonFiniteStateError
 
-    started = time.monotonic()
-    try:
-        dht = _join(args)
-    except MultiaddrError as e:
-        print(f"moshpit train: bad address: {e}", file=sys.stderr)
-        return 2
-    except BootstrapError as e:
-        print(
-            f"moshpit train: could not join through {' '.join(args.initial_peers)}: {e}",
-            file=sys.stderr,
-        )
-        return 1
-    addrs = [str(a) for a in dht.get_visible_maddrs()]
-    reporter.event(
-        "joined",
-        f"peer {dht.peer_id} is up; others join with --initial-peers {addrs[0]}",
-        peer=str(dht.peer_id),
-        addr=addrs[0],
-        startup_s=round(time.monotonic() - started, 2),
-    )
-    model = make_model(seed=0)  # every peer starts from the same weights
-    inner = make_optimizer(model, args.lr)
-    mode_options: dict[str, Any] = {}
-    opt = moshpit.Optimizer(
+    return moshpit.Optimizer(
         optimizer=inner,
         dht=dht,
         run_id=args.run_id,
@@ -327,6 +269,98 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
         progress_ttl=10.0,
         **mode_options,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = check_args(args)
+    if problem is not None:
+        print(f"moshpit train: {problem}", file=sys.stderr)
+        return 2
+    if args.ignore_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from moshpit.training.demo_task import MissingDemoDependency, load_digits_split
+
+        data = load_digits_split()
+    except MissingDemoDependency as e:
+        print(f"moshpit train: {e}", file=sys.stderr)
+        return 2
+    from moshpit.cli.preflight import (
+        PreflightError,
+        check_identity_path,
+        check_ports_free,
+        check_writable_dir,
+    )
+
+    try:  # before joining: a path or port that cannot work is one line, not a traceback
+        check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
+        check_identity_path(args.identity)
+        check_ports_free(args.host_maddrs)
+    except PreflightError as e:
+        print(f"moshpit train: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    reporter = _Reporter(args.json)
+    try:
+        return _train(args, data, reporter)
+    finally:
+        reporter.stop_live()
+
+
+def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
+    import torch
+
+    import moshpit
+    from dht import BootstrapError
+    from dht.p2p import IdentityError, MultiaddrError
+    from moshpit.training.demo_task import (
+        evaluate,
+        make_model,
+        make_optimizer,
+        params_to_text,
+    )
+    from moshpit.training.errors import CheckpointError, NoDonorError, StateDownloadError
+    from moshpit.training.health import NonFiniteStateError
+
+    started = time.monotonic()
+    try:
+        dht = _join(args)
+    except MultiaddrError as e:
+        print(f"moshpit train: bad address: {e}", file=sys.stderr)
+        return 2
+    except BootstrapError as e:
+        print(
+            f"moshpit train: could not join through {' '.join(args.initial_peers)}: {e}",
+            file=sys.stderr,
+        )
+        return 1
+    except IdentityError as e:
+        print(f"moshpit train: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the port was taken since the check, or a network error
+        where = " ".join(args.host_maddrs)
+        print(f"moshpit train: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    addrs = [str(a) for a in dht.get_visible_maddrs()]
+    reporter.event(
+        "joined",
+        f"peer {dht.peer_id} is up; others join with --initial-peers {addrs[0]}",
+        peer=str(dht.peer_id),
+        addr=addrs[0],
+        startup_s=round(time.monotonic() - started, 2),
+    )
+    model = make_model(seed=0)  # every peer starts from the same weights
+    inner = make_optimizer(model, args.lr)
+    mode_options: dict[str, Any] = {}
+    try:
+        opt = _make_optimizer(args, dht, inner, mode_options)
+    except CheckpointError as e:  # e.g. a checkpoint of a newer moshpit, or the disk failed
+        print(f"moshpit train: {e}", file=sys.stderr)
+        dht.shutdown()
+        return 1
     restored = opt.epoch
     # SIGTERM (preemption notice) and Ctrl-C: leave cleanly within the deadline, exit 0
     signals = (signal.SIGTERM,) if args.ignore_sigint else (signal.SIGTERM, signal.SIGINT)
@@ -398,6 +432,10 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
     except moshpit.Preempted as e:
         preempted = True
         reporter.stop_live()
+        if e.failures:  # left, withdrew and shut down, but e.g. the last save failed
+            for failure in e.failures:
+                print(f"moshpit train: {failure}", file=sys.stderr)
+            return 1
         reporter.event(
             "preempted",
             f"{signal.Signals(e.signum).name}: left the swarm cleanly at epoch {opt.epoch} after "
@@ -441,8 +479,13 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
     from moshpit.training.preemption import critical_section
 
     with critical_section():  # a SIGTERM now waits for the clean exit below
-        opt.leave_swarm(args.deadline)
-        dht.shutdown()
+        try:
+            opt.leave_swarm(args.deadline)
+        except CheckpointError as e:  # left and withdrew, but the last save failed
+            print(f"moshpit train: {e}", file=sys.stderr)
+            return 1
+        finally:
+            dht.shutdown()
     return 0
 
 

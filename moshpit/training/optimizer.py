@@ -287,9 +287,14 @@ class Optimizer:
         """Leave within ``deadline`` s (what ``moshpit.handle_preemption`` calls)."""
         if self._closed:
             return
-        self.mode.leave_swarm(deadline)
-        self.tracker.withdraw()
-        self.shutdown()
+        try:
+            self.mode.leave_swarm(deadline)  # raises CheckpointError if the last save failed
+        finally:  # ... after which the records are still withdrawn and everything shut down
+            try:
+                self.tracker.withdraw()
+            except (RuntimeError, TimeoutError) as e:
+                logger.info("could not withdraw the progress record: %s", e)
+            self.shutdown()
 
     def shutdown(self) -> None:
         if self._closed:

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from moshpit.training.errors import StateError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["PreemptionHandler", "Preempted", "critical_section", "handle_preemption"]
@@ -38,11 +40,14 @@ WATCHDOG_EXIT_CODE = 3  # leaving took longer than the deadline
 
 
 class Preempted(SystemExit):
-    """Raised on the main thread after a graceful exit on SIGTERM (exit status 0)."""
+    """Raised on the main thread after a graceful exit on SIGTERM: exit status 0, or 1 when
+    a component could not leave cleanly (``failures``, e.g. the last checkpoint could not be
+    written on a full disk; everything else still left)."""
 
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
-        super().__init__(0)
+    def __init__(self, signum: int = signal.SIGTERM, failures: tuple[str, ...] = ()) -> None:
+        super().__init__(1 if failures else 0)
         self.signum = signum
+        self.failures = failures
 
 
 _local = threading.local()
@@ -160,16 +165,24 @@ class PreemptionHandler:
         if self._leaving:
             return
         self._leaving = True
+        failures: list[str] = []
         for component in self.components:
             # each component gets what is left of the deadline, minus a margin for the rest
             budget = max(0.5, self.remaining() - 1.0)
             try:
                 _leave(component, budget)
-            except Exception:  # one component failing must not stop the others from leaving
+            except (StateError, OSError) as e:  # an expected fault (a full disk): one line
+                logger.error("%s", e)
+                failures.append(str(e))
+            except Exception as e:  # one component failing must not stop the others leaving
                 logger.exception("while %r was leaving", component)
+                failures.append(f"{type(e).__name__}: {e}")
         self.uninstall()
-        logger.warning("left the swarm cleanly; exiting")
-        raise Preempted(getattr(self, "_signum", signal.SIGTERM))
+        if failures:
+            logger.warning("left the swarm, but not cleanly: %s", "; ".join(failures))
+        else:
+            logger.warning("left the swarm cleanly; exiting")
+        raise Preempted(getattr(self, "_signum", signal.SIGTERM), tuple(failures))
 
 
 def _leave(component: Any, budget: float) -> None:

@@ -797,9 +797,12 @@ class StateStore:
             self._set_aside(self._latest, "LATEST")
             return self._intact_manifests()[: self.keep]
 
-    def _intact_manifests(self, exclude: Iterable[bytes] = ()) -> list[bytes]:
+    def _intact_manifests(
+        self, exclude: Iterable[bytes] = (), problems: list[str] | None = None
+    ) -> list[bytes]:
         """Roots of the manifests in manifests/ that verify, newest epoch first (then newest
-        file): what LATEST would name, for a directory whose LATEST is gone or damaged."""
+        file): what LATEST would name, for a directory whose LATEST is gone or damaged. Why
+        the others do not verify is added to ``problems``."""
         skip = set(exclude)
         found: list[tuple[int, int, bytes]] = []
         try:
@@ -816,7 +819,9 @@ class StateStore:
             try:
                 manifest = self.load_manifest(root)
                 mtime = entry.stat().st_mtime_ns
-            except (CheckpointError, OSError):
+            except (CheckpointError, OSError) as e:
+                if problems is not None:
+                    problems.append(str(e))
                 continue
             found.append((manifest.epoch, mtime, root))
         found.sort(reverse=True)
@@ -1291,7 +1296,7 @@ def load_newest_intact(
     except CheckpointCorruptError as e:
         roots = []
         problems.append(str(e))
-    roots = roots + store._intact_manifests(exclude=roots)
+    roots = roots + store._intact_manifests(exclude=roots, problems=problems)
     if not roots and not problems:
         raise NoCheckpointError(f"no checkpoint in {store.directory} yet")
     format_errors: list[CheckpointFormatError] = []
