@@ -142,6 +142,10 @@ class AllReduceResult:
     at least one other member's contribution (chunks whose result had another contributor
     with positive weight, in parts that completed), out of how many. For an aux member (no
     tensors of its own) both count its own part: elements reduced from >= 2 contributions.
+    ``missing_contributors``: members whose contribution a part's reducer left out of a
+    result we received (it names them in the result), with the parts; they are in
+    ``failed_peers`` even when they failed nowhere else in our view. ``complete_numel``:
+    our elements whose result lacked no contribution (a subset of ``averaged_numel``).
     """
 
     averaged: list[torch.Tensor] | None
@@ -158,6 +162,8 @@ class AllReduceResult:
     averaged_numel: int = 0
     numel: int = 0
     numel_sent: int = 0  # values in the chunks and results behind bytes_sent
+    missing_contributors: dict[PeerID, str] = field(default_factory=dict)
+    complete_numel: int = 0
 
     @property
     def wire_bytes_per_value(self) -> float | None:
@@ -166,8 +172,19 @@ class AllReduceResult:
 
     @property
     def failed_peers(self) -> set[PeerID]:
-        """Everyone who failed this round in any role (to avoid repeat offenders)."""
-        return self.failed_senders | self.failed_reducers | set(self.excluded)
+        """Everyone who failed this round in any role, or whose contribution is missing from
+        any part of our result (to avoid repeat offenders)."""
+        return (
+            self.failed_senders
+            | self.failed_reducers
+            | set(self.excluded)
+            | set(self.missing_contributors)
+        )
+
+    @property
+    def complete_fraction(self) -> float:
+        """Share (0..1) of this member's elements whose result holds every contribution."""
+        return self.complete_numel / self.numel if self.numel else 0.0
 
     @property
     def averaged_fraction(self) -> float:
@@ -350,6 +367,8 @@ class _Round:
         self.part_ok = [False] * group.size
         self.part_dev = [0.0] * group.size
         self.part_averaged = [0] * group.size  # elements averaged with someone else, per part
+        self.part_complete = [0] * group.size  # elements whose result lacks no contribution
+        self.missing: dict[int, set[int]] = {}  # sender -> parts whose results lack it
         self.failed_reducers: dict[int, str] = {}
         self.bad_reducers: dict[int, str] = {}
         self.left_out_by: dict[int, str] = {}
@@ -397,7 +416,12 @@ class _Round:
     # ---- reducer side ----
 
     async def _finalize(
-        self, k: int, values: torch.Tensor | None, dev: float, contributors: int
+        self,
+        k: int,
+        values: torch.Tensor | None,
+        dev: float,
+        contributors: int,
+        missing: tuple[int, ...] = (),
     ) -> tuple[Any, torch.Tensor | None]:
         """Compress chunk ``k``'s (finite) aggregate once for every receiver; a codec whose
         output is not finite (a value out of its range) yields "keep local values" instead."""
@@ -412,7 +436,7 @@ class _Round:
         if decoded is not values and not all_finite(decoded):
             logger.warning("chunk %d: the compressed result is not finite; not sending it", k)
             return result_msg(k, None, 0.0, 0), None
-        return result_msg(k, ct, dev, contributors), decoded
+        return result_msg(k, ct, dev, contributors, missing), decoded
 
     def left_out(self, peer: PeerID) -> bool:
         """True if our part's reducer has left ``peer`` out (to say so when refusing it)."""
@@ -552,9 +576,24 @@ class _Round:
             values = self.reducer.local_result(k)
             self._write(bounds, values)
             self._count_averaged(self.me, bounds, values is not None, msg["n"])
+            self._note_missing(self.me, bounds, values is not None, tuple(msg.get("miss", ())))
             self.part_dev[self.me] += msg["dev"]
             self.reducer.mark_sent(self.me, k)
         self.part_ok[self.me] = True
+
+    def _note_missing(
+        self, j: int, bounds: tuple[int, int], got: bool, missing: tuple[int, ...]
+    ) -> None:
+        """A result of part ``j`` that lacks some senders' contributions names them (``miss``):
+        remember who, and count the chunk as complete only when it lacks nobody."""
+        if not got:
+            return
+        if not missing:
+            self.part_complete[j] += bounds[1] - bounds[0]
+            return
+        for s in missing:
+            if s != self.me:
+                self.missing.setdefault(s, set()).add(j)
 
     def _count_averaged(self, j: int, bounds: tuple[int, int], got: bool, n: int) -> None:
         """Chunk ``bounds`` of part ``j`` counts as averaged if its result contained another
@@ -659,7 +698,7 @@ class _Round:
                 msg = await receive_with_payload(
                     stream, max_chunk_message(b - a), raw_float32_destination(b - a, target)
                 )
-            res: Result = parse_result(msg, k, b - a)
+            res: Result = parse_result(msg, k, b - a, self.group.size)
             if res.ct is None:
                 self._write((a, b), None)
             elif target is not None:
@@ -674,6 +713,7 @@ class _Round:
             if res.ct is not None:
                 self.bytes_received += res.ct.nbytes
             self._count_averaged(j, (a, b), res.ct is not None, res.contributors)
+            self._note_missing(j, (a, b), res.ct is not None, res.missing)
             self.part_dev[j] += res.deviation
             received[0] = k + 1
             progress[0].set()
@@ -753,6 +793,14 @@ class _Round:
                 "; ".join(f"{peer}: {why}" for peer, why in left_out_by.items())[:2000],
             )
         averaged_numel, numel = await self._averaged_numel()
+        missing = {
+            group.members[s]: "contribution missing from the result of part(s) "
+            + ", ".join(f"part {j}" for j in sorted(parts))
+            for s, parts in self.missing.items()
+            if group.members[s] not in excluded
+        }
+        complete = sum(n for j, n in enumerate(self.part_complete) if self.part_ok[j])
+        complete_numel = min(complete, averaged_numel) if self.is_sender else 0
         parts_needed = [j for j, c in enumerate(self.chunks) if c]
         deviation = (
             sum(self.part_dev[j] for j in parts_needed)
@@ -774,6 +822,8 @@ class _Round:
             left_out_by=left_out_by,
             averaged_numel=averaged_numel,
             numel=numel,
+            missing_contributors=missing,
+            complete_numel=complete_numel,
         )
 
     async def _averaged_numel(self) -> tuple[int, int]:

@@ -172,15 +172,24 @@ def chunk_msg(k: int, ct: CompressedTensor) -> dict[str, Any]:
 
 
 def result_msg(
-    k: int, ct: CompressedTensor | None, deviation: float, contributors: int
+    k: int,
+    ct: CompressedTensor | None,
+    deviation: float,
+    contributors: int,
+    missing: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    return {
+    """``missing``: the senders (member indices) whose contribution this chunk lacks; sent
+    only when there are some, so a complete round's messages are unchanged."""
+    msg = {
         "t": "result",
         "k": k,
         "ct": None if ct is None else ct.to_msg(),
         "dev": deviation,
         "n": contributors,
     }
+    if missing and ct is not None:
+        msg["miss"] = list(missing)
+    return msg
 
 
 def split_payload(msg: dict[str, Any]) -> tuple[dict[str, Any], bytes | bytearray | memoryview]:
@@ -292,10 +301,16 @@ class Result:
     ct: CompressedTensor | None  # None: keep local values for this chunk
     deviation: float
     contributors: int
+    missing: tuple[int, ...] = ()  # senders (member indices) this chunk lacks
 
 
-def parse_result(msg: Any, k: int, numel: int) -> Result:
-    m = _field(msg, "result", {"t", "k", "ct", "dev", "n"})
+RESULT_FIELDS = {"t", "k", "ct", "dev", "n"}
+
+
+def parse_result(msg: Any, k: int, numel: int, members: int = MAX_SENDERS) -> Result:
+    """Validate a result message; ``members``: the group's size (bounds ``miss``)."""
+    fields = RESULT_FIELDS | {"miss"} if isinstance(msg, dict) and "miss" in msg else RESULT_FIELDS
+    m = _field(msg, "result", fields)
     if m["k"] != k or type(m["k"]) is not int:
         raise ProtocolError(f"expected result {k}, got result {str(m['k'])[:20]}")
     dev = _float(m["dev"], "deviation", 0.0, math.inf)
@@ -303,7 +318,15 @@ def parse_result(msg: Any, k: int, numel: int) -> Result:
     ct = None if m["ct"] is None else _parse_ct(m["ct"], numel)
     if (ct is None) != (n == 0):
         raise ProtocolError(f"result with {n} contributors must {'not ' if n else ''}be empty")
-    return Result(ct, dev, n)
+    missing: tuple[int, ...] = ()
+    if "miss" in m:
+        raw = m["miss"]
+        if ct is None or not isinstance(raw, list) or not 0 < len(raw) <= members:
+            raise ProtocolError("result 'miss' must be a non-empty list of member indices")
+        missing = tuple(_int(i, "missing sender", 0, members - 1) for i in raw)
+        if len(set(missing)) != len(missing):
+            raise ProtocolError("result 'miss' lists a member twice")
+    return Result(ct, dev, n, missing)
 
 
 def decode_chunk(ct: CompressedTensor, numel: int, *, check_finite: bool = True) -> torch.Tensor:

@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_WEIGHT_RATIO = 100.0
 
-# (chunk index, values, deviation, contributors) -> (wire message, local float32 result);
+# (chunk index, values, deviation, contributors, missing senders) -> (wire message, local
+# float32 result);
 # compresses in a worker thread; returns a None result if the compressed values are not finite
 Finalizer = Callable[
     [int, torch.Tensor | None, float, int], Awaitable[tuple[Any, torch.Tensor | None]]
@@ -99,7 +100,9 @@ class PartReducer:
         self._deferred: list[tuple[int, int, torch.Tensor]] = []  # (sender, k, values)
         self.nonfinite_chunks = 0  # results withheld because the aggregate was not finite
         self.contributors_of = [0] * len(chunks)  # "n" of every finalized chunk
+        self.senders = tuple(senders)
         self.active: set[int] = set(senders)
+        self._added: list[set[int]] = [set() for _ in chunks]  # aggregated into chunk k
         self.failed: dict[int, str] = {}
         self.excluded: dict[int, str] = {}
         self.next_emit = 0  # chunks [0, next_emit) are finalized
@@ -205,6 +208,17 @@ class PartReducer:
         except NonFiniteContribution as e:
             logger.info("sender %d sent NaN/Inf in chunk %d; excluded", sender, k)
             self.fail(sender, str(e), excluded=True)
+        else:
+            self._added[k].add(sender)
+
+    def missing(self, k: int) -> tuple[int, ...]:
+        """The senders whose contribution chunk ``k`` lacks: every sender but those that were
+        added to it and those that declared weight 0 (they never contribute)."""
+        return tuple(
+            s
+            for s in self.senders
+            if s not in self._added[k] and self.declared.get(s, 1.0) > 0
+        )
 
     async def _add_deferred(self) -> None:
         while self._deferred:
@@ -281,7 +295,7 @@ class PartReducer:
                 values, dev, n = None, 0.0, 0
             if not math.isfinite(dev):  # cannot happen for finite float32 inputs; saturate
                 dev = sys.float_info.max
-            msg, local = await self._finalize_fn(k, values, dev, n)
+            msg, local = await self._finalize_fn(k, values, dev, n, self.missing(k))
             self.contributors_of[k] = msg["n"]  # 0 if the finalizer withheld the result
             self._results[k] = msg
             if self.local is not None and self.local in self.active:

@@ -81,6 +81,10 @@ class StepResult:
     ``averaged_fraction``: the share (0..1) of this peer's elements that were averaged with at
     least one other peer; the rest kept their local values. For an aux peer (no tensors of
     its own): the share of the part it reduced that combined >= 2 peers' contributions.
+    ``complete_fraction``: the share of this peer's elements whose result holds every
+    contribution; below ``averaged_fraction`` when a part was averaged without someone (a
+    peer that died mid-round after delivering to some reducers only), and ``failed`` then
+    names who is missing (reducers name the senders their results lack).
     ``gathered`` maps every group member to the metadata it passed as ``gather=``.
     ``group_deviation``: the group's spread before averaging, the sum over parts of
     ``sum_i w_i ||x_i - mean||^2 / sum_i w_i``; the same number for every member (adaptive
@@ -104,6 +108,7 @@ class StepResult:
     next_group_key: str = ""
     averaged_fraction: float = 0.0
     group_deviation: float | None = None
+    complete_fraction: float = 0.0
 
     @property
     def group_size(self) -> int:
@@ -686,6 +691,7 @@ class Averager:
             succeeded=result.averaged_numel > 0,
             reason=result.why_not_averaged(),
             averaged_fraction=result.averaged_fraction,
+            complete_fraction=result.complete_fraction,
             group_key=key,
             group_id=group.group_id,
             members=group.members,

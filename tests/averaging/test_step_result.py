@@ -24,7 +24,7 @@ from moshpit.averaging.allreduce_protocol import all_finite
 from moshpit.averaging.averager import HARD_STEP_SLACK, Averager
 from moshpit.averaging.partition import part_bounds
 from tests.averaging.test_allreduce import make_group, run_all, swarm, weighted_mean
-from tests.averaging.test_allreduce_failures import drive_sender
+from tests.averaging.test_allreduce_failures import chunk_of, drive_sender
 
 # ---------------------------------------------------------------- AllReduceService level
 
@@ -265,3 +265,49 @@ async def test_a_step_that_would_wait_forever_is_abandoned(autojump_clock, caplo
         averagers[1]._before_allreduce = None
         again = await _step_all(averagers)
         assert all(res.succeeded for res in again)
+
+
+# ---------------------------------------------------------------- missing contributors
+
+
+async def test_every_survivor_names_a_sender_missing_from_any_part(autojump_clock):
+    """Member 3 (a client: it reduces nothing) delivers all of part 0 and then dies before
+    sending anything to parts 1 and 2. Member 0's own part holds it, but the parts it gets
+    back from reducers 1 and 2 do not: member 0 must still name member 3 as missing (it
+    used to report no failure at all), and so must every survivor, whose reports agree with
+    the contributor counts the reducers sent."""
+    async with swarm(4, chunk_numel=4) as services:
+        group = make_group(services, ["node", "node", "node", "client"])
+        total = 24
+        tensors = [[torch.randn(total)] for _ in range(4)]
+        (a0, b0), _, _, _ = part_bounds(group, total)
+        from moshpit.averaging.partition import chunk_bounds
+
+        chunks0 = chunk_bounds(a0, b0, 4)
+        mine = tensors[3][0]
+
+        async def deliver_part_0_then_die():
+            await drive_sender(
+                services[3],
+                group,
+                0,
+                total,
+                [chunk_of(mine[a:b], k) for k, (a, b) in enumerate(chunks0)],
+                read_replies=False,
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(deliver_part_0_then_die)
+            results = await run_all(
+                services, group, tensors, skip=[3], timeout=30, sender_timeout=2
+            )
+            nursery.cancel_scope.cancel()
+        dead = group.members[3]
+        for r in results[:3]:
+            assert dead in r.failed_peers, r
+            assert dead in r.missing_contributors or dead in r.failed_senders
+            # 1/3 of the elements (part 0) hold every contribution, the rest lack member 3
+            assert r.complete_numel == b0 - a0 and r.averaged_fraction == 1.0
+            assert r.complete_fraction == pytest.approx((b0 - a0) / total)
+        assert dead in results[0].missing_contributors
+        assert "part 1" in results[0].missing_contributors[dead]
