@@ -8,6 +8,10 @@ and feeds the validated float32 contributions to the returned :class:`ChunkAggre
 - :class:`ClippedMean` clips every coordinate to ``[median - tau, median + tau]`` (coordinate-wise
   median of the senders) before the weighted mean; with a minority of bad senders the result stays
   within ``tau`` of the honest senders' range.
+- :class:`TrimmedMean` drops, per coordinate, the ``trim`` fraction of the largest and of the
+  smallest values and averages the rest; :class:`Median` takes the coordinate-wise median.
+  Both ignore the senders' weights (a weight is an unverified claim: a member declaring
+  weight 1e9 would otherwise own the result), except that weight 0 contributes nothing.
 - :class:`CenteredClip` (Karimireddy, He, Jaggi 2021) iterates
   ``v += sum_i w_i clip_tau(x_i - v) / sum_i w_i`` from the coordinate-wise median; each
   iteration lets a sender of weight share ``d`` move ``v`` by at most ``d * tau`` (L2 norm over
@@ -224,3 +228,65 @@ class CenteredClip(Aggregator):
 
     def begin(self, numel: int) -> ChunkAggregation:
         return _StoredChunk(numel, self._combine)
+
+
+class TrimmedMean(Aggregator):
+    """Coordinate-wise trimmed mean: per coordinate, the ``floor(trim * n)`` largest and as
+    many smallest of the ``n`` contributions are dropped and the rest averaged, unweighted.
+
+    With ``b`` bad senders and ``b <= floor(trim * n)``, every result lies within the honest
+    senders' range on each coordinate. Costs a sort per coordinate over the senders.
+    """
+
+    def __init__(self, trim: float = 0.2) -> None:
+        if not (isinstance(trim, (int, float)) and 0 <= trim < 0.5):
+            raise ValueError(f"trim must be a fraction in [0, 0.5), got {trim!r}")
+        self.trim = float(trim)
+
+    def _combine(self, xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+        del ws  # unweighted on purpose (module doc)
+        n = xs.shape[0]
+        cut = min(int(self.trim * n), (n - 1) // 2)
+        if cut == 0:
+            return xs.mean(dim=0)
+        ordered = xs.sort(dim=0).values
+        return ordered[cut : n - cut].mean(dim=0)
+
+    def begin(self, numel: int) -> ChunkAggregation:
+        return _StoredChunk(numel, self._combine)
+
+
+class Median(Aggregator):
+    """Coordinate-wise median (the mean of the two middle values for an even count),
+    unweighted: one bad sender among three or more cannot move it outside the honest range."""
+
+    def _combine(self, xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+        del ws
+        n = xs.shape[0]
+        ordered = xs.sort(dim=0).values
+        if n % 2:
+            return ordered[n // 2]
+        return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+    def begin(self, numel: int) -> ChunkAggregation:
+        return _StoredChunk(numel, self._combine)
+
+
+AGGREGATIONS = ("mean", "trimmed_mean", "median")
+
+
+def make_aggregator(spec: str | Aggregator | None) -> Aggregator | None:
+    """``Averager(aggregation=...)``: a name of :data:`AGGREGATIONS` or an :class:`Aggregator`
+    (e.g. ``TrimmedMean(0.3)``, ``CenteredClip(tau)``); None or "mean" is the weighted mean."""
+    if spec is None or spec == "mean":
+        return None
+    if isinstance(spec, Aggregator):
+        return spec
+    if spec == "trimmed_mean":
+        return TrimmedMean()
+    if spec == "median":
+        return Median()
+    raise ValueError(
+        f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))} or an Aggregator "
+        f"(TrimmedMean, Median, ClippedMean, CenteredClip), got {spec!r}"
+    )

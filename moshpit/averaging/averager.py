@@ -30,6 +30,7 @@ import msgpack
 import torch
 import trio
 
+from moshpit.averaging.aggregation import make_aggregator
 from moshpit.averaging.allreduce import AllReduceService
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE
@@ -198,6 +199,13 @@ class Averager:
       as the number of peers seen under the key shows the swarm's size (``group_keys.py``).
     :param matchmaking_timeout: how long a step looks for a group before giving up (default
       ``max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)``).
+    :param aggregation: how the reducer of a part combines the members' contributions:
+      ``"mean"`` (default: the weighted mean; exact, but one member can move it arbitrarily),
+      ``"trimmed_mean"`` (drops the top and bottom 20% per coordinate), ``"median"``, or an
+      ``Aggregator`` from ``moshpit.averaging.aggregation`` (``TrimmedMean(trim)``,
+      ``Median()``, ``ClippedMean(tau)``, ``CenteredClip(tau)``). The robust ones ignore the
+      members' weights and keep every contribution of a chunk in memory until it is complete
+      (docs/averaging.md, "Robust aggregation", says what they guarantee and what not).
     :param ban_after_failures / ban_seconds: a peer that failed this many consecutive rounds
       with us is not grouped with for ``ban_seconds``.
     """
@@ -226,6 +234,7 @@ class Averager:
         ban_after_failures: int = 2,
         ban_seconds: float = 60.0,
         pace_uplink: bool = True,
+        aggregation: Any = None,
     ):
         self._tensors = list(tensors)
         if not self._tensors:
@@ -267,6 +276,7 @@ class Averager:
         self.compression = compression
         self.bandwidth = bandwidth
         self.pace_uplink = bool(pace_uplink)
+        self.aggregation = make_aggregator(aggregation)
         self.mode = MODE_CLIENT if client_mode else MODE_AUX if auxiliary else MODE_NODE
         self.sender_timeout = sender_timeout
         self.reducer_timeout = reducer_timeout
@@ -676,6 +686,7 @@ class Averager:
                 numel=self._numel,
                 out=self._out_buffers(),
                 uplink_rate=self.bandwidth if self.pace_uplink else None,
+                aggregation=self.aggregation,
             )
             if result.wire_bytes_per_value is not None:
                 # the next groups learn how dense our codec is (it sizes their chunks)
