@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 # every IPv4 interface, a free port: peers on other machines can reach us at the interface
 # addresses announced for it (pass /ip4/127.0.0.1/tcp/0 to stay local to this machine)
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+# A joiner retries its initial peers until bootstrap_timeout: a peer still starting, a reset
+# under load or a bootstrap node busy with a connection flood is worth another try.
+BOOTSTRAP_RETRY_FIRST = 0.25  # seconds before the second attempt, doubling up to the next
+BOOTSTRAP_RETRY_MAX = 2.0
 SIGNATURES_ON_LOOP = 16  # default: more signed records than this are verified in a worker thread
 StoreItem = tuple[Any, Any, Any, float]  # (key, subkey or None, value, expiration_time)
 Named = tuple[Any, DHTRecord]  # (caller's name for a record, the record)
@@ -298,28 +302,50 @@ class DHTNode:
         if not initial_peers:
             return
         joined: list[Any] = []
-        errors: list[str] = []
+        errors: dict[str, str] = {}  # the last failure of each initial peer
+        own = f"/p2p/{self.peer_id}"
+        pending = [a for a in initial_peers if a != self.peer_id and not str(a).endswith(own)]
+        deadline = trio.current_time() + time_limit
 
         async def try_peer(address: Any) -> None:
             try:
-                peer_id, addrs = await self.network.connect(address, time_limit)
+                peer_id, addrs = await self.network.connect(
+                    address, max(0.0, deadline - trio.current_time())
+                )
             except PeerUnreachableError as e:
-                errors.append(str(e))
+                errors[str(address)] = str(e)
                 return
             if peer_id == self.peer_id:
+                pending.remove(address)  # ourselves: nothing to retry
                 return
             if await self.ping(peer_id, fallback_addrs=addrs):
                 joined.append(peer_id)
             else:
-                errors.append(f"{address} did not answer a DHT ping")
+                errors[str(address)] = f"{address} did not answer a DHT ping"
 
-        async with trio.open_nursery() as nursery:
-            for address in initial_peers:
-                nursery.start_soon(try_peer, address)
+        delay = BOOTSTRAP_RETRY_FIRST
+        for attempt in range(1, sys.maxsize):
+            async with trio.open_nursery() as nursery:
+                for address in list(pending):
+                    nursery.start_soon(try_peer, address)
+            remaining = deadline - trio.current_time()
+            if joined or not pending or remaining < 2 * BOOTSTRAP_RETRY_FIRST:
+                break
+            # jitter, so that joiners do not retry in step; the last try keeps some time
+            wait = min(delay * random.uniform(0.75, 1.25), remaining - BOOTSTRAP_RETRY_FIRST)
+            logger.info(
+                "no initial peer answered yet (attempt %d: %s); retrying in %.1fs",
+                attempt,
+                next(iter(errors.values()), "no answer"),
+                wait,
+            )
+            await trio.sleep(wait)
+            delay = min(2 * delay, BOOTSTRAP_RETRY_MAX)
         if not joined:
+            reasons = "; ".join(list(errors.values())[:3]) or "they are this node itself"
             raise BootstrapError(
                 f"could not join the DHT: none of the {len(initial_peers)} initial peers answered "
-                f"({'; '.join(errors[:3]) or 'they are this node itself'}); check the addresses "
+                f"within {time_limit:g}s ({reasons}); check the addresses "
                 "and that at least one of those peers is running"
             )
         # Kademlia's join: look up our own ID for the k (not beam) nearest peers. Every peer

@@ -75,8 +75,14 @@ class HostLimits:
     """Resource limits of a Host. Everything a remote can make us allocate is bounded here."""
 
     max_connections: int = 512
+    # inbound handshakes whose dialer has spoken (sent its multistream header and security
+    # proposal): these cost Noise work, so few run at once
     max_pending_handshakes: int = 64
-    max_pending_handshakes_per_source: int = 8  # per IPv4 address / IPv6 /64
+    # accepted sockets that have not spoken yet: only a descriptor and a task each, so many are
+    # held (fewer if the open-file limit is low) and a flood of idle sockets does not churn
+    # through them faster than a newcomer can say its first bytes
+    max_silent_connections: int = 1024
+    max_pending_handshakes_per_source: int = 8  # silent or not, per IPv4 address / IPv6 /64
     max_streams_per_connection: int = 1024
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     stream_window: int = INITIAL_WINDOW
@@ -93,7 +99,11 @@ class HostLimits:
     log_interval: float = 10.0  # repetitive WARNINGs (refused connections...): one per interval
 
     def __post_init__(self) -> None:
-        for name in ("max_pending_handshakes", "max_pending_handshakes_per_source"):
+        for name in (
+            "max_pending_handshakes",
+            "max_silent_connections",
+            "max_pending_handshakes_per_source",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"HostLimits.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("handshake_timeout", "handshake_start_timeout", "log_interval"):
@@ -235,6 +245,13 @@ class Host:
         # grouped by source; a source's entry is removed when its last handshake ends.
         self._handshakes: dict[_PendingHandshake, None] = {}
         self._handshakes_by_source: dict[str, dict[_PendingHandshake, None]] = {}
+        # The same split by whether the dialer has spoken: silent sockets per source, and the
+        # sources bucketed by how many silent sockets they hold (for fair-share eviction).
+        self._silent_by_source: dict[str, dict[_PendingHandshake, None]] = {}
+        self._sources_by_silent_count: dict[int, dict[str, None]] = {}
+        self._silent_count = 0
+        self._spoken: dict[_PendingHandshake, None] = {}
+        self._silent_cap = limits.max_silent_connections
         # One WARNING per category and interval under abuse (trio's clock: MockClock-friendly).
         self._log = RateLimitedLogger(logger, limits.log_interval, clock=trio.current_time)
         self._log_flusher_started = False
@@ -303,6 +320,7 @@ class Host:
 
     async def listen(self, maddrs: Iterable[Multiaddr | str]) -> list[Multiaddr]:
         """Start accepting connections; returns the actual addresses, with ``/p2p/<id>``."""
+        self._fit_silent_cap_to_file_limit()
         added: list[Multiaddr] = []
         for maddr in maddrs:
             for listener in await self.transport.listen(Multiaddr(maddr)):
@@ -314,6 +332,17 @@ class Host:
                     added.append(addr)
                 self._nursery.start_soon(self._accept_loop, listener)
         return added
+
+    def _fit_silent_cap_to_file_limit(self) -> None:
+        """Hold at most a quarter of the open-file limit in silent sockets, so a flood of them
+        can never make ``accept`` fail for lack of descriptors (raising the limit first)."""
+        soft = raise_open_file_limit()
+        if soft <= 0:
+            return
+        cap = min(self.limits.max_silent_connections, max(1, soft // 4))
+        if cap < self.limits.max_silent_connections and cap != self._silent_cap:
+            logger.info("holding at most %d silent inbound sockets (open-file limit %d)", cap, soft)
+        self._silent_cap = cap
 
     async def _accept_loop(self, listener: Any) -> None:
         if not self._log_flusher_started:
@@ -351,13 +380,16 @@ class Host:
             self._log.flush()
 
     def _admit_handshake(self, remote: str) -> _PendingHandshake:
-        """Take a pending-handshake slot for a new inbound connection, never refusing it.
+        """Take a slot for a new inbound connection, never refusing it.
 
-        Over the per-source cap the stalest handshake of the same source is evicted, over the
-        global cap the stalest of all; "stalest" prefers connections that have not even sent
-        the multistream header and /noise proposal yet. A flood of idle sockets therefore
-        only ever displaces itself, while a well-behaved newcomer (which gets past that first
-        step within one round trip) keeps its slot.
+        A new socket is *silent* until its dialer sends the multistream header and security
+        proposal, which a well-behaved peer does in the same round trip as TCP's handshake.
+        Over the per-source cap the stalest handshake of the same source is evicted (silent
+        ones first). Over the silent cap, fair share: the oldest silent socket of the source
+        holding the most silent sockets goes. Silent sockets are cheap, so the cap is large:
+        a flood of idle sockets sits out its first-message deadline instead of churning
+        through a few slots in milliseconds, and when it is larger than the cap it mostly
+        displaces itself, while a newcomer that has not spoken yet keeps its slot.
         """
         limits = self.limits
         source = _source_key(remote)
@@ -368,18 +400,51 @@ class Host:
                 remote,
                 f"{limits.max_pending_handshakes_per_source} pending handshakes from {source}",
             )
-        if len(self._handshakes) >= limits.max_pending_handshakes:
+        if self._silent_count >= self._silent_cap:
             self._evict(
-                _stalest(self._handshakes),
+                self._fair_share_victim(),
                 remote,
-                f"{limits.max_pending_handshakes} pending handshakes in all",
+                f"{self._silent_cap} silent connections in all",
             )
         now = trio.current_time()
         first_step = min(limits.handshake_start_timeout, limits.handshake_timeout)
         pending = _PendingHandshake(source, remote, now, now + first_step)
         self._handshakes[pending] = None
         self._handshakes_by_source.setdefault(source, {})[pending] = None
+        self._add_silent(pending)
         return pending
+
+    def _fair_share_victim(self) -> _PendingHandshake:
+        """The oldest silent socket of the source that holds the most of them."""
+        count = max(self._sources_by_silent_count)
+        source = next(iter(self._sources_by_silent_count[count]))
+        return next(iter(self._silent_by_source[source]))
+
+    def _add_silent(self, pending: _PendingHandshake) -> None:
+        group = self._silent_by_source.setdefault(pending.source, {})
+        self._move_bucket(pending.source, len(group), len(group) + 1)
+        group[pending] = None
+        self._silent_count += 1
+
+    def _remove_silent(self, pending: _PendingHandshake) -> None:
+        group = self._silent_by_source.get(pending.source)
+        if group is None or pending not in group:
+            return
+        del group[pending]
+        self._move_bucket(pending.source, len(group) + 1, len(group))
+        if not group:
+            del self._silent_by_source[pending.source]
+        self._silent_count -= 1
+
+    def _move_bucket(self, source: str, old: int, new: int) -> None:
+        buckets = self._sources_by_silent_count
+        if old:
+            bucket = buckets[old]
+            del bucket[source]
+            if not bucket:
+                del buckets[old]
+        if new:
+            buckets.setdefault(new, {})[source] = None
 
     def _evict(self, victim: _PendingHandshake, newcomer: str, why: str) -> None:
         self._forget_handshake(victim)
@@ -398,6 +463,8 @@ class Host:
     def _forget_handshake(self, pending: _PendingHandshake) -> None:
         """Free the slot (idempotent: an evicted handshake was forgotten already)."""
         self._handshakes.pop(pending, None)
+        self._spoken.pop(pending, None)
+        self._remove_silent(pending)
         group = self._handshakes_by_source.get(pending.source)
         if group is not None:
             group.pop(pending, None)
@@ -410,9 +477,20 @@ class Host:
         await _close_quietly(raw)
 
     def _handshake_started(self, pending: _PendingHandshake) -> None:
-        """The dialer spoke: from now on it gets the whole handshake_timeout."""
+        """The dialer spoke: from now on it gets the whole handshake_timeout, and a slot
+        among the (few) handshakes that cost Noise work; over that cap the oldest goes."""
+        if pending.evicted:
+            return
         pending.negotiated = True
         pending.scope.deadline = pending.started + self.limits.handshake_timeout
+        self._remove_silent(pending)
+        if len(self._spoken) >= self.limits.max_pending_handshakes:
+            self._evict(
+                next(iter(self._spoken)),
+                pending.remote,
+                f"{self.limits.max_pending_handshakes} handshakes in progress",
+            )
+        self._spoken[pending] = None
 
     async def _handle_inbound(
         self, raw: trio.abc.Stream, remote: str, pending: _PendingHandshake
@@ -1066,6 +1144,27 @@ def _check_security_protocols(protocols: Sequence[str]) -> tuple[str, ...]:
             f"{list(SECURITY_PROTOCOLS)}, got {list(chosen)}"
         )
     return chosen
+
+
+def raise_open_file_limit(wanted: int = 65536) -> int:
+    """Raise this process' soft limit on open files towards the hard limit; returns the new
+    soft limit. A listening host holds one descriptor per connection and per socket that has
+    not spoken yet, so the common default of 1024 would let a few hundred idle sockets make
+    ``accept`` fail for everyone; servers raise it at start for the same reason."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX: nothing to raise
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as e:
+            logger.debug("could not raise the open-file limit from %d: %s", soft, e)
+            return soft
+        return target
+    return soft
 
 
 def _is_loopback(addr: str) -> bool:

@@ -193,16 +193,11 @@ def worker_main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(args.seed * 100_003 + args.index)
     tensor = torch.randn(args.size, generator=gen) * 10 + args.index
-    from dht import BootstrapError
-
-    for attempt in range(3):  # a busy machine (N peers importing torch at once) can be slow
-        try:
-            dht = DHT(initial_peers=[args.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            break
-        except BootstrapError:
-            if attempt == 2:
-                raise
-            time.sleep(1.0)
+    # the node retries its initial peer with backoff (a busy machine, N peers importing torch
+    # at once, can be slow to answer)
+    dht = DHT(
+        initial_peers=[args.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=30
+    )
     averager = Averager(
         [tensor],
         dht,

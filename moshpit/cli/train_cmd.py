@@ -228,20 +228,16 @@ def _watch_stdin(stop: threading.Event) -> None:
 
 
 def _join(args: argparse.Namespace) -> Any:
-    from dht import DHT, BootstrapError
+    from dht import DHT
 
-    for attempt in range(3):  # a busy machine (many peers importing torch at once) can be slow
-        try:
-            return DHT(
-                initial_peers=args.initial_peers,
-                host_maddrs=args.host_maddrs,
-                identity_path=args.identity,
-            )
-        except BootstrapError:
-            if attempt == 2:
-                raise
-            time.sleep(1.0)
-    raise AssertionError("unreachable")
+    # the node retries its initial peers with backoff for bootstrap_timeout (a busy machine,
+    # many peers importing torch at once, or a bootstrap node under a flood can be slow)
+    return DHT(
+        initial_peers=args.initial_peers,
+        host_maddrs=args.host_maddrs,
+        identity_path=args.identity,
+        bootstrap_timeout=30,
+    )
 
 
 def _make_optimizer(

@@ -4,6 +4,8 @@ test process' file descriptors, and it does not share the test's event loop).
 
     python -m tests.p2p.slowloris HOST PORT CONNECTIONS SOURCE_IP [SOURCE_IP ...]
 
+Also :func:`slow_to_speak_proxy`, a relay that makes a well-behaved newcomer slow to speak.
+
 Prints ``ready`` once it has opened as many connections as it holds, and on SIGTERM
 ``opened=<n> closed_by_host=<n> failed=<n>`` before it exits. (Not "once every slot has
 connected": at thousands of reconnects a second a slot's new port may hit one of the host's
@@ -15,8 +17,13 @@ from __future__ import annotations
 import resource
 import signal
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
 
 import trio
+
+from dht.p2p.multiaddr import Multiaddr
 
 
 class Stats:
@@ -46,6 +53,41 @@ async def hold(host: str, port: int, source: str, stats: Stats, ready: trio.Even
             pass
         stats.closed_by_host += 1
         await stream.aclose()
+
+
+@asynccontextmanager
+async def slow_to_speak_proxy(target: Multiaddr, delay: float) -> AsyncIterator[Multiaddr]:
+    """A TCP relay to ``target`` that connects at once but holds the dialer's first bytes for
+    ``delay`` seconds: the host sees a newcomer that is slow to speak (a busy process, a
+    congested uplink), which a flood churning through its slots faster than that locks out."""
+    host, port = target.tcp_endpoint()
+
+    async def pipe(src: trio.SocketStream, dst: trio.SocketStream, hold: float) -> None:
+        await trio.sleep(hold)
+        try:
+            while data := await src.receive_some(65536):
+                await dst.send_all(data)
+            await dst.send_eof()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+    async def relay(client: trio.SocketStream) -> None:
+        try:
+            upstream = await trio.open_tcp_stream(host, port)
+        except OSError:
+            await client.aclose()
+            return
+        async with client, upstream, trio.open_nursery() as nursery:
+            nursery.start_soon(pipe, client, upstream, delay)
+            nursery.start_soon(pipe, upstream, client, 0.0)
+
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(partial(trio.serve_tcp, relay, 0, host="127.0.0.1"))
+        proxy_port = listener.socket.getsockname()[1]
+        try:
+            yield Multiaddr(f"/ip4/127.0.0.1/tcp/{proxy_port}/p2p/{target.peer_id}")
+        finally:
+            nursery.cancel_scope.cancel()
 
 
 async def main(host: str, port: int, count: int, sources: list[str]) -> None:
