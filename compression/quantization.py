@@ -219,7 +219,9 @@ def _encode_uniform(
     there are more than that), else clips when ``clip``."""
     n = flat.numel()
     step = (hi - lo) / 255.0
-    if not step > 0 or not math.isfinite(step):  # constant tensor (or a degenerate range)
+    # a constant tensor, a degenerate range, or one so narrow (hi - lo < 255 * 2**-128, about
+    # 7.5e-37) that 1 / step overflows float32: every value then decodes to lo, off by < hi - lo
+    if not step > 0 or not math.isfinite(step) or not 1.0 / step <= _F32_MAX:
         step = 1.0
     inv = 1.0 / step
     collect = max_outliers is not None

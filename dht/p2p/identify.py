@@ -73,9 +73,11 @@ def decode_identify(body: bytes, remote: PeerID) -> IdentifyInfo:
                 info.public_key = value
             elif number == 2 and len(info.listen_addrs) < MAX_LISTEN_ADDRS:
                 try:
-                    info.listen_addrs.append(Multiaddr.from_bytes(value).without_peer_id())
+                    addr = Multiaddr.from_bytes(value).without_peer_id()
                 except MultiaddrError:
-                    pass  # an address kind we do not support (quic, ws, ...): skip it
+                    continue  # an address kind we do not support (quic, ws, ...): skip it
+                if addr.peer_id is None:  # not /p2p/A/p2p/B: that names no transport either
+                    info.listen_addrs.append(addr)
             elif number == 3 and len(info.protocols) < MAX_PROTOCOLS:
                 info.protocols.append(_text(value, "protocol"))
             elif number == 4:

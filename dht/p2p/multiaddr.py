@@ -81,7 +81,10 @@ def _parse_value(proto: _Protocol, text: str, where: str) -> Value:
 
 
 def _check_dns_name(name: str, where: str) -> None:
-    encoded = name.encode("utf-8", "surrogatepass")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: what Python makes of undecodable argv bytes
+        raise MultiaddrError(f"invalid DNS name {name!r} in {where!r}: not valid Unicode") from None
     if not name or len(encoded) > MAX_DNS_NAME_BYTES:
         raise MultiaddrError(f"invalid DNS name {name!r} in {where!r}: bad length")
     if "/" in name or any(ord(c) < 0x21 or ord(c) == 0x7F for c in name):

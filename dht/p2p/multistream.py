@@ -54,13 +54,18 @@ def _check_protocol_name(protocol: str) -> None:
 
 
 class _Reader:
-    """Reads multistream messages from a stream, keeping bytes that arrive past them."""
+    """Reads multistream messages from a stream, keeping bytes that arrive past them.
 
-    def __init__(self, stream: trio.abc.ReceiveStream, initial: bytes = b"") -> None:
+    Without a stream it reads only ``initial`` (the entries of an ``ls`` answer, which must
+    not run on into the bytes that follow the answer)."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream | None, initial: bytes = b"") -> None:
         self.stream = stream
         self.buffer = bytearray(initial)
 
     async def _fill(self, what: str) -> None:
+        if self.stream is None:
+            raise ProtocolNegotiationError(f"{what} runs past the end of the message holding it")
         data = await self.stream.receive_some(_READ_CHUNK)
         if not data:
             raise ProtocolNegotiationError(f"stream closed by remote while waiting for {what}")
@@ -244,7 +249,7 @@ async def list_protocols(
         await stream.send_all(encode_message(MULTISTREAM_PROTOCOL) + encode_message(LS))
         await reader.read_header()
         body = await reader.read_raw("the ls answer", limit=MAX_LS_RESPONSE)
-        inner = _Reader(stream, body)
+        inner = _Reader(None, body)
         protocols = []
         while inner.buffer and bytes(inner.buffer) != b"\n":
             protocols.append(await inner.read_message("an ls entry"))

@@ -38,7 +38,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_BITS_RE = re.compile(r"^[01]*$")
+_BITS_RE = re.compile(r"^[01]*\Z")  # \Z, not $: "$" also matches before a final newline
 MAX_GROUP_BITS = 64  # 2**64 groups is far beyond any swarm; bounds key length
 ESTIMATE_WINDOW = 5  # swarm-size estimates (one per round) the median is taken over
 MIN_ESTIMATES = 2  # estimates needed before the grid first changes

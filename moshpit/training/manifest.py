@@ -236,7 +236,13 @@ class Manifest:
             names.add(spec.name)
             tensors.append(spec)
         manifest = cls(epoch, tuple(tensors), chunk_bytes, metadata, version)
-        if manifest.to_bytes() != bytes(data):
+        try:
+            packed = manifest.to_bytes()
+        except (TypeError, ValueError, RecursionError) as e:
+            # metadata that no canonical form exists for: str and bytes keys in one map (they
+            # do not sort), or nesting deeper than msgpack packs
+            raise ManifestError(f"manifest metadata has no canonical form: {e}") from None
+        if packed != bytes(data):
             raise ManifestError("manifest is not in canonical form (its root would not match)")
         return manifest
 
@@ -253,8 +259,8 @@ def _parse_tensor(raw: Any, chunk_bytes: int) -> TensorSpec:
     name, dtype, shape, chunks = raw
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
         raise ManifestError(f"tensor name must be a string of 1..{MAX_NAME_CHARS} characters")
-    if dtype not in DTYPES:
-        raise ManifestError(f"tensor {name!r}: dtype {dtype!r} is not allowed")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ManifestError(f"tensor {name!r}: dtype {str(dtype)[:40]!r} is not allowed")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise ManifestError(f"tensor {name!r}: shape must be a list of <= {MAX_DIMS} sizes")
     shape_t = tuple(_int(s, f"tensor {name!r} dimension", 0, 1 << 40) for s in shape)
@@ -264,12 +270,13 @@ def _parse_tensor(raw: Any, chunk_bytes: int) -> TensorSpec:
         raise ManifestError(f"tensor {name!r} is implausibly large ({nbytes} bytes)")
     if not isinstance(chunks, list):
         raise ManifestError(f"tensor {name!r}: chunks must be a list")
-    expected = _chunk_sizes(nbytes, chunk_bytes)
-    if len(chunks) != len(expected):
+    count = max(1, -(-nbytes // chunk_bytes))  # checked before _chunk_sizes builds that list
+    if len(chunks) != count:
         raise ManifestError(
-            f"tensor {name!r}: {len(chunks)} chunks listed, {len(expected)} expected "
+            f"tensor {name!r}: {len(chunks)} chunks listed, {count} expected "
             f"for {nbytes} bytes in {chunk_bytes}-byte chunks"
         )
+    expected = _chunk_sizes(nbytes, chunk_bytes)
     refs = []
     for raw_chunk, size in zip(chunks, expected, strict=True):
         if not isinstance(raw_chunk, list) or len(raw_chunk) != 2:

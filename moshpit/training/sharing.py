@@ -81,7 +81,8 @@ BUSY_BACKOFF = (0.05, 2.0)  # first and largest wait after a "busy" answer, seco
 SENDING_AT_ONCE = 2  # answers being transmitted at once (more wait their turn)
 KEEP_STREAM_SECONDS = 30.0  # a server keeps an idle request stream open this long
 REUSE_STREAM_SECONDS = 10.0  # a requester reuses a stream idle at most this long (< the above)
-_OWNER_SUBKEY = re.compile(r"^\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]$")
+# \Z, not $: "$" also matches before a final newline, a second spelling of the subkey
+_OWNER_SUBKEY = re.compile(r"^\[owner:([1-9A-HJ-NP-Za-km-z]{1,128})\]\Z")
 
 T = TypeVar("T")
 
