@@ -213,14 +213,16 @@ def test_volunteer_rejects_bad_arguments_in_one_line(argv, message):
     assert proc.stderr.strip() == f"moshpit train: {message}"
 
 
-def test_volunteer_with_a_malformed_address_says_so_in_one_line():
+def test_volunteer_with_a_malformed_address_says_so_in_one_line(tmp_path: Path):
     proc = subprocess.run(
         [sys.executable, "-m", "moshpit", "train", "--initial-peers", "not-an-address"],
         capture_output=True,
         text=True,
         timeout=120,
         env=ENV,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("moshpit train: bad address:")
     assert "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # the typo was reported before anything was created

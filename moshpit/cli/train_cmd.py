@@ -281,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
     except MissingDemoDependency as e:
         print(f"moshpit train: {e}", file=sys.stderr)
         return 2
+    from dht.kademlia.node import check_address_args
+    from dht.p2p import MultiaddrError
     from moshpit.cli.preflight import (
         PreflightError,
         check_identity_path,
@@ -288,6 +290,11 @@ def run(args: argparse.Namespace) -> int:
         check_writable_dir,
     )
 
+    try:  # a typo in an address fails before anything touches the disk
+        check_address_args(args.initial_peers or [], args.host_maddrs, None)
+    except MultiaddrError as e:
+        print(f"moshpit train: bad address: {e}", file=sys.stderr)
+        return 2
     try:  # before joining: a path or port that cannot work is one line, not a traceback
         check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
         check_identity_path(args.identity)
