@@ -403,6 +403,25 @@ def test_a_round_missing_peers_its_members_know_is_not_applied(make_dhts):
     assert not serve_dir.exists()
 
 
+def test_next_round_does_not_wait_for_members_that_failed_or_were_excluded():
+    """A peer that joined our round and then failed (or sent bad input) is not awaited in the
+    next one: otherwise one misbehaving peer would hold every round until it times out."""
+    from types import SimpleNamespace
+
+    from moshpit.training.modes.epoch_rounds import EpochRounds
+
+    rounds = EpochRounds("me", target_group_size=8)
+    result = SimpleNamespace(
+        members=["me", "honest", "crashed", "poisoner"],
+        failed={"crashed"},
+        excluded={"poisoner": "non-finite values"},
+    )
+    rounds.stepped_with(result)
+    assert rounds.last_members == {"honest"}
+    view = SimpleNamespace(peers=[], epoch=1)
+    assert rounds.awaited(view, 1) == {"honest"}
+
+
 def test_epoch_rounds_use_their_own_prefix():
     assert grads_prefix("run", 3) != grads_prefix("run", 4)
     assert grads_prefix("run", 3).startswith("run.grads.")

@@ -307,7 +307,7 @@ class DiLoCoMode(TrainingMode):
                     epoch,
                     100 * result.averaged_fraction,
                 )
-            self._apply(members=result.members)
+            self._apply(result=result)
             return
         self.rounds_failed += 1
         view = self._view(force=True)
@@ -388,7 +388,7 @@ class DiLoCoMode(TrainingMode):
             h.update(theta.numpy().tobytes())
         return h.digest()
 
-    def _apply(self, solo: bool = False, members: Any = ()) -> None:
+    def _apply(self, solo: bool = False, result: Any = None) -> None:
         """Outer step with the buffers' (mean) Δ, then restart the inner loop from the new θ."""
         for theta, delta in zip(self.theta, self.deltas, strict=True):
             theta.grad = delta
@@ -402,8 +402,8 @@ class DiLoCoMode(TrainingMode):
         self.local_steps = 0
         self.samples = 0
         self.state.epoch += 1
-        if members:
-            self.rounds.stepped_with(members)
+        if result is not None:
+            self.rounds.stepped_with(result)
         else:
             self.rounds.alone()
         self.report_progress(0)

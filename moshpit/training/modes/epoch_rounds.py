@@ -117,14 +117,17 @@ class EpochRounds:
         )
         return False
 
-    def stepped_with(self, members: Any) -> None:
+    def stepped_with(self, result: Any) -> None:
         """A round was applied: its members enter the next epoch with us, now."""
-        self.remember(members)
+        self.remember(result)
         self.epoch_started = get_dht_time()
 
-    def remember(self, members: Any) -> None:
-        """The members of our latest round (delayed averaging learns them one epoch late)."""
-        self.last_members = frozenset(str(m) for m in members) - {self.me}
+    def remember(self, result: Any) -> None:
+        """The members of our latest round (delayed averaging learns them one epoch late),
+        less those that failed in it or were excluded for bad input: waiting for them in the
+        next round would let one misbehaving peer stall every round until it times out."""
+        dropped = {str(p) for p in (*result.failed, *result.excluded)}
+        self.last_members = frozenset(str(m) for m in result.members) - dropped - {self.me}
 
     def alone(self) -> None:
         """We stepped without a round (alone, or after loading state)."""

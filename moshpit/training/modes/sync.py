@@ -381,7 +381,7 @@ class SyncMode(TrainingMode):
         self.global_steps += 1
         self.state.epoch += 1
         if result is not None and result.succeeded:
-            self.rounds.stepped_with(result.members)
+            self.rounds.stepped_with(result)
         else:
             self.rounds.alone()
         self.grads.reset()
@@ -402,7 +402,7 @@ class SyncMode(TrainingMode):
             self.rounds_succeeded += 1
             self.last_group_size = result.group_size
             self._note_step(round_.epoch, result)
-            self.rounds.remember(result.members)
+            self.rounds.remember(result)
         else:
             # the epoch already moved on: apply our own part rather than lose it
             self.rounds_failed += 1
