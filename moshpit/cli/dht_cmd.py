@@ -66,6 +66,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="bucket refresh period",
     )
+    parser.add_argument(
+        "--bootstrap-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to keep retrying the initial peers (with backoff) before giving up",
+    )
     parser.add_argument("--num-replicas", type=int, default=5, help="replicas per stored record")
     parser.add_argument(
         "--status-period",
@@ -170,6 +177,7 @@ async def _serve(
         announce_maddrs=announce_maddrs,
         identity=identity,
         client_mode=args.client_mode,
+        bootstrap_timeout=args.bootstrap_timeout,
         refresh_period=args.refresh_period,
         num_replicas=args.num_replicas,
     ) as node:

@@ -154,6 +154,8 @@ def test_unreachable_initial_peer_is_a_clear_error(tmp_path):
     peer = Peer(
         "--initial-peers",
         "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWR1a32TXaz2mo9GaQhvbrB8EBmXTG7mWo9uum7aDgTnbr",
+        "--bootstrap-timeout",
+        "2",
     )
     assert peer.proc.wait(timeout=60) == 1
     peer.stop()

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
-DEFAULT_EXAMPLES = 120
+DEFAULT_EXAMPLES = 60
 # Per example: far above what any decoder needs for these input sizes (milliseconds), so a
 # loaded CI box never trips it, while a quadratic blow-up or a near-hang still does.
 DEADLINE_SECONDS = float(os.environ.get("MOSHPIT_FUZZ_DEADLINE", "5"))

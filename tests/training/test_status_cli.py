@@ -193,7 +193,7 @@ def test_bad_address_exits_2_with_one_line(address):
 
 def test_unreachable_peer_exits_1_with_one_line(swarm):
     dead = f"/ip4/127.0.0.1/tcp/9/p2p/{swarm[0].peer_id}"  # nothing listens on the discard port
-    done = status("--initial-peers", dead, "--prefix", "run", "--timeout", "10")
+    done = status("--initial-peers", dead, "--prefix", "run", "--timeout", "2")
     assert done.returncode == 1
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("moshpit status: ")
