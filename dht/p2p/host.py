@@ -249,7 +249,6 @@ class Host:
         # sources bucketed by how many silent sockets they hold (for fair-share eviction).
         self._silent_by_source: dict[str, dict[_PendingHandshake, None]] = {}
         self._sources_by_silent_count: dict[int, dict[str, None]] = {}
-        self._silent_count = 0
         self._spoken: dict[_PendingHandshake, None] = {}
         self._silent_cap = limits.max_silent_connections
         # One WARNING per category and interval under abuse (trio's clock: MockClock-friendly).
@@ -295,6 +294,11 @@ class Host:
     @property
     def _pending_handshakes(self) -> int:
         return len(self._handshakes)
+
+    @property
+    def _silent_count(self) -> int:
+        """Pending handshakes whose dialer has not spoken yet (every other one has)."""
+        return len(self._handshakes) - len(self._spoken)
 
     async def _close(self) -> None:
         self._closing = True
@@ -424,7 +428,6 @@ class Host:
         group = self._silent_by_source.setdefault(pending.source, {})
         self._move_bucket(pending.source, len(group), len(group) + 1)
         group[pending] = None
-        self._silent_count += 1
 
     def _remove_silent(self, pending: _PendingHandshake) -> None:
         group = self._silent_by_source.get(pending.source)
@@ -434,7 +437,6 @@ class Host:
         self._move_bucket(pending.source, len(group) + 1, len(group))
         if not group:
             del self._silent_by_source[pending.source]
-        self._silent_count -= 1
 
     def _move_bucket(self, source: str, old: int, new: int) -> None:
         buckets = self._sources_by_silent_count
