@@ -250,7 +250,8 @@ def check_multistream_listener(data: bytes) -> None:
     run_trio(_listener, data)
 
 
-def _proposals(items: list[str], tail: bytes) -> bytes:
+def _multistream(items: list[str], tail: bytes) -> bytes:
+    """A multistream header, then ``items`` as messages, then raw ``tail`` bytes."""
     return encode_message(MULTISTREAM_PROTOCOL) + b"".join(map(encode_message, items)) + tail
 
 
@@ -260,13 +261,13 @@ register(
         "p2p",
         check_multistream_listener,
         seeds=lambda: {
-            "accept": control(0) + _proposals(["/moshpit/dht/1.0.0"], b"payload"),
-            "na-then-accept": control(1, 2) + _proposals(["/other/1", "/yamux/1.0.0"], b""),
-            "ls": control(0, 0) + _proposals(["ls", "/yamux/1.0.0"], b"\x00\x01"),
-            "empty-proposal": control(0) + _proposals([""], b""),
+            "accept": control(0) + _multistream(["/moshpit/dht/1.0.0"], b"payload"),
+            "na-then-accept": control(1, 2) + _multistream(["/other/1", "/yamux/1.0.0"], b""),
+            "ls": control(0, 0) + _multistream(["ls", "/yamux/1.0.0"], b"\x00\x01"),
+            "empty-proposal": control(0) + _multistream([""], b""),
         },
         valid=lambda: st.builds(
-            lambda c, items, tail: control(c >> 3, c & 7) + _proposals(items, tail),
+            lambda c, items, tail: control(c >> 3, c & 7) + _multistream(items, tail),
             st.integers(0, 15),
             st.lists(st.sampled_from(SUPPORTED + ("ls", "/x", "na", "")), max_size=4),
             st.binary(max_size=8),
@@ -299,23 +300,19 @@ def check_multistream_dialer(data: bytes) -> None:
     run_trio(_dialer, data)
 
 
-def _answers(items: list[str], tail: bytes) -> bytes:
-    return encode_message(MULTISTREAM_PROTOCOL) + b"".join(map(encode_message, items)) + tail
-
-
 register(
     Target(
         "multistream_dialer",
         "p2p",
         check_multistream_dialer,
         seeds=lambda: {
-            "echo": control(0) + _answers([SUPPORTED[0]], b"response"),
-            "na-then-echo": control(0, 3) + _answers(["na", SUPPORTED[1]], b""),
-            "lazy-echo": control(1) + _answers([SUPPORTED[0]], b"\x05hello"),
-            "refused": control(0) + _answers(["na", "na"], b""),
+            "echo": control(0) + _multistream([SUPPORTED[0]], b"response"),
+            "na-then-echo": control(0, 3) + _multistream(["na", SUPPORTED[1]], b""),
+            "lazy-echo": control(1) + _multistream([SUPPORTED[0]], b"\x05hello"),
+            "refused": control(0) + _multistream(["na", "na"], b""),
         },
         valid=lambda: st.builds(
-            lambda c, items, tail: control(c >> 3, c & 7) + _answers(items, tail),
+            lambda c, items, tail: control(c >> 3, c & 7) + _multistream(items, tail),
             st.integers(0, 15),
             st.lists(st.sampled_from(SUPPORTED + ("na", "/x", "")), max_size=3),
             st.binary(max_size=8),
