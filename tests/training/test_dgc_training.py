@@ -174,7 +174,10 @@ def test_density_one_without_masking_is_dense_momentum_sgd_exactly(dhts):
 def test_two_peers_with_dgc_stay_identical_and_learn(dhts):
     models = [_model() for _ in dhts]
     sparse = dict(final_density=0.2, initial_density=0.5, warmup_epochs=2, clip_norm=50.0)
-    opts = [_opt(d, m, dgc_options=sparse) for d, m in zip(dhts, models, strict=True)]
+    opts = [
+        _opt(d, m, dgc_options=sparse, optimizer=torch.optim.SGD(m.parameters(), lr=0.05))
+        for d, m in zip(dhts, models, strict=True)
+    ]
     params_at: list[dict[int, list[torch.Tensor]]] = [{}, {}]
     eval_idx = torch.arange(len(X))
     first_loss = _loss(models[0], eval_idx).item()
