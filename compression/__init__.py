@@ -24,7 +24,7 @@ from .errors import (
 )
 from .feedback import ErrorFeedback, TwoWayCompression
 from .floating import BFloat16, Float16, NoCompression, ScaledFloat16
-from .quantization import Blockwise8Bit, Quantile8Bit, Uniform8Bit
+from .quantization import Blockwise4Bit, Blockwise8Bit, Quantile8Bit, Uniform8Bit
 from .sparse import RandomK, ScaledSign, TopK, dgc_select, random_k_indices
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "Uniform8Bit",
     "Quantile8Bit",
     "Blockwise8Bit",
+    "Blockwise4Bit",
     "TopK",
     "RandomK",
     "ScaledSign",

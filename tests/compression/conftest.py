@@ -5,6 +5,7 @@ import torch
 
 from compression import (
     BFloat16,
+    Blockwise4Bit,
     Blockwise8Bit,
     Float16,
     NoCompression,
@@ -32,6 +33,8 @@ def all_codecs():
         Quantile8Bit(seed=1),
         Blockwise8Bit(),
         Blockwise8Bit(block_size=7),
+        Blockwise4Bit(),
+        Blockwise4Bit(block_size=7),
         TopK(0.1, seed=1),
         TopK(0.1, value_dtype=torch.float32, exact=True),
         RandomK(0.1, seed=5),

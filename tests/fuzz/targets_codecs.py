@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from compression import (
     BFloat16,
+    Blockwise4Bit,
     Blockwise8Bit,
     CompressedTensor,
     CompressionError,
@@ -52,6 +53,7 @@ def codecs() -> list:
         TopK(0.25, value_dtype=torch.float32, exact=True),
         RandomK(0.25, seed=5),
         ScaledSign(),
+        Blockwise4Bit(block_size=7),
     ]
 
 
