@@ -119,6 +119,8 @@ class Optimizer:
         self.load_state_timeout = float(load_state_timeout)
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.skipped_steps = 0  # local steps dropped for non-finite gradients
+        self.local_steps = 0  # step() calls whose batch went into training (counters for
+        self.samples_processed = 0  # users and benchmarks: what happened, not what was asked)
         self.loss: float | None = None  # moving average of the losses step() was given
         self._log = RateLimitedLogger(logger, 10.0)  # one line per reason and 10 s, with counts
         self._closed = False
@@ -223,6 +225,8 @@ class Optimizer:
                 self.mode.step(batch_size)
             except NonFiniteStateError as e:  # a round or checkpoint found the state bad
                 self._recover(str(e))
+            self.local_steps += 1
+            self.samples_processed += batch_size
         self.tracker.report_health(checkpoint_failures=self.mode.state.failing_checkpoints)
         return loss
 

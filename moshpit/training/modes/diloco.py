@@ -12,8 +12,8 @@ One outer round, after ``inner_steps`` local steps:
 2. ``Δ`` is averaged (weighted by the samples each peer processed this round) with the peers
    of the same outer epoch: each epoch has its own averaging prefix ``{run_id}.outer.{epoch}``,
    so a peer that missed rounds never mixes a stale ``Δ`` into the others' round;
-   ``compression=`` compresses it on the wire (``"fp16"``, ``"8bit"``, ``"topk"`` with error
-   feedback on both directions, any codec / ``TwoWayCompression``, or a ``compression.GraVAC``
+   ``compression=`` compresses it on the wire (``"fp16"``, ``"8bit"``, ``"4bit"``, ``"topk"``
+   with error feedback on both directions, any codec / ``TwoWayCompression``, or a ``compression.GraVAC``
    controller that picks the top-k factor from the compression gain);
 3. ``θ.grad = mean Δ``, outer step (SGD, ``outer_lr`` 0.7, ``outer_momentum`` 0.9, Nesterov:
    the paper's defaults), and ``θ`` is copied into the model. Every member of the round gets the
@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from compression import (
+    Blockwise4Bit,
     Codec,
     ErrorFeedback,
     Float16,
@@ -65,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DiLoCoMode", "outer_prefix"]
 
-COMPRESSION_NAMES = ("none", "fp16", "8bit", "topk")
+COMPRESSION_NAMES = ("none", "fp16", "8bit", "4bit", "topk")
 
 
 def outer_prefix(run_id: str, epoch: int) -> str:
@@ -107,6 +108,8 @@ def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC
             return Float16(), None
         if compression == "8bit":
             return _two_way(Uniform8Bit(outliers=False), Uniform8Bit(outliers=False)), None
+        if compression == "4bit":
+            return _two_way(Blockwise4Bit(), Blockwise4Bit()), None
         if compression == "topk":
             if not 0 < topk_density <= 1:
                 raise ValueError(f"topk_density must be in (0, 1], got {topk_density!r}")
@@ -130,7 +133,7 @@ def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC
 
 class DiLoCoMode(TrainingMode):
     """Knobs: ``inner_steps`` (H, default 500), ``outer_lr`` (0.7), ``outer_momentum`` (0.9),
-    ``nesterov`` (True), ``compression`` (None, ``"fp16"``, ``"8bit"``, ``"topk"``, a codec, a
+    ``nesterov`` (True), ``compression`` (None, ``"fp16"``, ``"8bit"``, ``"4bit"``, ``"topk"``, a codec, a
     ``TwoWayCompression`` or a ``GraVAC``), ``topk_density`` (0.01), ``round_timeout`` (s,
     default: the averager's own timeouts), ``refresh_period`` (s between reads of the swarm's
     progress), ``checkpoint_every_epochs`` (1 when a ``checkpoint_dir`` is given: what donors
