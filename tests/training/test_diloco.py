@@ -17,7 +17,6 @@ import torch
 
 import moshpit
 from compression import Float16, GraVAC, TwoWayCompression
-from dht import DHT
 from moshpit.training.modes.diloco import _RegroupingFeedback, make_compression, outer_prefix
 
 _spec = importlib.util.spec_from_file_location(
@@ -40,24 +39,6 @@ def _data(n: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 X, Y = _data()
-
-
-@pytest.fixture
-def make_dhts():
-    made: list[DHT] = []
-
-    def make(n: int) -> list[DHT]:
-        first = made[0] if made else None
-        for _ in range(n):
-            peers = first.get_visible_maddrs() if first is not None else []
-            dht = DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            made.append(dht)
-            first = first or dht
-        return made[-n:]
-
-    yield make
-    for dht in reversed(made):
-        dht.shutdown()
 
 
 def _model() -> torch.nn.Module:

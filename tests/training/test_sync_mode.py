@@ -16,7 +16,6 @@ import torch
 
 import moshpit
 from compression import GraVAC, TopK, TwoWayCompression
-from dht import DHT
 from moshpit.training.grad_averager import grads_prefix
 
 # a full group proceeds at once; min_matchmaking_time only bounds how long a leader waits for
@@ -35,24 +34,6 @@ def _data(n: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 X, Y = _data()
-
-
-@pytest.fixture
-def make_dhts():
-    made: list[DHT] = []
-
-    def make(n: int) -> list[DHT]:
-        first = made[0] if made else None
-        for _ in range(n):
-            peers = first.get_visible_maddrs() if first is not None else []
-            dht = DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-            made.append(dht)
-            first = first or dht
-        return made[-n:]
-
-    yield make
-    for dht in reversed(made):
-        dht.shutdown()
 
 
 def _model() -> torch.nn.Module:
@@ -396,7 +377,9 @@ def test_a_round_missing_peers_its_members_know_is_not_applied(make_dhts):
 
         assert opt.mode.rounds.complete(result(2, {"peers": 2}, {"peers": 2}))
         assert not opt.mode.rounds.complete(result(2, {"peers": 2}, {"peers": 4}))
-        assert opt.mode.rounds.complete(result(3, {"peers": 3}, {"peers": 10**9}, {"peers": 3}))  # cap
+        assert opt.mode.rounds.complete(
+            result(3, {"peers": 3}, {"peers": 10**9}, {"peers": 3})
+        )  # cap
         assert opt.mode.rounds.complete(result(2, {"peers": "many"}, None))  # junk claims count 0
     finally:
         opt.shutdown()

@@ -31,6 +31,17 @@ class TrainingMode:
         self.state: Any = None
         self.refresh_period = 0.5  # modes that read the swarm's progress set their own
         self._last_refresh = -float("inf")
+        # where rounds spend time, summed over rounds: the training thread's wait for a round
+        # to finish ("waited"), and inside the rounds matchmaking and all-reduce (from each
+        # StepResult), then applying the result to the model ("applied")
+        self.round_seconds = {"waited": 0.0, "matchmaking": 0.0, "allreduce": 0.0, "applied": 0.0}
+
+    def note_round(self, result: Any, waited: float = 0.0) -> None:
+        """Add one round's times to :attr:`round_seconds`."""
+        times = self.round_seconds
+        times["waited"] += waited
+        times["matchmaking"] += float(getattr(result, "matchmaking_seconds", 0.0) or 0.0)
+        times["allreduce"] += float(getattr(result, "allreduce_seconds", 0.0) or 0.0)
 
     def on_start(self) -> None:
         """Before the first step: catch up with the swarm (load state if it is ahead)."""

@@ -61,6 +61,7 @@ from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.health import first_non_finite
 from moshpit.training.modes.base import TrainingMode, params_of
 from moshpit.training.modes.epoch_rounds import EpochRounds, wait_unless_left_behind
+from moshpit.training.modes.streaming import FragmentRound, split_fragments
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,8 @@ class DiLoCoMode(TrainingMode):
     ``TwoWayCompression`` or a ``GraVAC``), ``topk_density`` (0.01), ``round_timeout`` (s,
     default: the averager's own timeouts), ``refresh_period`` (s between reads of the swarm's
     progress), ``checkpoint_every_epochs`` (1 when a ``checkpoint_dir`` is given: what donors
-    serve to joiners and laggards)."""
+    serve to joiners and laggards), ``fragments`` (1) and ``overlap_steps`` (0): streaming
+    DiLoCo when either is set (see ``streaming.py``; an epoch is then one fragment's round)."""
 
     name = "diloco"
 
@@ -154,6 +156,8 @@ class DiLoCoMode(TrainingMode):
         round_timeout: float | None = None,
         refresh_period: float | None = None,
         checkpoint_every_epochs: int | None = 1,
+        fragments: int = 1,
+        overlap_steps: int = 0,
     ) -> None:
         super().__init__(optimizer)
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
@@ -162,6 +166,10 @@ class DiLoCoMode(TrainingMode):
             raise ValueError(f"outer_lr must be positive, got {outer_lr!r}")
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int):
+            raise ValueError(f"overlap_steps must be an integer >= 0, got {overlap_steps!r}")
+        if overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be an integer >= 0, got {overlap_steps!r}")
         self.inner_steps = inner_steps
         self.round_timeout = round_timeout
         self.refresh_period = (
@@ -171,6 +179,12 @@ class DiLoCoMode(TrainingMode):
         )
         self.compression, self.gravac = make_compression(compression, topk_density)
         self.params = params_of(optimizer.inner)
+        self.fragments = split_fragments([p.numel() for p in self.params], fragments)
+        self.overlap_steps = overlap_steps
+        # streaming: one fragment's round every inner_steps / fragments steps, in the background
+        self.streaming = len(self.fragments) > 1 or overlap_steps > 0
+        self.period = max(1, inner_steps // len(self.fragments)) if self.streaming else inner_steps
+        self.in_flight: FragmentRound | None = None
         # θ: the shared parameters, float32 on the CPU whatever the model's device and dtype
         self.theta = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.outer = torch.optim.SGD(
@@ -206,6 +220,8 @@ class DiLoCoMode(TrainingMode):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.theta_mismatches = 0  # rounds whose members did not all start from our θ
+        self.blocked_steps = 0  # inner steps that waited for a round or a state download
+        self.overlapped_steps = 0  # streaming: inner steps taken while a round was in flight
         self.last_result: StepResult | None = None
 
     # ------------------------------------------------------------------ start and state
@@ -224,6 +240,7 @@ class DiLoCoMode(TrainingMode):
 
     def on_state_loaded(self) -> None:
         """θ was replaced: the inner loop restarts from it (residuals refer to the old one)."""
+        self._drop_in_flight()
         self._model_from_theta()
         self.local_steps = 0
         self.samples = 0
@@ -280,7 +297,9 @@ class DiLoCoMode(TrainingMode):
         self.local_steps += 1
         self.samples += batch_size
         self.report_progress(self.samples)
-        if self.local_steps >= self.inner_steps:
+        if self.streaming:
+            self._stream_step()
+        elif self.local_steps >= self.inner_steps:
             self._outer_round()
 
     def _outer_round(self) -> None:
@@ -297,7 +316,10 @@ class DiLoCoMode(TrainingMode):
         if self._alone:
             self._apply(solo=True)
             return
+        self.blocked_steps += 1
+        started = time.monotonic()
         result = self._average(epoch, self.rounds.expected(view, epoch))
+        self.note_round(result, waited=time.monotonic() - started)
         self.last_result = result
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
@@ -310,7 +332,9 @@ class DiLoCoMode(TrainingMode):
                     epoch,
                     100 * result.averaged_fraction,
                 )
+            started = time.monotonic()
             self._apply(result=result)
+            self.round_seconds["applied"] += time.monotonic() - started
             return
         self.rounds_failed += 1
         view = self._view(force=True)
@@ -333,10 +357,12 @@ class DiLoCoMode(TrainingMode):
                 delta.copy_(theta)
                 delta.sub_(p.detach().to("cpu", torch.float32))
 
-    def _average(self, epoch: int, expected: int) -> StepResult:
-        """Average Δ with the peers of this outer epoch: the group waits for the ``expected``
-        peers this one knows at the epoch (see ``epoch_rounds.py``), and is abandoned when
-        the swarm moves past the epoch meanwhile."""
+    def _start_round(
+        self, epoch: int, expected: int, tensors: list[torch.Tensor]
+    ) -> tuple[Averager, concurrent.futures.Future, bytes]:
+        """Start averaging ``tensors`` with the peers of outer epoch ``epoch`` (background);
+        the group waits for the ``expected`` peers this one knows at the epoch (see
+        ``epoch_rounds.py``)."""
         options = dict(self.averager_options)
         if self.compression is not None:
             options["compression"] = self.compression
@@ -344,7 +370,7 @@ class DiLoCoMode(TrainingMode):
             options.get("min_group_size", 2), min(expected, self.opt.target_group_size)
         )
         averager = Averager(
-            self.deltas,
+            tensors,
             dht=self.opt.dht,
             prefix=outer_prefix(self.opt.run_id, epoch),
             target_group_size=self.opt.target_group_size,
@@ -359,6 +385,16 @@ class DiLoCoMode(TrainingMode):
                 timeout=self.round_timeout,
                 wait=False,
             )
+        except BaseException:
+            averager.shutdown()
+            raise
+        return averager, future, digest
+
+    def _average(self, epoch: int, expected: int) -> StepResult:
+        """Average Δ with the peers of this outer epoch, waiting for the round; abandoned when
+        the swarm moves past the epoch meanwhile."""
+        averager, future, digest = self._start_round(epoch, expected, self.deltas)
+        try:
             if not wait_unless_left_behind(future, epoch, self.refresh_period, self._view):
                 future.cancel()
                 return StepResult(
@@ -370,6 +406,10 @@ class DiLoCoMode(TrainingMode):
                 return StepResult(False, averager.keys.key, reason="cancelled")
         finally:
             averager.shutdown()
+        self._check_thetas(result, digest, epoch)
+        return result
+
+    def _check_thetas(self, result: StepResult, digest: bytes, epoch: int) -> None:
         thetas = [g.get("theta") if isinstance(g, dict) else None for g in result.gathered.values()]
         if result.succeeded and any(t != digest for t in thetas):
             # the mean Δ is applied to different θ: the peers will never share one model
@@ -382,7 +422,6 @@ class DiLoCoMode(TrainingMode):
                 sum(t != digest for t in thetas),
                 len(thetas),
             )
-        return result
 
     def _theta_digest(self) -> bytes:
         """16 bytes that differ when θ differs (compared across the round's members)."""
@@ -412,9 +451,142 @@ class DiLoCoMode(TrainingMode):
         self.report_progress(0)
         self.state.maybe_checkpoint()
 
+    # ------------------------------------------------------------------ streaming
+
+    def _stream_step(self) -> None:
+        """Streaming: land the round in flight once it is done and ``overlap_steps`` inner
+        steps went by, or start the next fragment's round every ``period`` steps. Nothing
+        here waits for the network: a round not done yet is looked at again next step."""
+        rnd = self.in_flight
+        if rnd is not None:
+            rnd.steps_since_start += 1
+            self.overlapped_steps += 1
+            if not rnd.future.done():
+                # the cached view (the tracker's background loop reads it): the peers this
+                # round waits for moved on, so it can only time out
+                if self.opt.tracker.global_progress.epoch > rnd.epoch:
+                    rnd.future.cancel()
+                return
+            if rnd.steps_since_start >= self.overlap_steps:
+                self._land(rnd)
+            return
+        if self.local_steps >= self.period:
+            self._start_fragment_round()
+
+    def _start_fragment_round(self) -> None:
+        epoch = self.state.epoch
+        view = self.opt.tracker.global_progress
+        same, ahead = self.rounds.others(view, epoch)
+        if ahead:
+            if time.monotonic() >= self._next_catch_up:
+                self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
+            return
+        if same:
+            self._alone = False
+        indices = self.fragments[epoch % len(self.fragments)]
+        start_local = [self.params[i].detach().to("cpu", torch.float32, copy=True) for i in indices]
+        with torch.no_grad():
+            for i, local in zip(indices, start_local, strict=True):
+                torch.sub(self.theta[i], local, out=self.deltas[i])
+        self.local_steps = 0
+        if self._alone:
+            self._apply_fragment(epoch, indices, start_local, solo=True)
+            self.samples = 0
+            return
+        averager, future, digest = self._start_round(
+            epoch, self.rounds.expected(view, epoch), [self.deltas[i] for i in indices]
+        )
+        self.samples = 0
+        self.in_flight = FragmentRound(
+            epoch, epoch % len(self.fragments), indices, averager, future, start_local, digest
+        )
+
+    def _land(self, rnd: FragmentRound) -> None:
+        """The round is done: apply its mean Δ to the fragment's θ, or decide what next."""
+        self.in_flight = None
+        try:
+            result = rnd.future.result()
+        except concurrent.futures.CancelledError:
+            result = StepResult(False, rnd.averager.keys.key, reason="the swarm moved on")
+        except Exception as e:  # noqa: BLE001 - a failed round is retried like a missed one
+            result = StepResult(False, rnd.averager.keys.key, reason=repr(e))
+        finally:
+            rnd.averager.shutdown()
+        self.note_round(result)
+        self.last_result = result
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        self._check_thetas(result, rnd.digest, rnd.epoch)
+        if result.succeeded and self.rounds.complete(result):
+            self.rounds_succeeded += 1
+            started = time.monotonic()
+            self._apply_fragment(rnd.epoch, rnd.indices, rnd.start_local, result=result)
+            self.round_seconds["applied"] += time.monotonic() - started
+            return
+        self.rounds_failed += 1
+        view = self.opt.tracker.global_progress
+        same, ahead = self.rounds.others(view, rnd.epoch)
+        self.rounds.forget_unseen(view)
+        if ahead:
+            self._catch_up(f"no round at epoch {rnd.epoch} ({result.reason}); others moved on")
+        elif not same and not self.rounds.with_us_last_round(view):
+            logger.info("no other peer at outer epoch %d: training alone", rnd.epoch)
+            self._alone = True
+            self._apply_fragment(rnd.epoch, rnd.indices, rnd.start_local, solo=True)
+        else:  # the others are still in their inner steps: start again at the next step
+            logger.info("no outer round at epoch %d (%s); retrying", rnd.epoch, result.reason)
+            self.local_steps = self.period
+
+    def _apply_fragment(
+        self,
+        epoch: int,
+        indices: list[int],
+        start_local: list[torch.Tensor],
+        *,
+        solo: bool = False,
+        result: StepResult | None = None,
+    ) -> None:
+        """Outer step on one fragment's θ with the (mean) Δ in its buffers; its local
+        parameters become the new θ plus the progress made since Δ was taken."""
+        with torch.no_grad():
+            for i, local in zip(indices, start_local, strict=True):
+                if solo:  # our own Δ (a failed round may have left the buffers half-averaged)
+                    torch.sub(self.theta[i], local, out=self.deltas[i])
+                self.theta[i].grad = self.deltas[i]
+            self.outer.step()  # parameters without .grad (other fragments) are left alone
+            for i, local in zip(indices, start_local, strict=True):
+                self.theta[i].grad = None
+                p = self.params[i]
+                progress = p.detach().to("cpu", torch.float32) - local
+                p.copy_((self.theta[i] + progress).to(device=p.device, dtype=p.dtype))
+        self.outer_steps += 1
+        if solo:
+            self.solo_steps += 1
+        self.state.epoch = epoch + 1
+        if result is not None:
+            self.rounds.stepped_with(result)
+        else:
+            self.rounds.alone()
+        self.report_progress(self.samples)
+        self.state.maybe_checkpoint()
+
+    def _drop_in_flight(self) -> None:
+        if self.in_flight is not None:
+            self.in_flight.close()
+            self.in_flight = None
+
+    def leave_swarm(self, deadline: float) -> None:
+        self._drop_in_flight()
+        super().leave_swarm(deadline)
+
+    def shutdown(self) -> None:
+        self._drop_in_flight()
+        super().shutdown()
+
     def _catch_up(self, why: str) -> None:
         """Adopt the swarm's θ and momentum instead of applying a stale pseudo-gradient."""
         before = self.state.epoch
+        self.blocked_steps += 1  # a state download: this step waits for it
         logger.info("outer epoch %d is behind (%s): loading state from peers", before, why)
         try:
             self.state.synchronize(again=True)
@@ -439,6 +611,11 @@ class DiLoCoMode(TrainingMode):
             "pseudo-gradient alone; give peers a checkpoint_dir so that laggards can catch up",
             self.opt.load_state_timeout,
         )
+        if self.streaming:
+            indices = self.fragments[self.state.epoch % len(self.fragments)]
+            local = [self.params[i].detach().to("cpu", torch.float32, copy=True) for i in indices]
+            self._apply_fragment(self.state.epoch, indices, local, solo=True)
+            return
         self._load_deltas()
         self._apply(solo=True)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -175,17 +176,22 @@ class LocalMode(TrainingMode):
             self.rounds_started += 1
             self.local_steps = 0
             self.samples = 0
+            started = time.monotonic()
             handle = self.state.step(wait=self.wait_for_rounds, timeout=self.round_timeout)
             if self.wait_for_rounds:
+                self.round_seconds["waited"] += time.monotonic() - started
                 self._account(handle)
 
     def _collect(self) -> None:
         """Apply a finished background round and let its deviation steer the period."""
+        started = time.monotonic()
         result = self.state.apply_pending()
         if result is not None:
+            self.round_seconds["applied"] += time.monotonic() - started
             self._account(result)
 
     def _account(self, result: Any) -> None:
+        self.note_round(result)
         self.bytes_sent += result.bytes_sent
         if result.succeeded:
             self.rounds_succeeded += 1

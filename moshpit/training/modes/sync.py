@@ -320,14 +320,18 @@ class SyncMode(TrainingMode):
         return round_.result()
 
     def _finish_round(self, round_: GradientRound) -> None:
+        started = time.monotonic()
         result = self._wait_for(round_)
+        self.note_round(result, waited=time.monotonic() - started)
         self.last_result = result
         self.bytes_sent += result.bytes_sent
         if result.succeeded and result.averaged_fraction >= 1.0 and self.rounds.complete(result):
             self.rounds_succeeded += 1
             self.last_group_size = result.group_size
             self._note_step(round_.epoch, result)
+            started = time.monotonic()
             self._apply()
+            self.round_seconds["applied"] += time.monotonic() - started
             return
         if result.succeeded and result.averaged_fraction < 1.0:
             # parts kept local values (a reducer failed or its own input was bad): applying
@@ -396,6 +400,7 @@ class SyncMode(TrainingMode):
             return
         self._pending = None
         result = round_.result()
+        self.note_round(result)
         self.last_result = result
         self.bytes_sent += result.bytes_sent
         if result.succeeded:

@@ -1,0 +1,430 @@
+"""Time to loss on a language model: 4 processes, DDP (gloo) against every moshpit mode.
+
+Task (``lm_task.py``): a 2.2M-parameter character-level transformer (context 64) on the Python
+standard library's source, AdamW, ``--batch`` windows per process and step. Every method starts
+from the same weights and runs for ``--budget`` seconds of wall clock; the same run measures
+DDP first, so every other row reads as a ratio to it.
+
+Methods (``--methods``):
+
+- ``ddp``: gloo process group + ``DistributedDataParallel``, one gradient all-reduce per step.
+- ``sync`` / ``sync_8bit``: ``mode="sync"``, ``target_batch_size`` = peers x batch (DDP's
+  global batch), gradients raw or ``Uniform8Bit``; the user loop just calls ``step()``.
+- ``local``: local AdamW steps, parameters averaged in the background (adaptive period).
+- ``diloco`` / ``diloco_8bit`` / ``diloco_4bit``: ``--inner-steps`` AdamW steps, then the outer
+  Nesterov step on the averaged pseudo-gradient (raw, 8-bit, 4-bit with error feedback).
+- ``streaming_4bit``: streaming DiLoCo, ``--fragments`` fragments on staggered schedules,
+  each fragment's round overlapped with ``--overlap-steps`` inner steps, 4-bit outer gradients.
+
+Measured per method: worker 0's parameters are copied every ``--snapshot-every`` seconds during
+the run (a memcpy, nothing else in the timed loop), and evaluated after it on a fixed
+validation set (bits per byte). Per row: the code's own counters (optimizer steps, samples,
+epochs, payload bytes sent; in a namespace also every byte eth0 sent), validation loss at the
+budget, and the wall-clock time until the loss first reached DDP's loss at the budget
+(linear between snapshots; ``null`` when it never did). One JSON line per method, then a
+``summary`` line per link with the ratios the issue's targets are stated in.
+
+Links (``--links``): ``loopback``; ``100mbit`` and ``1gbit`` put every process in its own
+network namespace of ``wan_testbed.WanTestbed`` (tc tbf up and down; root needed, otherwise one
+``skipped`` line). ``--plot out.png`` draws loss against wall clock per link (matplotlib).
+
+    python benchmarks/bench_lm.py                                   # all links, all methods
+    python benchmarks/bench_lm.py --links loopback --methods ddp diloco --budget 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from bench_training import Peer, _emit, _eth0_tx_bytes, _free_port  # noqa: E402
+
+METHODS = [
+    "ddp",
+    "sync",
+    "sync_8bit",
+    "local",
+    "diloco",
+    "diloco_8bit",
+    "diloco_4bit",
+    "streaming_4bit",
+]
+LINKS = ["loopback", "100mbit", "1gbit"]
+FAST = dict(
+    min_matchmaking_time=1.0, request_timeout=2.0, allreduce_timeout=30.0, initial_group_bits=""
+)
+GLOO_PORT_WAN = 29533  # inside the namespaces only
+CONTEXT = 64
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
+    """(optimizer to step, module to call, moshpit.Optimizer or None, DHT or None)."""
+    import torch
+
+    method = args.method
+    if method == "ddp":
+        import torch.distributed as dist
+
+        _emit({"event": "dht", "maddr": ""})
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{args.gloo_addr}:{args.gloo_port}",
+            rank=args.rank,
+            world_size=args.world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        return torch.optim.AdamW(net.parameters(), lr=args.lr), net, None, None
+    import moshpit
+
+    dht = moshpit.DHT(
+        initial_peers=[args.bootstrap] if args.bootstrap else [],
+        host_maddrs=[f"/ip4/{args.host}/tcp/0"],
+        startup_timeout=120,
+    )
+    _emit({"event": "dht", "maddr": str(dht.get_visible_maddrs()[0])})
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    base, _, codec = method.partition("_")
+    options: dict[str, Any] = {}
+    mode = base
+    if base == "sync":
+        options = dict(target_batch_size=args.batch * args.world, refresh_period=0.05)
+        if codec == "8bit":
+            from compression import Uniform8Bit
+
+            options["compression"] = Uniform8Bit()
+    elif base == "local":
+        options = dict(average_every=args.average_every)
+    elif base in ("diloco", "streaming"):
+        mode = "diloco"
+        options = dict(inner_steps=args.inner_steps, refresh_period=0.1)
+        if codec:
+            options["compression"] = codec
+        if base == "streaming":
+            options["fragments"] = args.fragments
+            options["overlap_steps"] = args.overlap_steps
+    opt = moshpit.Optimizer(
+        optimizer=inner,
+        dht=dht,
+        run_id=f"bench-lm-{method}",
+        batch_size_per_step=args.batch,
+        mode=mode,
+        target_group_size=args.world,
+        averager_options=FAST,
+        load_state_timeout=20.0,
+        **options,
+    )
+    opt.tracker.min_refresh_period = 0.05
+    return inner, model, opt, dht
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process: train for the budget, then report (worker 0 also evaluates snapshots)."""
+    import torch
+    from lm_task import batches, bits_per_byte, loss_of, make_model, stdlib_corpus
+    from lm_task import validation_windows as windows
+
+    torch.set_num_threads(1)
+    train, val = stdlib_corpus()
+    model = make_model(context=CONTEXT)
+    params = list(model.parameters())
+    in_netns = args.host != "127.0.0.1"
+    tx0 = _eth0_tx_bytes() if in_netns else None
+    inner, forward, opt, dht = _build(args, model)
+    _emit({"event": "ready"})
+    while sys.stdin.readline().strip() not in ("go", ""):
+        pass
+    stop = threading.Event()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            if line.strip() == "stop":
+                break
+        stop.set()
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    data = batches(train, args.batch, CONTEXT, seed=1000 + args.rank)
+    snapshots: list[tuple[float, list[Any]]] = []
+    snapshot_at = 0.0
+    started = time.perf_counter()
+    steps = samples = 0
+    ddp_flag = torch.zeros(1)
+    while True:
+        elapsed = time.perf_counter() - started
+        if args.rank == 0 and elapsed >= snapshot_at:
+            snapshots.append((elapsed, [p.detach().clone() for p in params]))
+            snapshot_at += args.snapshot_every
+        x, y = next(data)
+        (opt or inner).zero_grad()
+        loss = loss_of(forward, x, y)
+        loss.backward()
+        if opt is not None:
+            opt.step(loss=loss)
+        else:
+            inner.step()
+        steps += 1
+        samples += len(x)
+        done = stop.is_set() or time.perf_counter() - started >= args.budget
+        if opt is None:  # DDP: every rank stops at the same step (a collective decides)
+            import torch.distributed as dist
+
+            ddp_flag.fill_(1.0 if done else 0.0)
+            dist.all_reduce(ddp_flag)
+            done = float(ddp_flag) > 0
+        if done:
+            break
+    elapsed = time.perf_counter() - started
+    if args.rank == 0:
+        snapshots.append((elapsed, [p.detach().clone() for p in params]))
+    tx1 = _eth0_tx_bytes() if in_netns else None
+    report: dict[str, Any] = {
+        "event": "result",
+        "rank": args.rank,
+        "seconds": elapsed,
+        "numel": sum(p.numel() for p in params),
+        "wire_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
+    }
+    if opt is None:
+        report.update(steps=steps, samples=samples, epochs=steps)
+        # gloo's ring all-reduce sends 2 (N-1)/N x the fp32 gradient per rank and step
+        report["bytes_sent"] = round(
+            2 * (args.world - 1) / args.world * 4 * report["numel"] * steps
+        )
+    else:
+        m = opt.mode
+        report.update(
+            steps=opt.local_steps,
+            samples=opt.samples_processed,
+            epochs=opt.epoch,
+            bytes_sent=int(getattr(m, "bytes_sent", 0)),
+            rounds_succeeded=getattr(m, "rounds_succeeded", None),
+            rounds_failed=getattr(m, "rounds_failed", None),
+        )
+        for name in ("round_seconds", "blocked_steps", "overlapped_steps"):
+            if hasattr(m, name):
+                value = getattr(m, name)
+                report[name] = (
+                    {k: round(v, 2) for k, v in value.items()} if isinstance(value, dict) else value
+                )
+        opt.shutdown()
+    if dht is not None:
+        dht.shutdown()
+    if opt is None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if args.rank == 0:  # evaluate after the clock stopped: the run paid only for copies
+        torch.set_num_threads(args.eval_threads)
+        held_out = windows(val, args.eval_windows, CONTEXT)
+        curve = []
+        for at, tensors in snapshots:
+            with torch.no_grad():
+                for p, saved in zip(params, tensors, strict=True):
+                    p.copy_(saved)
+            curve.append((round(at, 2), round(bits_per_byte(model, held_out), 4)))
+        report["curve"] = curve
+    _emit(report)
+
+
+# ---------------------------------------------------------------------------- parent side
+
+
+def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None) -> dict:
+    n = args.peers
+    gloo_port = GLOO_PORT_WAN if tb is not None else _free_port()
+
+    def start(rank: int, bootstrap: str | None) -> Peer:
+        host = tb.addr(rank) if tb is not None else "127.0.0.1"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method,
+                "--rank", str(rank), "--world", str(n), "--host", host,
+                "--gloo-addr", tb.addr(0) if tb is not None else "127.0.0.1",
+                "--gloo-port", str(gloo_port), "--batch", str(args.batch), "--lr", str(args.lr),
+                "--budget", str(args.budget), "--snapshot-every", str(args.snapshot_every),
+                "--inner-steps", str(args.inner_steps), "--fragments", str(args.fragments),
+                "--overlap-steps", str(args.overlap_steps),
+                "--average-every", str(args.average_every),
+                "--eval-windows", str(args.eval_windows)]  # fmt: skip
+        if bootstrap:
+            argv += ["--bootstrap", bootstrap]
+        popen = (lambda a, **kw: tb.popen(rank, a, **kw)) if tb is not None else subprocess.Popen
+        return Peer(argv, popen, "eth0" if tb is not None else "lo")
+
+    peers = [start(0, None)]
+    try:
+        maddr = peers[0].wait_for("dht", 120)["maddr"]
+        peers += [start(r, maddr or None) for r in range(1, n)]
+        for p in peers:
+            p.wait_for("ready", 180)
+        load_start = os.getloadavg()
+        for p in peers:
+            p.send("go")
+        time.sleep(args.budget)
+        for p in peers:
+            p.send("stop")
+        results = [p.wait_for("result", 300) for p in peers]
+        for p in peers:
+            p.p.wait(timeout=60)
+    finally:
+        for p in peers:
+            if p.p.poll() is None:
+                p.p.kill()
+                p.p.wait()
+    first = results[0]
+    row: dict[str, Any] = {
+        "kind": "run",
+        "link": link,
+        "method": method,
+        "peers": n,
+        "numel": first["numel"],
+        "batch_per_peer": args.batch,
+        "budget_s": args.budget,
+        "optimizer_steps_worker0": first["epochs"],
+        "local_steps_worker0": first["steps"],
+        "samples_all": sum(r["samples"] for r in results),
+        "payload_bytes_sent_per_peer": round(sum(r["bytes_sent"] for r in results) / n),
+        "final_bpb_worker0": first["curve"][-1][1],
+        "curve_worker0": first["curve"],
+        "loadavg_start": [round(v, 2) for v in load_start],
+        "loadavg_end": [round(v, 2) for v in os.getloadavg()],
+    }
+    wire = [r["wire_tx_bytes"] for r in results]
+    if all(w is not None for w in wire):
+        row["wire_bytes_sent_per_peer"] = round(sum(wire) / n)
+    for name in ("rounds_succeeded", "rounds_failed", "round_seconds", "blocked_steps",
+                 "overlapped_steps"):  # fmt: skip
+        if name in first:
+            row[f"{name}_worker0"] = first[name]
+    if method.startswith(("diloco", "streaming")):
+        row["inner_steps"] = args.inner_steps
+    if method.startswith("streaming"):
+        row.update(fragments=args.fragments, overlap_steps=args.overlap_steps)
+    return row
+
+
+def time_to(curve: list[list[float]], target: float) -> float | None:
+    """The first wall-clock time the curve reaches ``target`` (linear between points)."""
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:], strict=False):
+        if l1 <= target:
+            if l0 <= target or l0 == l1:
+                return t1 if l0 > target else t0
+            return round(t0 + (t1 - t0) * (l0 - target) / (l0 - l1), 2)
+    return None
+
+
+def summarize(rows: list[dict]) -> dict:
+    ddp = next((r for r in rows if r["method"] == "ddp"), None)
+    out: dict[str, Any] = {"kind": "summary", "link": rows[0]["link"]}
+    if ddp is None:
+        return out
+    target = ddp["final_bpb_worker0"]
+    ddp_time = time_to(ddp["curve_worker0"], target) or ddp["budget_s"]
+    out.update(ddp_final_bpb=target, ddp_time_to_final_s=ddp_time)
+    for r in rows:
+        took = time_to(r["curve_worker0"], target)
+        out[r["method"]] = {
+            "time_to_ddp_loss_s": took,
+            "final_bpb": r["final_bpb_worker0"],
+            "time_to_ddp_loss_vs_ddp": None if took is None else round(took / ddp_time, 2),
+            "bytes_vs_ddp": round(
+                r["payload_bytes_sent_per_peer"] / max(1, ddp["payload_bytes_sent_per_peer"]), 4
+            ),
+        }
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = sorted({r["link"] for r in rows}, key=LINKS.index)
+    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4.2), squeeze=False)
+    for ax, link in zip(axes[0], links, strict=True):
+        for r in (r for r in rows if r["link"] == link):
+            t, loss = zip(*r["curve_worker0"], strict=True)
+            ax.plot(t, loss, label=r["method"], lw=2.2 if r["method"] == "ddp" else 1.4)
+        ax.set(title=link, xlabel="wall clock (s)", ylabel="validation bits per byte")
+        ax.set_ylim(top=5.0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--method", default="ddp", choices=METHODS, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--bootstrap", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-addr", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--eval-threads", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--links", nargs="+", choices=LINKS, default=LINKS)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16, help="windows per process and step")
+    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds of training")
+    parser.add_argument("--snapshot-every", type=float, default=3.0, help="seconds")
+    parser.add_argument("--eval-windows", type=int, default=128, help="validation windows")
+    parser.add_argument("--inner-steps", type=int, default=25, help="DiLoCo H")
+    parser.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo fragments")
+    parser.add_argument("--overlap-steps", type=int, default=5, help="streaming: inner steps")
+    parser.add_argument("--average-every", type=int, default=4, help="local: initial period")
+    parser.add_argument("--plot", default=None, help="PNG of loss vs wall clock per link")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    methods = ["ddp"] + [m for m in args.methods if m != "ddp"]  # the baseline, same run
+    _emit({"kind": "machine", "date": datetime.date.today().isoformat(),
+           "cpus": os.cpu_count(), "python": platform.python_version(),
+           "torch": __import__("torch").__version__, "processor": platform.processor(),
+           "loadavg": [round(v, 2) for v in os.getloadavg()]})  # fmt: skip
+    all_rows: list[dict] = []
+    for link in args.links:
+        rows: list[dict] = []
+        for method in methods:
+            if link == "loopback":
+                rows.append(run_method(args, method, link, None))
+                _emit(rows[-1])
+            else:
+                from wan_testbed import WanTestbed, unavailable_reason
+
+                reason = unavailable_reason()
+                if reason is not None:
+                    _emit({"kind": "skipped", "link": link, "reason": reason})
+                    break
+                with WanTestbed(args.peers, link) as tb:  # fresh per method: nothing left over
+                    rows.append(run_method(args, method, link, tb))
+                _emit(rows[-1])
+        if rows:
+            _emit(summarize(rows))
+            all_rows += rows
+    if args.plot and all_rows:
+        plot(all_rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
