@@ -10,6 +10,8 @@ Methods (``--methods``):
 - ``ddp``: gloo process group + ``DistributedDataParallel``, one gradient all-reduce per step.
 - ``sync`` / ``sync_8bit``: ``mode="sync"``, ``target_batch_size`` = peers x batch (DDP's
   global batch), gradients raw or ``Uniform8Bit``; the user loop just calls ``step()``.
+  ``sync_delayed``: ``delay_averaging=True`` (each round overlaps the next batch; the update
+  lands one step late).
 - ``local``: local AdamW steps, parameters averaged in the background (adaptive period).
 - ``diloco`` / ``diloco_8bit`` / ``diloco_4bit``: ``--inner-steps`` AdamW steps, then the outer
   Nesterov step on the averaged pseudo-gradient (raw, 8-bit, 4-bit with error feedback).
@@ -56,6 +58,7 @@ METHODS = [
     "ddp",
     "sync",
     "sync_8bit",
+    "sync_delayed",
     "local",
     "diloco",
     "diloco_8bit",
@@ -104,11 +107,13 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
     options: dict[str, Any] = {}
     mode = base
     if base == "sync":
-        options = dict(target_batch_size=args.batch * args.world, refresh_period=0.05)
+        options = dict(target_batch_size=args.batch * args.world, refresh_period=args.refresh)
         if codec == "8bit":
             from compression import Uniform8Bit
 
             options["compression"] = Uniform8Bit()
+        elif codec == "delayed":  # the round of step e overlaps the batch of step e + 1
+            options["delay_averaging"] = True
     elif base == "local":
         options = dict(average_every=args.average_every)
     elif base in ("diloco", "streaming"):
@@ -130,7 +135,7 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
         load_state_timeout=20.0,
         **options,
     )
-    opt.tracker.min_refresh_period = 0.05
+    opt.tracker.min_refresh_period = args.refresh
     return inner, model, opt, dht
 
 
@@ -159,6 +164,12 @@ def worker(args: argparse.Namespace) -> None:
         stop.set()
 
     threading.Thread(target=read_stdin, daemon=True).start()
+    profiler = None
+    if args.profile and args.rank == 1:  # pyinstrument on one peer's training thread
+        from pyinstrument import Profiler
+
+        profiler = Profiler(interval=0.005)
+        profiler.start()
     data = batches(train, args.batch, CONTEXT, seed=1000 + args.rank)
     snapshots: list[tuple[float, list[Any]]] = []
     snapshot_at = 0.0
@@ -190,6 +201,9 @@ def worker(args: argparse.Namespace) -> None:
         if done:
             break
     elapsed = time.perf_counter() - started
+    if profiler is not None:
+        profiler.stop()
+        Path(args.profile).write_text(profiler.output_text(unicode=False, show_all=False))
     if args.rank == 0:
         snapshots.append((elapsed, [p.detach().clone() for p in params]))
     tx1 = _eth0_tx_bytes() if in_netns else None
@@ -258,8 +272,10 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
                 "--budget", str(args.budget), "--snapshot-every", str(args.snapshot_every),
                 "--inner-steps", str(args.inner_steps), "--fragments", str(args.fragments),
                 "--overlap-steps", str(args.overlap_steps),
-                "--average-every", str(args.average_every),
+                "--average-every", str(args.average_every), "--refresh", str(args.refresh),
                 "--eval-windows", str(args.eval_windows)]  # fmt: skip
+        if args.profile:
+            argv += ["--profile", f"{args.profile}.{link}.{method}.txt"]
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
         popen = (lambda a, **kw: tb.popen(rank, a, **kw)) if tb is not None else subprocess.Popen
@@ -391,7 +407,9 @@ def main() -> int:
     parser.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo fragments")
     parser.add_argument("--overlap-steps", type=int, default=5, help="streaming: inner steps")
     parser.add_argument("--average-every", type=int, default=4, help="local: initial period")
+    parser.add_argument("--refresh", type=float, default=0.05, help="s between progress reads")
     parser.add_argument("--plot", default=None, help="PNG of loss vs wall clock per link")
+    parser.add_argument("--profile", default=None, help="pyinstrument text of worker 1 to this file")
     args = parser.parse_args()
     if args.worker:
         worker(args)

@@ -456,3 +456,34 @@ def test_back_to_back_steps_honor_the_target_batch(make_dhts, slow_peer):
     finally:
         for p in peers:
             p.opt.shutdown()
+
+
+def test_a_state_download_that_times_out_during_catch_up_does_not_stop_the_peer(
+    make_dhts, monkeypatch
+):
+    """Found by bench_lm.py: a peer behind the swarm whose state download ran out of time
+    raised StateDownloadError out of step() and died. It keeps its state, trains on and looks
+    again later."""
+    from moshpit.training.errors import StateDownloadError
+
+    (dht,) = make_dhts(1)
+    model = _model()
+    opt = _opt(dht, model)
+    try:
+        _loss(model, torch.arange(BATCH)).backward()
+        opt.step()  # starts the mode (its first synchronize finds nobody)
+        mode = opt.mode
+        ahead = type("View", (), {"epoch": mode.state.epoch + 3})()
+        monkeypatch.setattr(mode, "_view", lambda force=False: ahead)
+
+        def download_times_out(again: bool = False) -> None:
+            raise StateDownloadError("the state download did not finish within 20.0s")
+
+        monkeypatch.setattr(mode.state, "synchronize", download_times_out)
+        before = time.monotonic()
+        _loss(model, torch.arange(BATCH)).backward()
+        opt.step()  # must not raise
+        assert mode.state_loads == 0 and mode._next_catch_up > before
+        assert all(p.isfinite().all() for p in model.parameters())
+    finally:
+        opt.shutdown()

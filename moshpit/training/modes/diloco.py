@@ -462,10 +462,9 @@ class DiLoCoMode(TrainingMode):
             rnd.steps_since_start += 1
             self.overlapped_steps += 1
             if not rnd.future.done():
-                # the cached view (the tracker's background loop reads it): the peers this
-                # round waits for moved on, so it can only time out
-                if self.opt.tracker.global_progress.epoch > rnd.epoch:
-                    rnd.future.cancel()
+                # not abandoned when the view shows peers past its epoch: the members of a
+                # round finish it at slightly different times, and the early ones move on
+                # first; a round that cannot form ends by its own timeouts
                 return
             if rnd.steps_since_start >= self.overlap_steps:
                 self._land(rnd)

@@ -65,7 +65,12 @@ class FragmentRound:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def close(self) -> None:
-        """Abandon the round (if still running) and free its averager."""
-        if not self.future.done():
-            self.future.cancel()
+        """Abandon the round (if still running) and free its averager. A cancelled step
+        finishes its write into the buffers under the averager's lock first: wait for that
+        (bounded), so the buffers are ours again when this returns."""
         self.averager.shutdown()
+        self.future.cancel()
+        try:
+            self.future.exception(timeout=10)
+        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
+            pass

@@ -48,7 +48,7 @@ from typing import Any
 from compression import GraVAC, NoCompression, TwoWayCompression
 from dht.kademlia.clock import get_dht_time
 from moshpit.averaging.averager import StepResult
-from moshpit.training.errors import NoDonorError
+from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.grad_averager import GradientAverager, GradientRound, grads_prefix
 from moshpit.training.modes.base import TrainingMode, params_of
 from moshpit.training.modes.epoch_rounds import EpochRounds, wait_unless_left_behind
@@ -430,8 +430,8 @@ class SyncMode(TrainingMode):
         before = self.state.epoch
         try:
             self.state.synchronize(again=True)
-        except NoDonorError as e:
-            logger.warning("could not load state (%s): keeping ours", e)
+        except (NoDonorError, StateDownloadError) as e:  # donors gone, slow or failing
+            logger.warning("could not load state (%s): keeping ours, looking again later", e)
         if self.state.epoch != before:
             self.state_loads += 1
         else:  # no donor serves a newer state yet: look again a little later, not every step
