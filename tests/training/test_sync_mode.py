@@ -305,6 +305,91 @@ def test_delayed_averaging_applies_the_same_update_one_step_late(make_dhts):
             p.opt.shutdown()
 
 
+def test_delayed_averaging_with_four_peers_one_slow_keeps_every_peer_in_every_round(make_dhts):
+    """Found by bench_lm.py: with delayed averaging a peer enters epoch e + 1 when it starts
+    round e, so two fast peers looked "ahead" to a slower one, which then loaded state
+    instead of joining round e, and the round waited for it in vain. A peer now reports the
+    epoch of its round in flight until that round is applied."""
+    dhts = make_dhts(4)
+    models = [_model() for _ in dhts]
+    opts = [
+        _opt(d, m, target_batch_size=4 * BATCH, target_group_size=4, delay_averaging=True)
+        for d, m in zip(dhts, models, strict=True)
+    ]
+    peers = [Peer(i, m, o) for i, (m, o) in enumerate(zip(models, opts, strict=True))]
+    pauses = [0.01, 0.01, 0.01, 0.15]  # the last peer computes a batch 15x slower
+    try:
+        started = threading.Barrier(4)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [
+                pool.submit(p.train, 4, pause=pause, max_steps=200, started=started)
+                for p, pause in zip(peers, pauses, strict=True)
+            ]
+            for future in futures:
+                future.result(timeout=120)
+        for p in peers:
+            p.opt.mode.flush()
+            assert p.opt.mode.state_loads == 0, p.index
+            assert p.opt.mode.rounds_failed == 0 and p.opt.mode.rounds_succeeded == 4
+        for m in models[1:]:
+            assert _same(models[0].parameters(), m.parameters())
+    finally:
+        for p in peers:
+            p.opt.shutdown()
+
+
+def test_delayed_averaging_keeps_the_batch_whose_step_applies_the_previous_round(make_dhts):
+    """Found by bench_lm.py (delayed sync learned far less per step than sync): the step() that
+    applied the previous epoch's round wrote the round's mean into .grad before adding the
+    user's fresh batch, so that batch was counted in the samples but its gradient was lost.
+    Every batch must be in the sums: samples > 0 means sums == the batches' gradients."""
+    dhts = make_dhts(2)
+    models = [_model() for _ in dhts]
+    opts = [
+        # two batches per peer and epoch: the round of e finishes during e + 1's first batch
+        _opt(d, m, target_batch_size=4 * BATCH, target_group_size=2, delay_averaging=True)
+        for d, m in zip(dhts, models, strict=True)
+    ]
+    lost: list[tuple[int, int]] = []
+
+    def train(i: int) -> None:
+        grads = opts[i].mode.grads
+        expected = [torch.zeros_like(t) for t in grads.sums]
+        for step in range(400):
+            if opts[i].epoch >= 4:
+                return
+            idx = torch.randint(0, len(X), (BATCH,), generator=torch.Generator().manual_seed(step))
+            _loss(models[i], idx).backward()
+            batch = [p.grad.detach().clone() * BATCH for p in models[i].parameters()]
+            samples_before = grads.samples
+            opts[i].step()
+            opts[i].zero_grad()
+            if grads.samples == samples_before + BATCH:  # the batch went into this epoch's sums
+                for total, g in zip(expected, batch, strict=True):
+                    total.add_(g.reshape(total.shape))
+                if not all(
+                    torch.allclose(a, b, atol=1e-5)
+                    for a, b in zip(grads.sums, expected, strict=True)
+                ):
+                    lost.append((i, step))
+            else:  # the epoch moved on: its sums were used and reset
+                for total in expected:
+                    total.zero_()
+                for total, g in zip(expected, grads.sums, strict=True):
+                    total.copy_(g)
+            threading.Event().wait(0.2)  # a slow batch: the round ends before the next step
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for future in [pool.submit(train, i) for i in range(2)]:
+                future.result(timeout=120)
+        assert all(o.epoch >= 4 for o in opts)
+        assert lost == [], f"batches lost (peer, step): {lost}"
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
 def test_nan_gradients_from_the_network_move_nobody(make_dhts, monkeypatch):
     """An attacker joins every epoch's round with NaN gradients and a huge sample count: the
     honest peers exclude it (logged reason) and train exactly as if it were not there."""

@@ -176,8 +176,9 @@ class SyncMode(TrainingMode):
         self.report_progress(0)
 
     def step(self, batch_size: int) -> None:
-        self._collect_delayed(wait=False)
+        # the batch first: applying a finished delayed round overwrites and clears .grad
         self.grads.accumulate(batch_size)
+        self._collect_delayed(wait=False)
         self.report_progress(self.grads.samples)
         view = self._view()
         if view.epoch > self.state.epoch:
@@ -419,7 +420,15 @@ class SyncMode(TrainingMode):
         self.grads.write_grads()
         self.opt.inner.step()
         self.opt.inner.zero_grad(set_to_none=True)
+        self.report_progress(self.grads.samples)  # now at the epoch we entered
         self.state.maybe_checkpoint()
+
+    def report_progress(self, samples: int) -> None:
+        """With a delayed round in flight we entered epoch e + 1 but are still in round e:
+        report e until it is applied, or peers that have not started round e yet would see
+        us ahead and load state instead of joining it."""
+        epoch = self.state.epoch - (1 if self._pending is not None else 0)
+        self.opt.tracker.report(max(epoch, 0), samples)
 
     def _catch_up(self, why: str) -> None:
         """Load the swarm's newest state instead of stepping on stale parameters."""
