@@ -135,6 +135,9 @@ def test_two_peers_have_bit_identical_theta_after_every_fragment_round(make_dhts
             assert mode.rounds_succeeded == epochs and mode.solo_steps == 0
             assert mode.theta_mismatches == 0 and mode.blocked_steps == 0
             assert mode.overlapped_steps >= epochs * 2  # every round overlapped inner steps
+            # the rounds took time, none of it the training thread's
+            times = mode.round_seconds
+            assert times["waited"] == 0 and times["allreduce"] > 0 and times["matchmaking"] > 0
         fragments = opts[0].mode.fragments
         for epoch in range(1, epochs + 1):
             a, b = theta_at[0][epoch], theta_at[1][epoch]

@@ -168,6 +168,10 @@ def test_three_peers_take_identical_steps_equal_to_one_process(make_dhts):
             assert mode.rounds_succeeded == epochs, (p.index, mode.rounds_failed)
             assert mode.solo_steps == mode.state_loads == 0
             assert p.opt.epoch == epochs
+            # where the rounds' time went: each part was measured, and the training thread
+            # waited at least as long as the all-reduce inside the rounds took
+            times = mode.round_seconds
+            assert min(times.values()) > 0 and times["waited"] >= times["allreduce"]
         for epoch in range(1, epochs + 1):  # bit-identical after every epoch
             first = peers[0].params_at[epoch]
             for p in peers[1:]:
