@@ -40,7 +40,6 @@ import argparse
 import datetime
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -52,7 +51,18 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from bench_training import Peer, _emit, _eth0_tx_bytes, _free_port  # noqa: E402
+from bench_training import (  # noqa: E402
+    Peer,
+    _emit,
+    _eth0_tx_bytes,
+    _free_port,
+    add_worker_arguments,
+    join_dht,
+    join_gloo,
+    kill_peers,
+    spawn,
+    start_peers,
+)
 
 METHODS = [
     "ddp",
@@ -82,26 +92,12 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
 
     method = args.method
     if method == "ddp":
-        import torch.distributed as dist
-
-        _emit({"event": "dht", "maddr": ""})
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{args.gloo_addr}:{args.gloo_port}",
-            rank=args.rank,
-            world_size=args.world,
-            timeout=datetime.timedelta(seconds=120),
-        )
+        join_gloo(args)
         net = torch.nn.parallel.DistributedDataParallel(model)
         return torch.optim.AdamW(net.parameters(), lr=args.lr), net, None, None
     import moshpit
 
-    dht = moshpit.DHT(
-        initial_peers=[args.bootstrap] if args.bootstrap else [],
-        host_maddrs=[f"/ip4/{args.host}/tcp/0"],
-        startup_timeout=120,
-    )
-    _emit({"event": "dht", "maddr": str(dht.get_visible_maddrs()[0])})
+    dht = join_dht(args)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
     base, _, codec = method.partition("_")
     options: dict[str, Any] = {}
@@ -276,17 +272,10 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
                 "--eval-windows", str(args.eval_windows)]  # fmt: skip
         if args.profile:
             argv += ["--profile", f"{args.profile}.{link}.{method}.txt"]
-        if bootstrap:
-            argv += ["--bootstrap", bootstrap]
-        popen = (lambda a, **kw: tb.popen(rank, a, **kw)) if tb is not None else subprocess.Popen
-        return Peer(argv, popen, "eth0" if tb is not None else "lo")
+        return spawn(argv, rank, bootstrap, tb)
 
-    peers = [start(0, None)]
+    peers = start_peers(n, start)
     try:
-        maddr = peers[0].wait_for("dht", 120)["maddr"]
-        peers += [start(r, maddr or None) for r in range(1, n)]
-        for p in peers:
-            p.wait_for("ready", 180)
         load_start = os.getloadavg()
         for p in peers:
             p.send("go")
@@ -297,10 +286,7 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
         for p in peers:
             p.p.wait(timeout=60)
     finally:
-        for p in peers:
-            if p.p.poll() is None:
-                p.p.kill()
-                p.p.wait()
+        kill_peers(peers)
     first = results[0]
     row: dict[str, Any] = {
         "kind": "run",
@@ -388,12 +374,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ddp", choices=METHODS, help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
-    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
-    parser.add_argument("--bootstrap", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--gloo-addr", default="127.0.0.1", help=argparse.SUPPRESS)
-    parser.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
+    add_worker_arguments(parser)
     parser.add_argument("--eval-threads", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--links", nargs="+", choices=LINKS, default=LINKS)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
@@ -409,7 +390,9 @@ def main() -> int:
     parser.add_argument("--average-every", type=int, default=4, help="local: initial period")
     parser.add_argument("--refresh", type=float, default=0.05, help="s between progress reads")
     parser.add_argument("--plot", default=None, help="PNG of loss vs wall clock per link")
-    parser.add_argument("--profile", default=None, help="pyinstrument text of worker 1 to this file")
+    parser.add_argument(
+        "--profile", default=None, help="pyinstrument text of worker 1 to this file"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)

@@ -89,6 +89,35 @@ def _make_model(hidden: int, seed: int = 0) -> Any:
     )
 
 
+def join_gloo(args: argparse.Namespace) -> None:
+    """DDP's process group over the worker's link (reports "dht" so the parent goes on)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    _emit({"event": "dht", "maddr": ""})
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.gloo_addr}:{args.gloo_port}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+
+
+def join_dht(args: argparse.Namespace) -> Any:
+    """The worker's moshpit.DHT; its address goes to the parent, which bootstraps the rest."""
+    import moshpit
+
+    dht = moshpit.DHT(
+        initial_peers=[args.bootstrap] if args.bootstrap else [],
+        host_maddrs=[f"/ip4/{args.host}/tcp/0"],
+        startup_timeout=120,
+    )
+    _emit({"event": "dht", "maddr": str(dht.get_visible_maddrs()[0])})
+    return dht
+
+
 def worker(args: argparse.Namespace) -> None:
     """One peer: train until told to stop (stdin ``stop``) or until the cap; report on stdout."""
     import torch
@@ -119,14 +148,7 @@ def worker(args: argparse.Namespace) -> None:
     elif mode == "ddp":
         import torch.distributed as dist
 
-        _emit({"event": "dht", "maddr": ""})
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{args.gloo_addr}:{args.gloo_port}",
-            rank=args.rank,
-            world_size=args.world,
-            timeout=__import__("datetime").timedelta(seconds=120),
-        )
+        join_gloo(args)
         net = torch.nn.parallel.DistributedDataParallel(model)
         inner = torch.optim.Adam(net.parameters(), lr=args.lr)
         forward = net
@@ -134,12 +156,7 @@ def worker(args: argparse.Namespace) -> None:
         import moshpit
         from compression import Uniform8Bit
 
-        dht = moshpit.DHT(
-            initial_peers=[args.bootstrap] if args.bootstrap else [],
-            host_maddrs=[f"/ip4/{args.host}/tcp/0"],
-            startup_timeout=120,
-        )
-        _emit({"event": "dht", "maddr": str(dht.get_visible_maddrs()[0])})
+        dht = join_dht(args)
         inner = torch.optim.Adam(model.parameters(), lr=args.lr)
         base = mode.split("_")[0]
         options: dict[str, Any] = {}
@@ -301,6 +318,37 @@ class Peer:
         raise TimeoutError(f"no {kind!r} from worker within {timeout:.0f}s")
 
 
+def spawn(argv: list[str], rank: int, bootstrap: str | None, tb: Any | None) -> Peer:
+    """Worker ``rank`` on loopback, or in its own namespace of the testbed ``tb``."""
+    if bootstrap:
+        argv = [*argv, "--bootstrap", bootstrap]
+    popen = (lambda a, **kw: tb.popen(rank, a, **kw)) if tb is not None else subprocess.Popen
+    return Peer(argv, popen, "eth0" if tb is not None else "lo")
+
+
+def start_peers(n: int, start: Callable[[int, str | None], Peer]) -> list[Peer]:
+    """Rank 0 first (its DHT address bootstraps the others), then ranks 1..n-1; returns once
+    every worker is ready. Workers started so far are killed if that fails."""
+    peers = [start(0, None)]
+    try:
+        maddr = peers[0].wait_for("dht", 120)["maddr"]
+        peers += [start(r, maddr or None) for r in range(1, n)]
+        for p in peers:
+            p.wait_for("ready", 180)
+    except BaseException:
+        kill_peers(peers)
+        raise
+    return peers
+
+
+def kill_peers(peers: list[Peer]) -> None:
+    """Kill the workers still running (after a run, or when it failed)."""
+    for p in peers:
+        if p.p.poll() is None:
+            p.p.kill()
+            p.p.wait()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -322,17 +370,10 @@ def run_mode(args: argparse.Namespace, mode: str, tb: Any | None) -> dict:
                 "--cap", str(args.cap), "--eval-every", str(args.eval_every),
                 "--inner-steps", str(args.inner_steps),
                 "--average-every", str(args.average_every)]  # fmt: skip
-        if bootstrap:
-            argv += ["--bootstrap", bootstrap]
-        popen = (lambda a, **kw: tb.popen(rank, a, **kw)) if tb is not None else subprocess.Popen
-        return Peer(argv, popen, "eth0" if tb is not None else "lo")
+        return spawn(argv, rank, bootstrap, tb)
 
-    peers = [start(0, None)]
+    peers = start_peers(n, start)
     try:
-        maddr = peers[0].wait_for("dht", 120)["maddr"]
-        peers += [start(r, maddr or None) for r in range(1, n)]
-        for p in peers:
-            p.wait_for("ready", 180)
         load_start = os.getloadavg()
         for p in peers:
             p.send("go")
@@ -349,10 +390,7 @@ def run_mode(args: argparse.Namespace, mode: str, tb: Any | None) -> dict:
         for p in peers:
             p.p.wait(timeout=60)
     finally:
-        for p in peers:
-            if p.p.poll() is None:
-                p.p.kill()
-                p.p.wait()
+        kill_peers(peers)
     total_samples = sum(r["samples"] for r in results)
     data_epochs = total_samples / 1258
     sent = [r["bytes_sent"] for r in results]
@@ -414,16 +452,22 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The hidden options the parent passes to each worker process."""
+    hidden = argparse.SUPPRESS
+    parser.add_argument("--rank", type=int, default=0, help=hidden)
+    parser.add_argument("--world", type=int, default=4, help=hidden)
+    parser.add_argument("--host", default="127.0.0.1", help=hidden)
+    parser.add_argument("--bootstrap", default=None, help=hidden)
+    parser.add_argument("--gloo-addr", default="127.0.0.1", help=hidden)
+    parser.add_argument("--gloo-port", type=int, default=0, help=hidden)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="ddp", choices=MODES, help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
-    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
-    parser.add_argument("--bootstrap", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--gloo-addr", default="127.0.0.1", help=argparse.SUPPRESS)
-    parser.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
+    add_worker_arguments(parser)
     parser.add_argument("--net", nargs="+", choices=["loopback", "wan"], default=None)
     parser.add_argument("--rate", default="100mbit", help="per-peer link rate for --net wan")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=None)

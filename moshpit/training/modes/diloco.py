@@ -302,16 +302,23 @@ class DiLoCoMode(TrainingMode):
         elif self.local_steps >= self.inner_steps:
             self._outer_round()
 
-    def _outer_round(self) -> None:
-        epoch = self.state.epoch
-        view = self._fresh_view(self._view())
+    def _may_start_round(self, view: Any, epoch: int) -> bool:
+        """False when peers are past ``epoch`` (then load their state instead, at most every
+        refresh period); a peer at our epoch means we are not alone any more."""
         same, ahead = self.rounds.others(view, epoch)
         if ahead:
             if time.monotonic() >= self._next_catch_up:
                 self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
-            return
+            return False
         if same:
             self._alone = False
+        return True
+
+    def _outer_round(self) -> None:
+        epoch = self.state.epoch
+        view = self._fresh_view(self._view())
+        if not self._may_start_round(view, epoch):
+            return
         self._load_deltas()
         if self._alone:
             self._apply(solo=True)
@@ -474,14 +481,9 @@ class DiLoCoMode(TrainingMode):
 
     def _start_fragment_round(self) -> None:
         epoch = self.state.epoch
-        view = self.opt.tracker.global_progress
-        same, ahead = self.rounds.others(view, epoch)
-        if ahead:
-            if time.monotonic() >= self._next_catch_up:
-                self._catch_up(f"{len(ahead)} peer(s) are past epoch {epoch}")
+        view = self.opt.tracker.global_progress  # cached: no network wait in a step
+        if not self._may_start_round(view, epoch):
             return
-        if same:
-            self._alone = False
         indices = self.fragments[epoch % len(self.fragments)]
         start_local = [self.params[i].detach().to("cpu", torch.float32, copy=True) for i in indices]
         with torch.no_grad():

@@ -10,7 +10,7 @@ schedule; this module holds what one round needs to land correctly later.
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,7 +62,6 @@ class FragmentRound:
     start_local: list[torch.Tensor]
     digest: bytes
     steps_since_start: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def close(self) -> None:
         """Abandon the round (if still running) and free its averager. A cancelled step
