@@ -545,25 +545,23 @@ class Blockwise4Bit(Codec):
 
     def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
         flat = tensor.reshape(-1)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
         n, bs = flat.numel(), self.block_size
         nblocks = -(-n // bs)
         buf = _bytes.alloc(4 * nblocks + (n + 1) // 2)
-        padded = torch.zeros(nblocks * bs, device=flat.device)
-        padded[:n] = flat
-        blocks = padded.view(nblocks, bs)
-        mn, mx = torch.aminmax(blocks, dim=1) if n else (padded[:0], padded[:0])
+        # one float32 working copy, worked on in place: the last block padded with zeros,
+        # plus one element so an odd count always has a zero code to pair with
+        work = torch.zeros(nblocks * bs + 1, device=flat.device)
+        work[:n] = flat
+        blocks = work[: nblocks * bs].view(nblocks, bs)
+        mn, mx = torch.aminmax(blocks, dim=1) if n else (work[:0], work[:0])
         absmax = torch.maximum(mx, mn.neg())
         if n and not bool(torch.isfinite(absmax).all()):
             raise NonFiniteInputError("Blockwise4Bit input contains NaN or Inf")
         inv = torch.where(absmax > 0, self.LEVELS / absmax, torch.zeros_like(absmax))
-        codes = (blocks * inv.unsqueeze(1)).round_().clamp_(-self.LEVELS, self.LEVELS)
-        nibbles = (codes.view(-1)[:n] + self.LEVELS).to(torch.uint8)
-        if n % 2:
-            nibbles = torch.cat([nibbles, nibbles.new_full((1,), self.LEVELS)])  # a zero
-        pairs = nibbles.view(-1, 2)
-        packed = pairs[:, 0] | (pairs[:, 1] << 4)
+        blocks.mul_(inv.unsqueeze(1)).round_().clamp_(-self.LEVELS, self.LEVELS)
+        work.add_(self.LEVELS)  # codes -7..7 -> nibbles 0..14; padding becomes code 0
+        nibbles = work[: n + n % 2].to(torch.uint8)
+        packed = nibbles[0::2] | (nibbles[1::2] << 4)
         _bytes.typed(buf, torch.float32, nblocks).copy_(absmax.cpu())
         _bytes.typed(buf, torch.uint8, packed.numel(), 4 * nblocks).copy_(packed.cpu())
         return buf, {"block": bs}

@@ -498,9 +498,7 @@ class DiLoCoMode(TrainingMode):
             epoch, self.rounds.expected(view, epoch), [self.deltas[i] for i in indices]
         )
         self.samples = 0
-        self.in_flight = FragmentRound(
-            epoch, epoch % len(self.fragments), indices, averager, future, start_local, digest
-        )
+        self.in_flight = FragmentRound(epoch, indices, averager, future, start_local, digest)
 
     def _land(self, rnd: FragmentRound) -> None:
         """The round is done: apply its mean Δ to the fragment's θ, or decide what next."""
@@ -558,8 +556,8 @@ class DiLoCoMode(TrainingMode):
             for i, local in zip(indices, start_local, strict=True):
                 self.theta[i].grad = None
                 p = self.params[i]
-                progress = p.detach().to("cpu", torch.float32) - local
-                p.copy_((self.theta[i] + progress).to(device=p.device, dtype=p.dtype))
+                merged = p.detach().to("cpu", torch.float32) - local  # the progress since Δ
+                p.copy_(merged.add_(self.theta[i]))  # copy_ casts to p's device and dtype
         self.outer_steps += 1
         if solo:
             self.solo_steps += 1

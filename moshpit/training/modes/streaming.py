@@ -55,8 +55,7 @@ class FragmentRound:
     """
 
     epoch: int
-    fragment: int
-    indices: list[int]
+    indices: list[int]  # the fragment's parameters (fragment epoch % F)
     averager: Any
     future: concurrent.futures.Future
     start_local: list[torch.Tensor]
