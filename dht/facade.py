@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import weakref
@@ -36,7 +37,8 @@ def _shutdown_all() -> None:
 class DHT:
     """A DHT peer usable from synchronous code (see module docstring).
 
-    ``identity_path`` keeps the PeerID across restarts (created if missing). Extra keyword
+    ``identity_path`` keeps the PeerID across restarts (created if missing); the file is locked
+    while this DHT runs, so a second live user of it gets ``IdentityInUseError``. Extra keyword
     arguments go to :meth:`DHTNode.open` (``num_replicas``, ``limits``, ``validators``, ...).
     Without ``host_maddrs`` it listens on every IPv4 interface; a malformed address raises
     ``MultiaddrError`` (a single string instead of a list, ``TypeError``) before starting.
@@ -111,30 +113,35 @@ class DHT:
         finally:
             self._ready.set()
 
-    async def _main(self) -> None:
-        identity = None
-        if self.identity_path is not None:
-            from dht.p2p import Identity
+    def _identity(self) -> contextlib.AbstractContextManager[Any]:
+        """The key at ``identity_path``, locked while the node runs (one key file, one peer)."""
+        if self.identity_path is None:
+            return contextlib.nullcontext(None)
+        from dht.p2p import Identity
 
-            identity = Identity.load_or_create(self.identity_path)
-        self._stop = trio.Event()
-        async with DHTNode.open(
-            initial_peers=self.initial_peers,
-            host_maddrs=self.host_maddrs,
-            announce_maddrs=self.announce_maddrs,
-            identity=identity,
-            client_mode=self.client_mode,
-            **self.node_kwargs,
-        ) as node:
-            async with trio.open_nursery() as services:
-                with self._lock:  # shutdown() may have been called while we were starting
-                    self._node, self._services = node, services
-                    self._token = trio.lowlevel.current_trio_token()
-                    if self._stopped:
-                        self._stop.set()
-                self._ready.set()
-                await self._stop.wait()
-                services.cancel_scope.cancel()
+        return Identity.locked(self.identity_path)
+
+    async def _main(self) -> None:
+        # IdentityInUseError and other key-file errors surface as they are, before any nursery
+        with self._identity() as identity:
+            self._stop = trio.Event()
+            async with DHTNode.open(
+                initial_peers=self.initial_peers,
+                host_maddrs=self.host_maddrs,
+                announce_maddrs=self.announce_maddrs,
+                identity=identity,
+                client_mode=self.client_mode,
+                **self.node_kwargs,
+            ) as node:
+                async with trio.open_nursery() as services:
+                    with self._lock:  # shutdown() may have been called while we were starting
+                        self._node, self._services = node, services
+                        self._token = trio.lowlevel.current_trio_token()
+                        if self._stopped:
+                            self._stop.set()
+                    self._ready.set()
+                    await self._stop.wait()
+                    services.cancel_scope.cancel()
 
     def shutdown(self) -> None:
         """Stop every service and the node, then join the thread. Idempotent."""

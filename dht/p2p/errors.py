@@ -15,6 +15,18 @@ class IdentityError(P2PError):
     """A key file or an encoded public key / PeerID is invalid."""
 
 
+class IdentityInUseError(IdentityError):
+    """Another live peer holds this key file: two peers must not share one PeerID.
+
+    ``path`` is the key file, ``pid`` the holder's process id (None if it could not be read).
+    """
+
+    def __init__(self, message: str, *, path: object = None, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.pid = pid
+
+
 class DialError(P2PError):
     """Could not open a connection to a peer at any of its known addresses."""
 

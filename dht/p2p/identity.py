@@ -10,13 +10,23 @@ the public key, so signatures can be checked from the PeerID alone.
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import hashlib
 import logging
 import os
 import stat
 import tempfile
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the key file is then used unlocked
+    fcntl = None  # type: ignore[assignment]
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
@@ -30,7 +40,7 @@ from ._proto import (
     encode_varint_field,
     iter_fields,
 )
-from .errors import IdentityError
+from .errors import IdentityError, IdentityInUseError
 from .varint import decode_uvarint, encode_uvarint
 
 logger = logging.getLogger(__name__)
@@ -153,7 +163,7 @@ def _validate_multihash(data: bytes) -> None:
         raise IdentityError(f"PeerID is not a multihash: {e}") from None
     if len(data) - pos != length:
         raise IdentityError(
-            f"PeerID multihash declares a {length}-byte digest but carries {len(data) - pos}"
+            f"PeerID multihash declares a {length}-byte digest but carries {len(data) - pos} bytes"
         )
     if code == MULTIHASH_IDENTITY:
         if length > MAX_INLINE_KEY_LENGTH:
@@ -164,6 +174,74 @@ def _validate_multihash(data: bytes) -> None:
             raise IdentityError(f"sha2-256 PeerID digest must be 32 bytes, got {length}")
     else:
         raise IdentityError(f"PeerID uses unsupported multihash code 0x{code:x}")
+
+
+@dataclass(frozen=True)
+class _TextForm:
+    """The fixed shape of one kind of PeerID text: every key of the kind gives ``prefix`` and
+    ``length``, so a pasted ID of that kind with another length was cut short or padded."""
+
+    kind: str
+    prefix: str
+    length: int
+
+
+def _text_form(kind: str, lowest: bytes, highest: bytes) -> _TextForm:
+    """Derive the shape from the smallest and largest multihash of a kind (not hard-coded)."""
+    low, high = b58encode(lowest), b58encode(highest)
+    assert len(low) == len(high), kind  # one length for every key of the kind
+    return _TextForm(kind, os.path.commonprefix([low, high]), len(low))
+
+
+def _identity_multihash(key_proto: bytes) -> bytes:
+    return encode_uvarint(MULTIHASH_IDENTITY) + encode_uvarint(len(key_proto)) + key_proto
+
+
+_SHA2_256_PREFIX = encode_uvarint(MULTIHASH_SHA2_256) + encode_uvarint(32)
+# Ed25519 first: it is what this project generates (12D3KooW..., 52 characters).
+_TEXT_FORMS = (
+    _text_form(
+        "an Ed25519",
+        _identity_multihash(encode_public_key(b"\0" * 32)),
+        _identity_multihash(encode_public_key(b"\xff" * 32)),
+    ),
+    _text_form(
+        "a Secp256k1",  # compressed keys: 0x02 or 0x03, then 32 bytes
+        _identity_multihash(encode_public_key(b"\x02" + b"\0" * 32, KEY_TYPE_SECP256K1)),
+        _identity_multihash(encode_public_key(b"\x03" + b"\xff" * 32, KEY_TYPE_SECP256K1)),
+    ),
+    _text_form(
+        "a legacy (sha2-256)", _SHA2_256_PREFIX + b"\0" * 32, _SHA2_256_PREFIX + b"\xff" * 32
+    ),
+)
+
+
+def _explain_bad_text(text: str, error: IdentityError) -> str:
+    """Say why base58 ``text`` is no PeerID in terms a user can act on.
+
+    Base58 has no checksum: a copy-paste that lost (or gained) characters decodes to bytes
+    whose multihash header is garbage, so the header's complaint ("declares a 2-byte digest")
+    tells the user nothing. The text's prefix does tell which kind of PeerID was meant, and
+    each kind has one fixed length.
+    """
+    for form in _TEXT_FORMS:
+        if not (text.startswith(form.prefix) or form.prefix.startswith(text)):
+            continue
+        shape = (
+            f"{form.kind} PeerID is {form.length} characters "
+            f"({form.prefix} + {form.length - len(form.prefix)} more), this one has {len(text)}"
+        )
+        if len(text) < form.length:
+            return f"it looks truncated: {shape}; copy the whole PeerID"
+        if len(text) > form.length:
+            return f"it is too long: {shape}; remove the extra characters"
+        break  # the right length yet invalid: a mistyped character; the error says where
+    ed25519, legacy = _TEXT_FORMS[0], _TEXT_FORMS[-1]
+    return (
+        f"{error}; a PeerID is {ed25519.length} characters starting with {ed25519.prefix} "
+        f"(Ed25519) or {legacy.length} starting with {legacy.prefix} (legacy): "
+        "check that it was copied whole"
+    )
 
 
 class PeerID:
@@ -198,11 +276,14 @@ class PeerID:
         try:
             raw = b58decode(text)
         except ValueError as e:
-            raise IdentityError(f"invalid PeerID {text!r}: {e}") from None
+            raise IdentityError(
+                f"invalid PeerID {text!r}: {e} "
+                "(base58 uses letters and digits except 0, O, I and l)"
+            ) from None
         try:
             return cls(raw)
         except IdentityError as e:
-            raise IdentityError(f"invalid PeerID {text!r}: {e}") from None
+            raise IdentityError(f"invalid PeerID {text!r}: {_explain_bad_text(text, e)}") from None
 
     @classmethod
     def from_string(cls, text: str) -> PeerID:
@@ -386,6 +467,19 @@ class Identity:
         return cls.from_pem(pem, source=str(path))
 
     @classmethod
+    @contextlib.contextmanager
+    def locked(cls, path: str | os.PathLike[str]) -> Iterator[Identity]:
+        """``load_or_create(path)``, holding an :class:`IdentityLock` on it until the block exits.
+
+        What a long-running peer should use: a second live process (or a second peer in this
+        one) given the same key file gets :class:`IdentityInUseError` instead of silently
+        sharing this PeerID. A restart after any exit, SIGKILL included, is not blocked.
+        """
+        identity = cls.load_or_create(path)  # creates it if missing: the lock needs the file
+        with IdentityLock(path):
+            yield identity
+
+    @classmethod
     def _create_at(cls, path: Path) -> Identity:
         try:
             return cls._create_file(path)
@@ -439,3 +533,152 @@ class Identity:
 
     def __repr__(self) -> str:
         return f"Identity({self._peer_id})"
+
+
+# ---------------------------------------------------------------------------------------------
+# One key file, one live peer
+
+_held_locks: weakref.WeakSet[IdentityLock] = weakref.WeakSet()
+
+
+class IdentityLock:
+    """An exclusive advisory lock (``flock``) on a key file while this process uses the key.
+
+    Two live peers with one key file share one PeerID, and the DHT then routes to whichever
+    answers: both misbehave with no error anywhere. The lock is on the key file itself, so it
+    also works where only the key can be read (a read-only secret mount), and the kernel drops
+    it when its holder exits however it dies, so a SIGKILLed peer never blocks its restart.
+    The holder writes its pid to ``<key>.pid`` (best effort) so a refused process can name it;
+    a stale pid file from a dead holder is ignored and overwritten.
+    Forked children close their copy of the descriptor, so they never keep the lock alive
+    after their parent is gone. Without ``fcntl`` (Windows) the lock is a no-op.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.pid_path = self.path.with_name(self.path.name + ".pid")
+        self._fd: int | None = None
+        self._owner_pid: int | None = None
+        self._wrote_pid = False
+
+    def acquire(self) -> None:
+        """Lock the key file; IdentityInUseError if another open description already holds it."""
+        if self._fd is not None:
+            raise RuntimeError(f"identity lock on {self.path} is already held")
+        if fcntl is None:
+            logger.debug("no fcntl on this platform: identity file %s is not locked", self.path)
+            return
+        fd = self._open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._in_use_error() from None
+        except OSError as e:  # e.g. ENOLCK on a network filesystem without locking
+            os.close(fd)
+            logger.warning(
+                "cannot lock identity file %s (%s): make sure no other running peer uses it",
+                self.path,
+                e.strerror or e,
+            )
+            return
+        self._fd, self._owner_pid = fd, os.getpid()
+        _held_locks.add(self)
+        self._write_pid()
+
+    def release(self) -> None:
+        """Unlock (idempotent); removes the pid file this process wrote."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        _held_locks.discard(self)
+        if self._owner_pid != os.getpid():  # a child forked without the fork hook: hands off
+            return
+        if self._wrote_pid:  # before unlocking: the next holder's pid file must survive
+            with contextlib.suppress(OSError):
+                self.pid_path.unlink()
+            self._wrote_pid = False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # even if some child still shares the descriptor
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> IdentityLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def _open(self) -> int:
+        try:  # read-write: flock emulated over NFS needs it for an exclusive lock
+            return os.open(self.path, os.O_RDWR)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise IdentityError(
+                    f"cannot open identity file {self.path}: {e.strerror or e}"
+                ) from None
+        try:  # a read-only key (mode 0400, a read-only mount): flock works on this too
+            return os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise IdentityError(
+                f"cannot open identity file {self.path}: {e.strerror or e}"
+            ) from None
+
+    def _write_pid(self) -> None:
+        try:
+            self.pid_path.write_text(f"{os.getpid()}\n")
+        except OSError as e:  # a read-only directory: the lock still works, unnamed
+            logger.debug("cannot write %s (%s): skipping the pid file", self.pid_path, e)
+            return
+        self._wrote_pid = True
+
+    def _holder_pid(self) -> int | None:
+        """The pid in the pid file, if that process is alive (else the file is stale)."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if pid <= 0:
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's
+            pass
+        return pid
+
+    def _in_use_error(self) -> IdentityInUseError:
+        pid = self._holder_pid()
+        advice = (
+            "two peers must not share one PeerID; {} or use a different key file "
+            "(--identity / identity_path)"
+        )
+        if pid == os.getpid():
+            message = (
+                f"identity file {self.path} is already in use by a peer in this process "
+                f"(pid {pid}): " + advice.format("shut that peer down first")
+            )
+        else:
+            holder = f" (pid {pid})" if pid is not None else ""
+            message = (
+                f"identity file {self.path} is in use by another running process{holder}: "
+                + advice.format("stop that process")
+            )
+        return IdentityInUseError(message, path=self.path, pid=pid)
+
+
+def _forget_locks_in_child() -> None:
+    """After fork: close the child's copies, so only the parent's death releases the lock."""
+    for lock in list(_held_locks):
+        fd, lock._fd = lock._fd, None
+        lock._wrote_pid = False
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # not LOCK_UN: that would unlock the parent's lock too
+    _held_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)

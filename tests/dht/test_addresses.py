@@ -175,6 +175,21 @@ def test_a_corrupt_peer_id_names_the_bad_address():
     assert corrupt in str(info.value)
 
 
+def test_a_truncated_peer_id_says_it_looks_truncated_and_how_long_a_peer_id_is():
+    cut = GOOD_PEER[:-30]  # a copy-paste cut short: 22 of the PeerID's 52 characters are left
+    peer_id = cut.rsplit("/", 1)[1]
+    before = _dht_threads()
+    with pytest.raises(MultiaddrError) as info:
+        DHT(initial_peers=[cut], host_maddrs=LOOPBACK)
+    assert type(info.value) is MultiaddrError
+    assert str(info.value) == (
+        f"bad initial_peers: invalid PeerID {peer_id!r}: it looks truncated: an Ed25519 PeerID "
+        "is 52 characters (12D3KooW + 44 more), this one has 22; copy the whole PeerID "
+        f"(in {cut!r}); expected e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
+    )
+    assert _dht_threads() == before
+
+
 @pytest.mark.parametrize("argument", ["initial_peers", "host_maddrs", "announce_maddrs"])
 def test_a_string_instead_of_a_list_is_a_type_error(argument):
     kwargs = {"host_maddrs": LOOPBACK, argument: GOOD_PEER}

@@ -142,7 +142,18 @@ def test_restart_with_the_same_identity_keeps_the_peer_id(tmp_path):
     key = tmp_path / "node.pem"
     first = Peer("--identity", str(key))
     first_id, first_maddrs = first.start()
+    # a second peer on the same key file while the first runs: refused in one line
+    twin = Peer("--identity", str(key))
+    assert twin.proc.wait(timeout=60) == 1
+    twin.stop()
+    assert twin.output == [
+        f"moshpit dht: identity file {key} is in use by another running process "
+        f"(pid {first.proc.pid}): two peers must not share one PeerID; stop that process or "
+        "use a different key file (--identity / identity_path)\n"
+    ]
+    assert first.proc.poll() is None
     assert first.stop(signal.SIGINT) == 0
+    assert not key.with_name("node.pem.pid").exists()  # a clean exit leaves no pid file
     assert key.exists() and (key.stat().st_mode & 0o777) == 0o600
     second = Peer("--identity", str(key))
     second_id, second_maddrs = second.start()

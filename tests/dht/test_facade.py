@@ -81,6 +81,25 @@ def test_identity_path_keeps_peer_id_and_bad_bootstrap_raises(tmp_path):
     assert not dht_threads()
 
 
+def test_a_key_file_in_use_by_a_running_dht_is_refused_until_it_shuts_down(tmp_path):
+    from dht.p2p import IdentityInUseError
+
+    key = tmp_path / "id.pem"
+    before = len(dht_threads())
+    with DHT(host_maddrs=LOOPBACK, identity_path=str(key)) as first:
+        with pytest.raises(IdentityInUseError) as info:  # the error itself, not a group
+            DHT(host_maddrs=LOOPBACK, identity_path=str(key))
+        assert str(info.value).startswith(
+            f"identity file {key} is already in use by a peer in this process"
+        )
+        assert len(dht_threads()) == before + 1  # the refused one left no thread behind
+        assert first.is_alive
+    # shutdown released the key: the same PeerID starts again at once
+    with DHT(host_maddrs=LOOPBACK, identity_path=str(key)) as again:
+        assert again.peer_id == first.peer_id
+    assert len(dht_threads()) == before
+
+
 def test_client_mode_facade_and_shutdown_is_idempotent():
     with DHT(host_maddrs=LOOPBACK) as server:
         client = DHT(initial_peers=server.get_visible_maddrs(), client_mode=True)

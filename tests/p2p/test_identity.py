@@ -176,3 +176,59 @@ def test_load_corrupt_or_wrong_type_file(tmp_path):
 def test_pem_roundtrip():
     ident = Identity.generate()
     assert Identity.from_pem(ident.to_pem()).peer_id == ident.peer_id
+
+
+# ------------------------------------------------------------------ PeerID text a user pasted
+# An Ed25519 PeerID is the base58btc text of a 38-byte identity multihash: always 52 characters,
+# always starting with 12D3KooW (44 more after it); a legacy sha2-256 one is 46, starting Qm.
+
+
+@pytest.mark.parametrize("keep", [1, 4, 8, 11, 20, 30, 45, 50, 51])
+def test_a_truncated_peer_id_says_it_looks_truncated(keep):
+    text = str(Identity.generate().peer_id)
+    assert len(text) == 52 and text.startswith("12D3KooW")
+    cut = text[:keep]
+    with pytest.raises(IdentityError) as info:
+        PeerID.from_string(cut)
+    assert str(info.value) == (
+        f"invalid PeerID {cut!r}: it looks truncated: an Ed25519 PeerID is 52 characters "
+        f"(12D3KooW + 44 more), this one has {keep}; copy the whole PeerID"
+    )
+
+
+@pytest.mark.parametrize("extra", ["z", "2D", "12D3KooW"])
+def test_a_too_long_peer_id_says_how_long_it_should_be(extra):
+    text = str(Identity.generate().peer_id) + extra
+    with pytest.raises(IdentityError) as info:
+        PeerID.from_base58(text)
+    assert str(info.value) == (
+        f"invalid PeerID {text!r}: it is too long: an Ed25519 PeerID is 52 characters "
+        f"(12D3KooW + 44 more), this one has {len(text)}; remove the extra characters"
+    )
+
+
+def test_a_truncated_legacy_peer_id_names_the_legacy_length():
+    with pytest.raises(IdentityError, match=r"truncated: a legacy \(sha2-256\) PeerID is 46 "):
+        PeerID.from_base58(RSA_PEER_ID[:-1])
+
+
+@pytest.mark.parametrize("bad", ["0", "O", "I", "l", " ", "…"])
+@pytest.mark.parametrize("where", [0, 20, 52])
+def test_a_non_base58_character_is_named_with_its_position(bad, where):
+    text = str(Identity.generate().peer_id)
+    pasted = text[:where] + bad + text[where:]  # an extra character
+    replaced = text[:where] + bad + text[where + 1 :]  # a mistyped one
+    for candidate in (pasted, replaced):
+        with pytest.raises(IdentityError) as info:
+            PeerID.from_base58(candidate)
+        message = str(info.value)
+        assert f"invalid base58 character {bad!r} at position {where}" in message
+        assert "except 0, O, I and l" in message
+
+
+def test_an_unrecognisable_peer_id_says_what_a_peer_id_looks_like():
+    with pytest.raises(IdentityError) as info:
+        PeerID.from_base58("1" * 40)
+    message = str(info.value)
+    assert "multihash" in message
+    assert "52 characters starting with 12D3KooW" in message and "46 starting with Qm" in message

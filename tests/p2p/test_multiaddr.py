@@ -95,6 +95,8 @@ def test_normalization_and_value_semantics():
         ("/ip4//tcp/1", "missing its value"),
         ("/ip4/1.2.3.4//tcp/1", "double"),
         ("/p2p/notapeerid", "invalid PeerID"),
+        ("/ip4/1.2.3.4/tcp/31337/p2p/12D3KooWAbc", r"'12D3KooWAbc': it looks truncated: .* 52 "),
+        ("/ip4/1.2.3.4/tcp/1/p2p/12D3KooW0bc", r"invalid base58 character '0' at position 8"),
         ("/memory/18446744073709551616", "invalid memory address"),
         ("/dns/" + "a" * 300, "bad length"),
         ("/ip4/1.2.3.4/tcp/1" * 100, "too long"),
