@@ -7,8 +7,10 @@ It joins the swarm, restores its own checkpoint (if ``--checkpoint-dir`` holds o
 with the swarm if the swarm is ahead, trains (8x8 digits, a small MLP), checkpoints every 10 s,
 shows a live row (epoch, loss, test accuracy, samples/s, peers), and on SIGTERM (the notice a
 preemptible VM gets) or Ctrl-C leaves cleanly: checkpoint, withdraw, exit 0. Restart it with the
-same ``--identity`` and ``--checkpoint-dir`` and it resumes as the same peer. The same program is
-installed as ``moshpit train``; ``--help`` lists the options. The heart of it is::
+same ``--identity`` and ``--checkpoint-dir`` and it resumes as the same peer. Torch gets all cores
+but one (``--threads N`` to change), and it trains as fast as that allows (``--max-rate`` caps
+the samples/s). The same program is installed as ``moshpit train``; ``--help`` lists the
+options and their defaults. The heart of it is::
 
     dht = moshpit.DHT(initial_peers=[...], identity_path="volunteer.key")
     opt = moshpit.Optimizer(optimizer=torch.optim.Adam(model.parameters(), lr=3e-3), dht=dht,

@@ -99,7 +99,10 @@ def test_help_is_written_for_users():
     text = done.stdout
     assert "train one PyTorch model together on many machines" in text
     assert "--version" in text and "examples:" in text
-    assert "moshpit dht --initial-peers /ip4/" in text and "--announce-maddrs" in text
+    # the first peer is a `moshpit dht`; joining means training: `moshpit train`
+    assert "moshpit dht --host-maddrs" in text and "--announce-maddrs" in text
+    assert "moshpit train --initial-peers /ip4/" in text
+    assert "moshpit dht --initial-peers" not in text
     assert "imported only when used" not in text and "configure_parser" not in text
 
 
@@ -114,11 +117,24 @@ def test_help_is_written_for_users():
             "bad --initial-peers: multiaddr '127.0.0.1:31337'",
         ),
         (["--initial-peers", f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER_ID[:-5]}"], "invalid PeerID"),
+        (
+            ["--initial-peers", f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER_ID[:11]}"],
+            f"bad --initial-peers: invalid PeerID '{PEER_ID[:11]}': it looks truncated: an "
+            "Ed25519 PeerID is 52 characters (12D3KooW + 44 more), this one has 11; copy the "
+            "whole PeerID (in '/ip4/127.0.0.1/tcp/31337/p2p/",
+        ),
         (["--initial-peers", "/ip4/1.2.3.4/tcp/1", "/ip4/1.2.3.999/tcp/1"], "'1.2.3.999'"),
         (["--host-maddrs", "0.0.0.0:31337"], "bad --host-maddrs"),
         (["--announce-maddrs", "/ip4/0.0.0.0/tcp/31337"], "wildcard nobody can dial"),
     ],
-    ids=["host-port", "corrupt-peer-id", "bad-second-ip", "listen", "announce-wildcard"],
+    ids=[
+        "host-port",
+        "corrupt-peer-id",
+        "truncated-peer-id",
+        "bad-second-ip",
+        "listen",
+        "announce-wildcard",
+    ],
 )
 def test_a_malformed_address_is_one_line_and_exit_status_2(args, wanted):
     done = moshpit("dht", *args)

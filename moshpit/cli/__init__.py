@@ -16,14 +16,15 @@ moshpit: train one PyTorch model together on many machines that come and go.
 
 Peers find each other through a DHT and average their parameters in small groups
 (Moshpit averaging). Start a DHT peer that others can join, then point your training
-script (moshpit.DHT(initial_peers=[...])) or more peers at the address it prints."""
+script (moshpit.DHT(initial_peers=[...])) or volunteers (moshpit train --initial-peers ...)
+at the address it prints."""
 
 EPILOG = """\
 examples:
   start the first peer of a swarm (prints the --initial-peers line others copy):
     moshpit dht --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity peer.key
-  join that swarm from another machine (paste the printed line):
-    moshpit dht --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+  train with that swarm from another machine (paste the printed line):
+    moshpit train --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
   behind NAT / port forwarding, tell others your public address:
     moshpit dht --host-maddrs /ip4/0.0.0.0/tcp/31337 --announce-maddrs /ip4/203.0.113.7/tcp/31337
   watch 4 local peers train while some are preempted (SIGTERM / kill -9):

@@ -73,7 +73,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--group-size", type=int, default=None, help="target group size (default 4; averaging: 2)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the demo's randomness")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the demo's randomness (default: %(default)s)"
+    )
     train_demo.configure_parser(parser)
     parser.add_argument(
         "--size", type=int, default=None, help="averaging: float32 values per peer (default 10000)"
@@ -467,7 +469,13 @@ def _run(args: argparse.Namespace, console: Any, progress: _Progress) -> int:
         table.add_row("start", str(args.peers), "-", f"{spreads[0]:.3g}", "-", "-")
         progress.table = table
         # a terminal gets a live table; pipes/logs get one line per round and the table at the end
-        live = Live(table, console=console, refresh_per_second=8) if console.is_terminal else None
+        from moshpit.cli.render import SpareColumns  # room for the "^C" echo: one title
+
+        live = (
+            Live(SpareColumns(table), console=console, refresh_per_second=8)
+            if console.is_terminal
+            else None
+        )
         progress.live_used = live is not None
         if live is None:
             console.print(f"round start: spread {spreads[0]:.4g}")

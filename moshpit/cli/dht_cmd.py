@@ -8,6 +8,7 @@ exits cleanly on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
@@ -64,22 +65,28 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="bucket refresh period",
+        help="bucket refresh period (default: %(default)s)",
     )
     parser.add_argument(
         "--bootstrap-timeout",
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="how long to keep retrying the initial peers (with backoff) before giving up",
+        help="how long to keep retrying the initial peers (with backoff) before giving up "
+        "(default: %(default)s)",
     )
-    parser.add_argument("--num-replicas", type=int, default=5, help="replicas per stored record")
+    parser.add_argument(
+        "--num-replicas",
+        type=int,
+        default=5,
+        help="replicas per stored record (default: %(default)s)",
+    )
     parser.add_argument(
         "--status-period",
         type=float,
         default=60.0,
         metavar="SECONDS",
-        help="how often to log a status line",
+        help="how often to log a status line (default: %(default)s)",
     )
 
 
@@ -130,35 +137,41 @@ async def _main(
     from dht.kademlia.errors import BootstrapError
     from dht.p2p import Identity, IdentityError
 
+    held = contextlib.ExitStack()  # the key file stays locked until this peer is gone
     try:
-        identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
-    except IdentityError as e:
+        identity = (
+            held.enter_context(Identity.locked(args.identity))
+            if args.identity
+            else Identity.generate()
+        )
+    except IdentityError as e:  # also IdentityInUseError: another live peer has this key
         print(f"moshpit dht: {e}", file=sys.stderr)
         return 1
-    status = 0
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
+    with held:
+        status = 0
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
 
-            async def stop_on_signal() -> None:
-                # also while joining: a slow bootstrap must not delay Ctrl-C
-                async for signum in signals:
-                    logger.info("received %s, shutting down", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    return
+                async def stop_on_signal() -> None:
+                    # also while joining: a slow bootstrap must not delay Ctrl-C
+                    async for signum in signals:
+                        logger.info("received %s, shutting down", signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
 
-            nursery.start_soon(stop_on_signal)
-            try:
-                await _serve(args, identity, initial_peers, host_maddrs, announce_maddrs)
-            except BootstrapError as e:
-                print(f"moshpit dht: {e}", file=sys.stderr)
-                status = 1
-            except OSError as e:  # e.g. the port is taken or the address is not on this machine
-                where = " ".join(map(str, host_maddrs or ()))
-                what = f"cannot listen on {where}" if where else "network error"
-                print(f"moshpit dht: {what}: {e.strerror or e}", file=sys.stderr)
-                status = 1
-            nursery.cancel_scope.cancel()
-    return status
+                nursery.start_soon(stop_on_signal)
+                try:
+                    await _serve(args, identity, initial_peers, host_maddrs, announce_maddrs)
+                except BootstrapError as e:
+                    print(f"moshpit dht: {e}", file=sys.stderr)
+                    status = 1
+                except OSError as e:  # e.g. the port is taken or the address is not on this machine
+                    where = " ".join(map(str, host_maddrs or ()))
+                    what = f"cannot listen on {where}" if where else "network error"
+                    print(f"moshpit dht: {what}: {e.strerror or e}", file=sys.stderr)
+                    status = 1
+                nursery.cancel_scope.cancel()
+        return status
 
 
 async def _serve(

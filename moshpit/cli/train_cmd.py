@@ -9,6 +9,9 @@ or Ctrl-C: finish or abandon the running averaging round, write a checkpoint, wi
 DHT, exit 0 (``moshpit.handle_preemption``). Restarted with the same ``--identity`` and
 ``--checkpoint-dir`` it is the same peer again and resumes where it was.
 
+Torch gets all cores but one, in every thread (``--threads``), and the pace is uncapped unless
+``--max-rate`` caps the samples/s.
+
 Progress goes to the terminal (a live row: epoch, loss, test accuracy, samples/s, peers), or,
 with ``--json``, one JSON object per line on stdout (what ``moshpit demo`` reads from its peers).
 ``examples/volunteer.py`` is the same code as a standalone script.
@@ -24,99 +27,176 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_RUN_ID = "digits"
 DEFAULT_CHECKPOINT_DIR = "moshpit-checkpoint"
+# the demo task's defaults (moshpit/training/demo_task.py; a test checks that they agree), not
+# imported from there: that module imports torch, and torch must not be loaded before --threads
+# is known (see limit_threads)
+DEFAULT_BATCH = 32
+DEFAULT_LR = 0.003
+
+
+def default_threads(cpu_count: int | None) -> int:
+    """All cores but one (at least one): a volunteer leaves its machine usable to its owner."""
+    return max(1, (cpu_count or 1) - 1)
+
+
+def available_cpus() -> int | None:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def torch_threads(
+    requested: int | None, cpu_count: int | None, env: Mapping[str, str]
+) -> int | None:
+    """The torch thread count to set, or None to leave torch's default.
+
+    ``requested`` is ``--threads``: N sets N, 0 leaves torch's default (every core); not given,
+    an OMP_NUM_THREADS the user exported wins, else all cores but one.
+    """
+    if requested is None:
+        return None if env.get("OMP_NUM_THREADS") else default_threads(cpu_count)
+    return requested or None
+
+
+def limit_threads(threads: int | None) -> None:
+    """Give torch ``threads`` threads in every thread of this process, not only this one.
+
+    torch.set_num_threads sizes only the calling thread's OpenMP team; the DHT's and the
+    averager's threads run torch ops too and size theirs from OMP_NUM_THREADS, which OpenMP reads
+    once, when torch is loaded: so it is set first (if torch is loaded already, only this
+    thread's team changes).
+    """
+    if threads is None:
+        return
+    if "torch" in sys.modules:
+        logger.debug("torch was loaded already: only this thread gets %d torch threads", threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    logger.info("torch threads: %d", threads)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    from moshpit.training.demo_task import DEFAULT_BATCH, DEFAULT_LR
-
     parser.add_argument(
         "--initial-peers",
         nargs="*",
         default=[],
         metavar="MADDR",
-        help="multiaddr(s) of peers already in the swarm (none: start a new swarm)",
+        help="multiaddr(s) of peers already in the swarm (default: none, start a new swarm)",
     )
     parser.add_argument(
         "--host-maddrs",
         nargs="*",
         default=["/ip4/0.0.0.0/tcp/0"],
         metavar="MADDR",
-        help="where to listen (default /ip4/0.0.0.0/tcp/0: every interface, a free port)",
+        help="where to listen (default: /ip4/0.0.0.0/tcp/0, every interface, a free port)",
     )
     parser.add_argument(
         "--identity",
         default=None,
         metavar="PATH",
-        help="key file that keeps this peer's PeerID across restarts (created if missing)",
+        help="key file that keeps this peer's PeerID across restarts (created if missing; "
+        "default: none, a new PeerID each start)",
     )
     parser.add_argument(
         "--checkpoint-dir",
         default=DEFAULT_CHECKPOINT_DIR,
         metavar="DIR",
-        help=f"checkpoints of this peer, restored on restart (default ./{DEFAULT_CHECKPOINT_DIR})",
+        help="checkpoints of this peer, restored on restart (default: ./%(default)s)",
     )
     parser.add_argument(
         "--checkpoint-every",
         type=float,
         default=10.0,
         metavar="S",
-        help="seconds between checkpoints (default 10; one more is written on SIGTERM)",
+        help="seconds between checkpoints; one more is written on SIGTERM (default: %(default)s)",
     )
-    parser.add_argument("--run-id", default=DEFAULT_RUN_ID, help="the run's name (default digits)")
+    parser.add_argument(
+        "--run-id", default=DEFAULT_RUN_ID, help="the run's name (default: %(default)s)"
+    )
     parser.add_argument(
         "--mode",
         choices=("local", "sync"),
         default="local",
-        help="local: local steps + background averaging (default); sync: one global batch",
+        help="local: local steps + background averaging; sync: one global batch "
+        "(default: %(default)s)",
     )
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="samples per step")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH,
+        help="samples per step (default: %(default)s)",
+    )
     parser.add_argument(
         "--target-batch-size",
         type=int,
         default=256,
-        help="mode sync: samples the whole swarm accumulates per optimizer step (default 256)",
+        help="mode sync: samples the whole swarm accumulates per optimizer step "
+        "(default: %(default)s)",
     )
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam learning rate")
-    parser.add_argument("--group-size", type=int, default=4, help="averaging group size")
+    parser.add_argument(
+        "--lr", type=float, default=DEFAULT_LR, help="Adam learning rate (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=4, help="averaging group size (default: %(default)s)"
+    )
     parser.add_argument(
         "--uplink-mbit",
         type=float,
         default=0.0,
         metavar="MBIT_PER_S",
         help="this peer's uplink; averaging rounds pace their connections to it "
-        "(0: unknown, TCP shares the link)",
+        "(default: %(default)s = unknown, TCP shares the link)",
     )
     parser.add_argument(
-        "--max-steps", type=int, default=0, help="stop after this many steps (0: never)"
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop after this many steps (default: %(default)s = never)",
     )
     parser.add_argument(
-        "--duration", type=float, default=0.0, help="stop after this many seconds (0: never)"
+        "--duration",
+        type=float,
+        default=0.0,
+        help="stop after this many seconds (default: %(default)s = never)",
     )
     parser.add_argument(
         "--max-rate",
         type=float,
         default=0.0,
         metavar="SAMPLES_PER_S",
-        help="train at most this many samples/s (0: as fast as possible)",
+        help="train at most this many samples/s (default: %(default)s = no cap, as fast as the "
+        "cores allow). Use it when this peer shares the machine: to keep it responsive or cool, "
+        "or to keep several peers on one machine at the same pace (moshpit demo gives each of "
+        "its peers 800). --threads bounds the cores a step may use, --max-rate how often steps "
+        "run",
     )
     parser.add_argument(
         "--seed", type=int, default=None, help="seed of this peer's batch order (default: random)"
     )
     parser.add_argument(
-        "--report-every", type=float, default=1.0, metavar="S", help="seconds between reports"
+        "--report-every",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds between reports (default: %(default)s)",
     )
     parser.add_argument(
         "--deadline",
         type=float,
         default=25.0,
         metavar="S",
-        help="seconds allowed for leaving after SIGTERM (default 25)",
+        help="seconds allowed for leaving after SIGTERM (default: %(default)s)",
     )
     parser.add_argument(
         "--json", action="store_true", help="one JSON object per line on stdout instead of a table"
@@ -124,8 +204,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="torch threads (default 1: the MLP is tiny, more threads only contend; 0: torch's)",
+        default=None,
+        metavar="N",
+        help="torch threads, in every thread of this peer (default: all cores but one, here "
+        f"{default_threads(available_cpus())}, so the machine stays usable; an exported "
+        "OMP_NUM_THREADS is used instead when --threads is not given; 0: torch's default, "
+        "every core)",
     )
     # used by `moshpit demo` for its peer processes
     parser.add_argument("--stdin-control", action="store_true", help=argparse.SUPPRESS)
@@ -143,6 +227,8 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0"
     if not 0 <= args.uplink_mbit < float("inf"):
         return "--uplink-mbit must be a number of Mbit/s >= 0"
+    if args.threads is not None and args.threads < 0:
+        return "--threads must be >= 0"
     if not args.lr > 0 or not args.report_every > 0 or not args.deadline > 0:
         return "--lr, --report-every and --deadline must be > 0"
     if args.mode == "sync" and args.target_batch_size < args.batch_size:
@@ -172,14 +258,20 @@ class _Reporter:
             return
         from rich.live import Live
 
-        self.live = Live(self._table(None), console=self.console, refresh_per_second=4)
+        from moshpit.cli.render import SpareColumns
+
+        self.live = Live(
+            SpareColumns(self._table(None)), console=self.console, refresh_per_second=4
+        )
         self.live.start()
 
     def progress(self, row: dict[str, Any]) -> None:
         if self.json_lines:
             _emit({"event": "progress", **row})
         elif self.live is not None:
-            self.live.update(self._table(row))
+            from moshpit.cli.render import SpareColumns
+
+            self.live.update(SpareColumns(self._table(row)))
         elif time.monotonic() - self.last_plain >= 5.0:
             self.last_plain = time.monotonic()
             self.console.print(
@@ -274,6 +366,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # before anything loads torch (demo_task does)
+    limit_threads(torch_threads(args.threads, available_cpus(), os.environ))
     try:
         from moshpit.training.demo_task import MissingDemoDependency, load_digits_split
 
@@ -302,10 +396,6 @@ def run(args: argparse.Namespace) -> int:
     except PreflightError as e:
         print(f"moshpit train: {e}", file=sys.stderr)
         return 2
-    import torch
-
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     reporter = _Reporter(args.json)
     try:
         return _train(args, data, reporter)

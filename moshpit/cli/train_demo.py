@@ -4,8 +4,9 @@ The parent starts a bootstrap DHT peer in-process (torch-free), then N peer proc
 running the volunteer logic of ``moshpit train`` (``moshpit/cli/train_cmd.py``: a
 ``moshpit.Optimizer`` with a checkpoint directory, an identity file and
 ``moshpit.handle_preemption``) on the 8x8 digits with a small MLP. Each peer trains at most
-``--max-rate`` samples/s (the peers share the machine's cores; a cap keeps the swarm's pace
-steady so preemptions land mid-training) and reports one JSON line per half second.
+``--max-rate`` samples/s with one torch thread (``--threads 1``; the peers share the machine's
+cores; a cap keeps the swarm's pace steady so preemptions land mid-training) and reports one
+JSON line per half second.
 
 While the swarm has processed between 15% and 70% of ``--samples``, the parent preempts
 ``--preemptions`` peers chosen at random (SIGTERM and SIGKILL alternately, distinct peers while
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moshpit.cli.demo_cmd import _sigint_ignored
+from moshpit.cli.render import SpareColumns
 
 STARTUP_TIMEOUT = 90.0
 SYNC_TARGET_BATCH = 256  # mode sync: samples per global optimizer step
@@ -76,7 +78,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--mode",
         choices=("local", "sync"),
         default="local",
-        help="training: moshpit.Optimizer mode",
+        help="training: moshpit.Optimizer mode (default: %(default)s)",
     )
     parser.add_argument(
         "--restart-delay",
@@ -262,6 +264,14 @@ class Record:
     table: Any = None
     live_used: bool = False
     swarm_samples: int = 0
+    ended: float | None = None  # when the swarm had stopped training (finals in)
+
+    def elapsed(self) -> float:
+        """Seconds the swarm has run: the one clock of the table's footer, the status lines, the
+        verdict and the JSON ``wall_s`` (frozen once the run is over, so that the stopping of the
+        peers and the baselines' training after it count in none of them)."""
+        end = self.ended if self.ended is not None else time.monotonic()
+        return end - self.started
 
 
 def run(args: argparse.Namespace) -> int:
@@ -287,18 +297,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args, console, data, record)
     except KeyboardInterrupt:
-        if record.table is not None and not record.live_used:
-            console.print(record.table)
-        pre = record.preemptions
-        console.print(
-            f"[bold]interrupted (Ctrl-C) after {time.monotonic() - record.started:.0f}s: "
-            f"{record.swarm_samples}/{record.budget} samples, "
-            f"{pre['SIGTERM'] + pre['SIGKILL']} preemptions, {record.restarts} restarts; "
-            "all peers stopped[/bold]",
-            soft_wrap=True,
-            highlight=False,
-        )
+        _report_interrupt(console, record)
         return 130
+
+
+def _report_interrupt(console: Any, record: Record) -> None:
+    """After Ctrl-C (the peers are stopped): the table so far, once, and a one-line summary."""
+    if record.table is not None and not record.live_used:  # a live table is on screen already
+        console.print(record.table)
+    pre = record.preemptions
+    console.print(
+        f"[bold]interrupted (Ctrl-C) after {record.elapsed():.0f}s: "
+        f"{record.swarm_samples}/{record.budget} samples, "
+        f"{pre['SIGTERM'] + pre['SIGKILL']} preemptions, {record.restarts} restarts; "
+        "all peers stopped[/bold]",
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 def _run(args: argparse.Namespace, console: Any, data: Any, record: Record) -> int:
@@ -357,8 +372,8 @@ def _drive(
     plan = _plan(args, rng)
     preempted_slots: set[int] = set()
     live = (
-        Live(_table(swarm, record), console=console, refresh_per_second=4)
-        if (console.is_terminal)
+        Live(SpareColumns(_table(swarm, record)), console=console, refresh_per_second=4)
+        if console.is_terminal
         else None
     )
     record.live_used = live is not None
@@ -430,7 +445,7 @@ def _drive(
                     )
             record.table = _table(swarm, record)  # also what Ctrl-C prints
             if live is not None:
-                live.update(record.table)
+                live.update(SpareColumns(record.table))
             elif now - last_line >= 5.0:
                 last_line = now
                 say(_status_line(swarm, record))
@@ -456,10 +471,11 @@ def _drive(
                     s.state = "stopping"
             _pump(swarm, record, say, until=time.monotonic() + 0.25)
             if live is not None:
-                live.update(_table(swarm, record))
+                live.update(SpareColumns(_table(swarm, record)))
+        record.ended = time.monotonic()  # the run is over: the clock stops here
         record.table = _table(swarm, record)
         if live is not None:
-            live.update(record.table)
+            live.update(SpareColumns(record.table))
     if live is None:
         console.print(record.table)
     return {"finals": {s.index: s.final for s in swarm.slots if s.final is not None}}
@@ -502,7 +518,7 @@ def _pump(swarm: Swarm, record: Record, say: Any, until: float) -> None:
         elif kind == "started":
             slot.last_advance = now
             if obj.get("restored_epoch"):
-                slot.note = f"ckpt e{obj['restored_epoch']}"
+                slot.note = f"resumed ep {obj['restored_epoch']}"  # short: fits 80 columns
                 say(f"peer {index} resumed from its checkpoint of epoch {obj['restored_epoch']}")
             elif slot.incarnation:
                 slot.note = "no checkpoint"
@@ -530,7 +546,7 @@ def _status_line(swarm: Swarm, record: Record) -> str:
     acc = f"{sum(accs) / len(accs):.3f}" if accs else "-"
     pre = record.preemptions
     return (
-        f"{time.monotonic() - record.started:5.0f}s  samples {record.swarm_samples}/{record.budget}  "
+        f"{record.elapsed():5.0f}s  samples {record.swarm_samples}/{record.budget}  "
         f"peers training {sum(1 for s in swarm.slots if s.alive and s.state == 'training')}  "
         f"mean test acc {acc}  preemptions {pre['SIGTERM'] + pre['SIGKILL']}  "
         f"restarts {record.restarts}"
@@ -538,16 +554,22 @@ def _status_line(swarm: Swarm, record: Record) -> str:
 
 
 def _table(swarm: Swarm, record: Record) -> Any:
+    from rich import box
     from rich.table import Table
 
     pre = record.preemptions
+    # no vertical rules and one padding between columns: all nine columns, the events whole,
+    # fit an 80-column terminal (less SpareColumns' two)
     table = Table(
         title=f"moshpit demo: {len(swarm.slots)} peers train on the 8x8 digits",
-        caption=(
-            f"{time.monotonic() - record.started:.0f}s, samples {record.swarm_samples}/"
-            f"{record.budget}, preemptions {pre['SIGTERM']} SIGTERM + {pre['SIGKILL']} kill -9, "
-            f"restarts {record.restarts}"
+        caption=(  # short enough not to wrap under the (narrow) table
+            f"{record.elapsed():.0f}s | {record.swarm_samples}/{record.budget} samples | "
+            f"{pre['SIGTERM']} SIGTERM + {pre['SIGKILL']} kill -9 | {record.restarts} restarts"
         ),
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
     )
     for col in ("peer", "state", "epoch", "samples", "loss", "acc", "rate/s", "peers", "events"):
         table.add_column(
@@ -593,7 +615,7 @@ def _conclude(
     )
 
     finals = outcome["finals"]
-    wall = time.monotonic() - record.started
+    wall = record.elapsed()  # the footer's clock: both say the same number of seconds
     samples = record.swarm_samples
     model = make_model(0)
     peer_acc: dict[int, float] = {}
@@ -759,7 +781,7 @@ def _plot(
         "restart": ("tab:green", ":"),
     }
     seen: set[str] = set()
-    for t, n, kind, _slot in record.marks:
+    for t, n, kind, slot in record.marks:
         color, ls = style[kind]
         label = {"SIGTERM": "SIGTERM", "SIGKILL": "kill -9", "restart": "restart"}[kind]
         for row in (0, 1):
@@ -768,6 +790,15 @@ def _plot(
             )
             axes[row][1].axvline(n, color=color, ls=ls, lw=1.2)
         seen.add(label)
+        # which peer was hit (or came back): along the line, near the bottom of the accuracy
+        # plots (x in data, y in axes coordinates); preemptions left of their line, restarts right
+        for col, x in ((0, t), (1, n)):
+            ax = axes[0][col]
+            ax.text(
+                x, 0.03, f"peer {slot} {label}", transform=ax.get_xaxis_transform(),
+                rotation=90, ha="left" if kind == "restart" else "right", va="bottom",
+                fontsize=7, color=color,
+            )  # fmt: skip
     for row, name in ((0, "test accuracy"), (1, "test loss")):
         for col in (0, 1):
             axes[row][col].set_ylabel(name)
