@@ -206,8 +206,9 @@ class Averager:
       ``Median()``, ``ClippedMean(tau)``, ``CenteredClip(tau)``). The robust ones ignore the
       members' weights and keep every contribution of a chunk in memory until it is complete
       (docs/averaging.md, "Robust aggregation", says what they guarantee and what not).
-    :param ban_after_failures / ban_seconds: a peer that failed this many consecutive rounds
-      with us is not grouped with for ``ban_seconds``.
+    :param ban_after_failures: a peer that failed this many consecutive rounds with us is
+      not grouped with for ``ban_seconds``.
+    :param ban_seconds: how long such a peer stays out of our groups.
     """
 
     def __init__(

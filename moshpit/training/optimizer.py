@@ -57,12 +57,23 @@ class Optimizer:
     :param target_batch_size: ``sync``: samples the whole swarm accumulates per optimizer step
       (must be >= ``batch_size_per_step``).
     :param mode: ``"sync"``, ``"local"`` or ``"diloco"``.
-    :param checkpoint_dir: where checkpoints go (and what this peer serves to joiners).
+    :param checkpoint_dir: where checkpoints go (and what this peer serves to joiners); a
+      restarted peer given the same directory resumes from its newest intact checkpoint.
+    :param checkpoint_every_seconds: also write a checkpoint this often (None: at the mode's
+      epochs only, see ``checkpoint_every_epochs`` below).
     :param extra_tensors: more state to keep in sync (e.g. ``model.buffers()``).
     :param target_group_size: Moshpit group size of every averaging round.
     :param averager_options: more options for the averagers (timeouts, bandwidth, ...).
     :param load_state_timeout: how long a newcomer waits for donors before training alone.
-    :param mode_options: the mode's own knobs (see ``moshpit/training/modes/<mode>.py``).
+    :param progress_ttl: seconds a peer's progress record lives in the DHT: a peer that dies
+      stops counting toward the swarm's epoch and batch after at most this long.
+    :param mode_options: the mode's own knobs. ``sync``: ``compression``, ``dgc``,
+      ``delay_averaging``, ``round_timeout``. ``local``: ``average_every`` (steps between
+      rounds), ``adaptive_period``, ``max_period``, ``wait_for_rounds``, ``compression``.
+      ``diloco``: ``inner_steps``, ``outer_lr``, ``outer_momentum``, ``nesterov``,
+      ``compression`` (``"8bit"``, ``"4bit"``, ``"topk"`` or a codec), ``fragments``,
+      ``overlap_steps``. Every mode: ``checkpoint_every_epochs`` (default 1). The
+      [training guide](training.md) explains each.
     """
 
     def __init__(

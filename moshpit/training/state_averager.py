@@ -88,16 +88,22 @@ class TrainingStateAverager:
     :param extra_tensors: more state to keep in sync (e.g. ``model.buffers()``); floating-point
       ones are averaged, the others (e.g. BatchNorm's ``num_batches_tracked``) are only saved
       and loaded.
-    :param average_parameters / average_optimizer_statistics / average_extra_tensors: what a
-      round averages. Optimizer statistics are the floating-point per-parameter tensors of the
-      parameter's shape (Adam's moments); scalar counters (Adam's ``step``) stay local but are
-      saved and loaded with the state.
+    :param average_parameters: whether a round averages the parameters.
+    :param average_optimizer_statistics: whether a round averages the optimizer statistics:
+      the floating-point per-parameter tensors of the parameter's shape (Adam's moments);
+      scalar counters (Adam's ``step``) stay local but are saved and loaded with the state.
+    :param average_extra_tensors: whether a round averages the floating-point extra tensors.
     :param sync_on_start: before the first round, load the swarm's newest state if a donor
       serves one newer than ours; a peer with fresh weights is thus never averaged in at full
       weight. Set False only if every peer starts from the same state by construction.
     :param join_timeout: how long that first look for donors waits.
-    :param checkpoint_every_seconds / checkpoint_every_epochs: automatic checkpoints (written
-      in a background thread from a snapshot taken on the training thread).
+    :param checkpoint_every_seconds: write a checkpoint this often (in a background thread,
+      from a snapshot taken on the training thread); None: only on request.
+    :param checkpoint_every_epochs: also write one every this many epochs; None: never.
+    :param keep_checkpoints: how many checkpoints stay on disk (older ones are deleted);
+      a damaged newest one falls back to the next.
+    :param restore_checkpoint: load the newest intact checkpoint of ``checkpoint_dir`` at
+      start (a restarted peer resumes where it stopped).
     :param averager_options: passed to :class:`~moshpit.Averager` (timeouts, compression, ...).
     """
 
