@@ -45,7 +45,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="MADDR",
         help="multiaddrs (with /p2p/<PeerID>) of any live peers of the swarm",
     )
-    parser.add_argument("--prefix", required=True, help="the run's prefix (as the peers use it)")
+    parser.add_argument(
+        "--run-id",
+        "--prefix",
+        dest="prefix",
+        required=True,
+        help="the run's id: run_id of moshpit.Optimizer, --run-id of moshpit train, prefix of "
+        "moshpit.Averager (--prefix is the same option)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
     parser.add_argument(
         "--timeout",
@@ -372,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         if args.target_batch_size is not None and args.target_batch_size <= 0:
             raise UsageError("--target-batch-size must be a positive integer")
         if not args.prefix:
-            raise UsageError("--prefix must not be empty")
+            raise UsageError("--run-id must not be empty")
     except UsageError as e:
         print(f"moshpit status: {e}", file=sys.stderr)
         return 2

@@ -109,7 +109,7 @@ def test_status_json_shows_peers_epochs_donors_and_a_healthy_verdict(swarm):
 
 def test_status_table_ends_with_the_verdict_line(swarm):
     wait_for_status(swarm, "run", lambda r: r["num_peers"] == 3)
-    done = status("--initial-peers", *swarm[0].maddrs, "--prefix", "run")
+    done = status("--initial-peers", *swarm[0].maddrs, "--run-id", "run")  # --prefix's new name
     assert done.returncode == 0, done.stderr
     lines = done.stdout.rstrip("\n").splitlines()
     assert lines[-1] == "healthy: 3 peers at epoch 12, median loss 0.5, 1 donors serve epoch 12"
