@@ -35,7 +35,12 @@ from moshpit.averaging.allreduce import AllReduceService
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE
 from moshpit.averaging.group_keys import GroupKeyManager
-from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, DHTMatchmakingBackend, Matchmaker
+from moshpit.averaging.matchmaking import (
+    MAX_GATHER_BYTES,
+    DHTMatchmakingBackend,
+    Matchmaker,
+    SchemaMemory,
+)
 from moshpit.averaging.partition import empty_like_all
 
 logger = logging.getLogger(__name__)
@@ -117,17 +122,22 @@ class StepResult:
 
 
 class _CountingBackend(DHTMatchmakingBackend):
-    """The DHT backend, noting which peers each read of a key showed (swarm-size estimate)."""
+    """The DHT backend, noting which peers each read of a key showed (swarm-size estimate).
 
-    def __init__(self, node: Any):
+    Only peers declaring ``schema`` count: peers of another schema are never grouped with
+    us, so counting them would size the grid for groups that cannot fill.
+    """
+
+    def __init__(self, node: Any, schema: bytes | None = None):
         super().__init__(node)
+        self.schema = schema
         self.seen: dict[str, set[Any]] = {}
 
     async def list_candidates(self, key: str) -> list:
         found = await super().list_candidates(key)
         seen = self.seen.setdefault(key, set())
         if len(seen) < 1 << 16:  # bounded: a key holds at most max_subkeys_per_key records
-            seen.update(c.peer for c in found)
+            seen.update(c.peer for c in found if self.schema is None or c.schema == self.schema)
         return found
 
     def take_count(self, key: str) -> int:
@@ -209,6 +219,11 @@ class Averager:
     :param ban_after_failures: a peer that failed this many consecutive rounds with us is
       not grouped with for ``ban_seconds``.
     :param ban_seconds: how long such a peer stays out of our groups.
+    :param schema_memory: where this averager remembers the peers of another tensor schema
+      (a ``moshpit.averaging.matchmaking.SchemaMemory``): they are never asked to
+      group with us again while they declare the same schema, and their conflict is logged
+      once. Averagers that take turns under one run (the training modes' per-epoch rounds)
+      share one; default: a fresh one.
     """
 
     def __init__(
@@ -236,6 +251,7 @@ class Averager:
         ban_seconds: float = 60.0,
         pace_uplink: bool = True,
         aggregation: Any = None,
+        schema_memory: SchemaMemory | None = None,
     ):
         self._tensors = list(tensors)
         if not self._tensors:
@@ -298,6 +314,8 @@ class Averager:
         self._loop_thread: int | None = None  # the thread running the DHT's trio loop
         self._failures: dict[Any, int] = {}
         self._banned_until: dict[Any, float] = {}
+        # peers of another tensor schema, across rounds (and averagers sharing the memory)
+        self._schema_memory = schema_memory if schema_memory is not None else SchemaMemory()
         self._step_scopes: set[trio.CancelScope] = set()
         self._step_lock: trio.Lock | None = None
         self._mm_backend: _CountingBackend | None = None
@@ -346,7 +364,7 @@ class Averager:
             logger.info("the DHT runs in client mode: averaging in client mode too")
             self.mode = MODE_CLIENT
         self._step_lock = trio.Lock()
-        self._mm_backend = _CountingBackend(node)
+        self._mm_backend = _CountingBackend(node, self.schema)
         self.matchmaker = Matchmaker(
             self._mm_backend,
             self.prefix,
@@ -361,6 +379,7 @@ class Averager:
             schema_description=self.schema_description,
             # one shared key (no grid bits): lead as soon as everyone declared has joined
             start_when_all_joined=self.keys.num_bits == 0,
+            schema_memory=self._schema_memory,
         )
         self._allreduce = _allreduce_services.acquire(self._host)
         self._started = True
@@ -621,6 +640,9 @@ class Averager:
         matchmaking_seconds = trio.current_time() - started
         declared = self._mm_backend.take_count(key)
         conflicts = self.matchmaker.last_schema_conflicts
+        # a conflict is logged once (WARNING when it leaves us alone), then at DEBUG: the
+        # peer stays under the key round after round, and nothing new is learned
+        first_time = bool(self._schema_memory.first_warning(conflicts))
         if group is None:
             next_key = self.keys.update_without_group(declared)
             reason = (
@@ -634,7 +656,8 @@ class Averager:
                     f"schema {self.schema.hex()[:12]}): {next(iter(conflicts.values()))}. "
                     "Check that every peer under this prefix averages the same model"
                 )
-                logger.warning("averaging step under %s: %s", key, reason)
+                log = logger.warning if first_time else logger.debug
+                log("averaging step under %s: %s", key, reason)
             return StepResult(
                 False,
                 key,
@@ -644,7 +667,7 @@ class Averager:
                 next_group_key=next_key,
             )
         if conflicts:
-            logger.info(
+            (logger.info if first_time else logger.debug)(
                 "%d peer(s) under %s average tensors of another schema (not grouped with)",
                 len(conflicts),
                 key,

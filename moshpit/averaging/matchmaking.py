@@ -22,6 +22,12 @@ Protocol (``/moshpit/matchmaking/1.0.0``, one stream per join attempt, msgpack m
    ``min_matchmaking_time`` has passed with at least ``min_group_size`` members; or at the
    earliest deadline of its members if it has enough by then.
 
+Peers of another schema are never asked: a declaration with another schema (or none) is
+skipped when the key is read, and a peer that refused us for our schema is not asked again
+while it declares the schema it declared then (:class:`SchemaMemory`, kept across rounds and,
+in the training modes, across the per-epoch averagers of a run). So a mismatched peer under
+the key costs nothing beyond its record in the reads every round does anyway.
+
 No deadlock: requests only ever go from later to earlier peers in the total order (a leader
 rejects a request from a peer ordered before itself), a peer that follows someone redirects
 requests instead of accepting them, and a leader that finds an earlier leader merges its
@@ -40,6 +46,7 @@ import logging
 import math
 import os
 import weakref
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -75,10 +82,67 @@ MAX_WHY_CHARS = 512  # a reject reason we keep from another peer
 RETRY = "retry"  # outcome of a join attempt worth repeating later in the round
 BUSY = "busy: asking another leader, retry shortly"
 SCHEMA_MISMATCH = "tensor schema mismatch"  # prefix of the reject reason for other tensors
+MAX_SCHEMA_MEMORY = 1024  # peers of another schema remembered across rounds (oldest dropped)
 
 
 class MatchmakingError(Exception):
     """A matchmaking message from another peer was malformed."""
+
+
+class SchemaMemory:
+    """Peers known to average tensors of another schema, remembered across rounds.
+
+    An entry is ``peer -> (schema it declared, why, warned)``: ``schema`` is what the peer's
+    declaration carried when we learned of the conflict (None: no declaration seen, e.g. a
+    refusal from a redirect target). :meth:`refused` answers "do not ask this peer": true only
+    while the peer still declares that same schema, so a peer that re-declares with another
+    schema (restarted with the right model) is asked again, and its old entry is dropped.
+    ``warned`` lets the averager log a conflict once instead of every round. Bounded: at most
+    ``capacity`` peers, the least recently noted dropped first. Touched only on the trio thread.
+    """
+
+    def __init__(self, capacity: int = MAX_SCHEMA_MEMORY):
+        self.capacity = max(1, int(capacity))
+        self._entries: OrderedDict[Any, tuple[bytes | None, str, bool]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, peer: Any) -> bool:
+        return peer in self._entries
+
+    def note(self, peer: Any, schema: bytes | None, why: str) -> None:
+        """``peer``, declaring ``schema``, cannot average with us (``why``)."""
+        old = self._entries.pop(peer, None)
+        warned = old is not None and old[0] == schema and old[2]
+        self._entries[peer] = (schema, why[:MAX_WHY_CHARS], warned)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def refused(self, peer: Any, schema: bytes | None) -> bool:
+        """Did ``peer`` refuse us (or declare another schema) while declaring ``schema``?
+        A peer now declaring another schema than then is forgotten (it may fit now)."""
+        entry = self._entries.get(peer)
+        if entry is None:
+            return False
+        if entry[0] != schema:
+            del self._entries[peer]
+            return False
+        return True
+
+    def why(self, peer: Any) -> str | None:
+        entry = self._entries.get(peer)
+        return None if entry is None else entry[1]
+
+    def first_warning(self, peers: Any) -> list[Any]:
+        """The ``peers`` whose current conflict was not warned about yet; marks them warned."""
+        new = []
+        for peer in peers:
+            entry = self._entries.get(peer)
+            if entry is not None and not entry[2]:
+                self._entries[peer] = (entry[0], entry[1], True)
+                new.append(peer)
+        return new
 
 
 class MsgStream(Protocol):
@@ -285,6 +349,8 @@ class _Round:
     joins: int = 0  # followers accepted so far (a read that overlaps a join is not trusted)
     # peers that average tensors of another schema: never grouped with, reported if alone
     schema_conflicts: dict[Any, str] = field(default_factory=dict)
+    # what each peer declared at the last read of the key (for SchemaMemory entries)
+    declared_schemas: dict[Any, bytes | None] = field(default_factory=dict)
 
     def note_schema_conflict(self, peer: Any, why: str) -> None:
         if len(self.schema_conflicts) < MAX_CANDIDATES:
@@ -322,6 +388,7 @@ class Matchmaker:
         schema: bytes | None = None,
         schema_description: str = "",
         start_when_all_joined: bool = False,
+        schema_memory: SchemaMemory | None = None,
     ):
         self._check_config(target_group_size, min_group_size, mode)
         for name, v in (
@@ -347,6 +414,10 @@ class Matchmaker:
         self.schema_description = schema_description[:MAX_WHY_CHARS]
         # {peer: why} for the peers with another tensor schema met in the last round
         self.last_schema_conflicts: dict[Any, str] = {}
+        # those peers across rounds: never asked again while they declare the same schema
+        self.schema_memory = schema_memory if schema_memory is not None else SchemaMemory()
+        # requests sent to peers that then refused us for our schema (tests, diagnostics)
+        self.schema_refusals = 0
         # lead as soon as every peer declared under the key follows us (see _everyone_joined)
         self.start_when_all_joined = start_when_all_joined
         self.poll_interval = poll_interval or min(0.25, max(0.02, min_matchmaking_time / 10))
@@ -491,16 +562,26 @@ class Matchmaker:
             and expected <= seen
         )
         usable = []
+        memory = self.schema_memory
         for c in found:
             if c.peer == me or self.is_banned(c.peer):
                 continue
+            if len(rnd.declared_schemas) < MAX_CANDIDATES:
+                rnd.declared_schemas[c.peer] = c.schema
             if self.schema is not None and c.schema != self.schema:
+                # the declaration says it all: skipped without a request, every round
                 theirs = c.schema.hex()[:12] if c.schema is not None else "none"
-                rnd.note_schema_conflict(
-                    c.peer,
+                why = (
                     f"{SCHEMA_MISMATCH}: {_short(c.peer)} declared schema {theirs}, "
-                    f"ours is {self.schema.hex()[:12]}",
+                    f"ours is {self.schema.hex()[:12]}"
                 )
+                rnd.note_schema_conflict(c.peer, why)
+                if not memory.refused(c.peer, c.schema):  # new, or it changed schema
+                    memory.note(c.peer, c.schema, why)
+                continue
+            if memory.refused(c.peer, c.schema):
+                # it refused us for our schema while declaring this: do not ask it again
+                rnd.note_schema_conflict(c.peer, memory.why(c.peer) or SCHEMA_MISMATCH)
                 continue
             usable.append(c)
         if complete and rnd.joins == joins_before:
@@ -585,7 +666,17 @@ class Matchmaker:
                 return RETRY if retry else None
             retry = True  # the candidate follows someone; it may lead again if that fails
             peer, addrs = result
-            if peer == rnd.me.peer or self.is_banned(peer) or trio.current_time() >= rnd.deadline:
+            # (a redirect target accepted a leader of our schema: it is skipped only if it
+            # refused us while declaring what it declares now)
+            if (
+                peer == rnd.me.peer
+                or self.is_banned(peer)
+                or (
+                    peer in rnd.declared_schemas
+                    and self.schema_memory.refused(peer, rnd.declared_schemas[peer])
+                )
+                or trio.current_time() >= rnd.deadline
+            ):
                 break
         return RETRY if retry else None
 
@@ -620,7 +711,11 @@ class Matchmaker:
                 return RETRY
             why = reply.get("why") if isinstance(reply, Mapping) else None
             if isinstance(why, str) and why.startswith(SCHEMA_MISMATCH):
-                rnd.note_schema_conflict(peer, f"{_short(peer)} refused us: {why}")
+                why = f"{_short(peer)} refused us: {why}"
+                rnd.note_schema_conflict(peer, why)
+                # remembered with what it declares: not asked again while that stays the same
+                self.schema_memory.note(peer, rnd.declared_schemas.get(peer), why)
+                self.schema_refusals += 1
             outcome = self._parse_reply(reply)
             if outcome[0] != "accepted":
                 return outcome[1]
@@ -771,6 +866,8 @@ class Matchmaker:
             )
             if rnd is not None and not rnd.finished:
                 rnd.note_schema_conflict(peer, why)
+                if not self.schema_memory.refused(peer, request.schema):
+                    self.schema_memory.note(peer, request.schema, why)
             return why
         if rnd is None or rnd.finished:
             return "not looking for a group"

@@ -24,6 +24,7 @@ import torch
 
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.averager import Averager, StepResult
+from moshpit.averaging.matchmaking import SchemaMemory
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class GradientAverager:
         # Both are only touched on the DHT's trio thread (by the averagers).
         self._failures: dict[Any, int] = {}
         self._banned_until: dict[Any, float] = {}
+        # likewise the peers of another tensor schema: not asked again, warned about once
+        self.schema_memory = SchemaMemory()
 
     def accumulate(self, batch_size: int) -> None:
         """Add ``grad * batch_size`` of every parameter (a missing grad counts as zero)."""
@@ -159,6 +162,7 @@ class GradientAverager:
             dht=self.dht,
             prefix=grads_prefix(self.run_id, epoch),
             target_group_size=self.target_group_size,
+            schema_memory=self.schema_memory,
             **options,
         )
         averager._failures = self._failures

@@ -148,6 +148,9 @@ class Optimizer:
         except BaseException:
             self.tracker.shutdown()
             raise
+        # peers of the run with another model are left out of the progress view: no mode
+        # waits for them in a round or counts their samples toward the target batch
+        self.tracker.set_schema(*self.mode.state.schema_digest())
 
     # ------------------------------------------------------------------ the shared state
 

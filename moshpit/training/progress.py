@@ -8,6 +8,13 @@ the live peers and the time to the next global step. Records are untrusted: see
 :func:`aggregate` for the rule that keeps one lying peer from moving the swarm, and
 docs/training-state.md ("Progress") for the rationale.
 
+A record also carries the hash of the peer's model schema (``"s"``: the names and shapes of
+its training state, see :meth:`ProgressTracker.set_schema`). A peer of another schema trains
+another model under the same run name: it can neither average nor share state with us, so a
+reader that knows its own schema leaves it out of everything (epoch, samples, peers) and only
+lists it in :attr:`GlobalProgress.other_schemas`. Otherwise the training modes would wait for
+it in every round (it never joins one) and count its samples toward our batch.
+
 Torch-free on purpose: ``moshpit status`` uses :func:`aggregate` on a bootstrap-sized VM.
 
 Two ways to drive it, as with the averager:
@@ -54,6 +61,7 @@ MAX_RECORDS = 4096  # records read per key (what one DHT node stores per key, to
 MAX_IGNORED_REASONS = 64  # cap on GlobalProgress.ignored (a flood of junk subkeys stays small)
 MAX_LOSS = 1e12  # a published loss is clamped to +-this (a number, not a verdict)
 MAX_CHECKPOINT_FAILURES = 2**31
+MAX_SCHEMA_BYTES = 64  # a model-schema hash (trainers send 16 bytes)
 EWMA_DECAY = 0.9  # per report: weight kept by the older samples/seconds sums
 
 
@@ -85,7 +93,8 @@ class PeerProgress:
     The health fields are optional on the wire (older peers do not send them): ``loss`` is
     the peer's recent training loss (clamped to +-``MAX_LOSS``), ``finite`` is False when its
     loss or state went NaN/Inf, ``checkpoint_failures`` counts its background checkpoints
-    that failed in a row (a full or read-only disk).
+    that failed in a row (a full or read-only disk). ``schema`` hashes the names and shapes
+    of its training state (None: an older peer that does not send it).
     """
 
     peer_id: str
@@ -96,6 +105,7 @@ class PeerProgress:
     loss: float | None = None
     finite: bool = True
     checkpoint_failures: int = 0
+    schema: bytes | None = None
 
     @property
     def problem(self) -> str | None:
@@ -120,6 +130,9 @@ class GlobalProgress:
     peers: list[PeerProgress] = field(default_factory=list)
     ignored: dict[str, str] = field(default_factory=dict)
     time: float = 0.0  # DHT time of the aggregation
+    # peers of the run whose model has another schema than the reader's: {peer: schema hex},
+    # left out of everything above (at most MAX_IGNORED_REASONS of them listed)
+    other_schemas: dict[str, str] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
@@ -182,8 +195,13 @@ def parse_progress_record(
         return None, f"ok {finite!r} is not a bool"
     if not _is_int(failures, 0, MAX_CHECKPOINT_FAILURES):
         return None, f"ckf {failures!r} is not an integer in [0, 2**31)"
+    schema = value.get("s")
+    if schema is not None and not (
+        isinstance(schema, bytes) and 0 < len(schema) <= MAX_SCHEMA_BYTES
+    ):
+        return None, f"schema is not 1..{MAX_SCHEMA_BYTES} bytes"
     record = PeerProgress(
-        peer_id, int(epoch), int(samples), float(sps), float(when), loss, finite, failures
+        peer_id, int(epoch), int(samples), float(sps), float(when), loss, finite, failures, schema
     )
     return record, None
 
@@ -250,9 +268,13 @@ def aggregate(
     throughput_tolerance: float = 1.5,
     clamp_slack: float = 10.0,
     ignored: Mapping[str, str] | None = None,
+    schema: bytes | None = None,
 ) -> GlobalProgress:
     """The swarm's view from validated records (``own``: this peer's local, trusted state).
 
+    - **Schema**: with ``schema`` (default: ``own.schema``), a record of another schema is
+      another model's: it is left out of everything below and listed in ``other_schemas``.
+      Records without a schema (older peers) count.
     - **Global epoch**: the highest epoch that at least two distinct peers have reached (the
       second-highest epoch among peers), never below ``own.epoch``; a lone peer's epoch when
       it is the only one. So one peer never moves the global epoch on its own.
@@ -268,10 +290,16 @@ def aggregate(
       total clamped samples/s at the global epoch; None without a target or throughput.
     """
     notes: dict[str, str] = dict(ignored or {})
+    if schema is None and own is not None:
+        schema = own.schema
+    others: dict[str, str] = {}
     by_peer: dict[str, PeerProgress] = {}
     for record in records:
         if own is not None and record.peer_id == own.peer_id:
             continue  # our own local state is newer than what the DHT holds for us
+        if schema is not None and record.schema is not None and record.schema != schema:
+            _note(others, record.peer_id, record.schema.hex()[:12])
+            continue  # another model under our run name: not one of ours
         known = by_peer.get(record.peer_id)
         if known is None or record.time > known.time:
             by_peer[record.peer_id] = record
@@ -288,6 +316,7 @@ def aggregate(
             peers=[],
             ignored=notes,
             time=now,
+            other_schemas=others,
         )
 
     epochs = sorted((p.epoch for p in everyone), reverse=True)
@@ -354,6 +383,7 @@ def aggregate(
         peers=sorted(everyone, key=lambda p: (-p.epoch, p.peer_id)),
         ignored=notes,
         time=now,
+        other_schemas=others,
     )
 
 
@@ -436,6 +466,10 @@ class ProgressTracker:
         self._loss: float | None = None
         self._finite = True
         self._checkpoint_failures = 0
+        # hash of this peer's model schema (set_schema); records of other schemas are not ours
+        self._schema: bytes | None = None
+        self._schema_description = ""
+        self._warned_schemas: set[str] = set()  # other schemas already warned about (bounded)
 
         self._token: trio.lowlevel.TrioToken | None = None
         self._wakeup: trio.Event | None = None
@@ -521,6 +555,24 @@ class ProgressTracker:
             self._wake()
 
     @property
+    def schema(self) -> bytes | None:
+        return self._schema
+
+    def set_schema(self, schema: bytes | None, description: str = "") -> None:
+        """Publish ``schema`` (a hash of this peer's model: its state's tensor names and
+        shapes) with our record, and leave peers of another schema out of the view: they
+        train another model under the same run name (``moshpit.Optimizer`` sets it)."""
+        if schema is not None and not (
+            isinstance(schema, bytes) and 0 < len(schema) <= MAX_SCHEMA_BYTES
+        ):
+            raise ValueError(f"schema must be 1..{MAX_SCHEMA_BYTES} bytes, got {schema!r}")
+        with self._lock:
+            if schema != self._schema:
+                self._schema = schema
+                self._schema_description = str(description)
+                self._version += 1
+
+    @property
     def samples_per_second(self) -> float:
         with self._lock:
             return self._ewma_samples / self._ewma_seconds if self._ewma_seconds > 0 else 0.0
@@ -542,6 +594,7 @@ class ProgressTracker:
                 loss if loss is not None and math.isfinite(loss) else None,
                 finite,
                 self._checkpoint_failures,
+                self._schema,
             )
 
     @property
@@ -727,6 +780,8 @@ class ProgressTracker:
                 value["loss"] = max(-MAX_LOSS, min(MAX_LOSS, mine.loss))
             if mine.checkpoint_failures:
                 value["ckf"] = min(mine.checkpoint_failures, MAX_CHECKPOINT_FAILURES - 1)
+            if mine.schema is not None:
+                value["s"] = mine.schema
             expiration = max(now + self.ttl, self._last_expiration + 1e-3)
             self._last_expiration = expiration
             node = self._get_node()
@@ -760,7 +815,9 @@ class ProgressTracker:
             throughput_tolerance=self.throughput_tolerance,
             clamp_slack=self.clamp_slack,
             ignored=ignored,
+            schema=self._schema,
         )
+        self._warn_other_schemas(view)
         with self._lock:
             previous = self._global
             # we saw the swarm enter this epoch only if we already knew an earlier one
@@ -770,6 +827,26 @@ class ProgressTracker:
                 del self._epoch_started_at[old]
             self._global = view
         return view
+
+    def _warn_other_schemas(self, view: GlobalProgress) -> None:
+        """One WARNING per other schema seen (not per read: the peer stays for hours)."""
+        new = {s for s in view.other_schemas.values() if s not in self._warned_schemas}
+        if not new or self._schema is None or len(self._warned_schemas) >= MAX_IGNORED_REASONS:
+            return
+        self._warned_schemas |= new
+        peers = [p for p, s in view.other_schemas.items() if s in new]
+        logger.warning(
+            "%d peer(s) of run %r train a model of another shape (schema %s; ours is %s%s): "
+            "they are left out of this peer's progress and rounds, and cannot average or "
+            "share state with it. Check that every peer of the run trains the same model "
+            "(e.g. %s)",
+            len(peers),
+            self.prefix,
+            ", ".join(sorted(new)),
+            self._schema.hex()[:12],
+            f", {self._schema_description}" if self._schema_description else "",
+            peers[0][-6:],
+        )
 
     async def arefresh(self) -> GlobalProgress:
         """Publish a pending change, then read and aggregate the swarm's records now."""

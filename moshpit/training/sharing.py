@@ -2,9 +2,12 @@
 
 A **donor** serves a frozen, committed state (a checkpoint in its :class:`StateStore`), never
 the live tensors, so serving never blocks training. It announces ``{root, epoch, bytes,
-complete, addrs}`` under ``{prefix}.state`` with the owner-signed subkey
+complete, addrs, s}`` under ``{prefix}.state`` with the owner-signed subkey
 ``[owner:<PeerID>]`` (the DHT only accepts it with the donor's signature) and re-announces it
-every ``announce_ttl / 3`` seconds.
+every ``announce_ttl / 3`` seconds. ``s`` hashes the state's tensor names, dtypes and shapes
+(:func:`state_schema_digest`): a joiner passes over states of another model without asking
+for their manifests, as long as some state of its own schema is announced (when none is, it
+fetches the newest manifest anyway, so that ``StateMismatchError`` names the difference).
 
 A **joiner** reads those records, picks the newest epoch (the root announced by the most
 donors breaks ties), fetches the manifest from a donor and accepts it only if its SHA-256 is
@@ -62,6 +65,7 @@ __all__ = [
     "AdvertisedState",
     "DownloadResult",
     "StateSharing",
+    "state_schema_digest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,6 +100,7 @@ class AdvertisedState:
     bytes: int
     donors: list[Any]  # PeerIDs announcing the whole state (complete=True)
     partial: list[Any] = field(default_factory=list)  # joiners holding part of it
+    schema: bytes | None = None  # state_schema_digest as announced (None: not announced)
 
 
 @dataclass
@@ -117,6 +122,16 @@ class _Record:
     nbytes: int
     complete: bool
     addrs: tuple[str, ...]
+    schema: bytes | None = None
+
+
+def state_schema_digest(schema: Sequence[tuple[str, str, Sequence[int]]]) -> bytes:
+    """A hash of a state's ``(name, dtype, shape)`` list (what ``Manifest.check_fits``
+    compares): equal digests, the state fits."""
+    import msgpack
+
+    packed = msgpack.packb([[str(n), str(d), [int(x) for x in shape]] for n, d, shape in schema])
+    return hashlib.sha256(b"moshpit.state-schema.v1" + packed).digest()[:DIGEST_BYTES]
 
 
 @dataclass
@@ -312,7 +327,10 @@ def _parse_record(subkey: Any, value: Any, peer_from_base58: Callable[[str], Any
     addrs = tuple(
         a for a in raw_addrs[:MAX_ADDRS] if isinstance(a, str) and len(a) <= MAX_ADDR_CHARS
     )
-    return _Record(peer, root, epoch, nbytes, complete, addrs)
+    schema = value.get("s")
+    if schema is not None:
+        schema = _digest(schema, "schema")
+    return _Record(peer, root, epoch, nbytes, complete, addrs, schema)
 
 
 def _is_network_error(e: BaseException) -> bool:
@@ -583,6 +601,7 @@ class StateSharing:
             "bytes": manifest.total_bytes,
             "complete": complete,
             "addrs": addrs[:MAX_ADDRS],
+            "s": state_schema_digest(manifest.schema()),
         }
 
     async def _store_record(self, value: dict[str, Any] | None) -> bool:
@@ -784,21 +803,33 @@ class StateSharing:
 
     @staticmethod
     def _group(records: list[_Record]) -> list[AdvertisedState]:
-        groups: dict[tuple[bytes, int, int], tuple[list[Any], list[Any]]] = {}
+        groups: dict[tuple[bytes, int, int, bytes | None], tuple[list[Any], list[Any]]] = {}
         for r in records:
-            donors, partial = groups.setdefault((r.root, r.epoch, r.nbytes), ([], []))
+            key = (r.root, r.epoch, r.nbytes, r.schema)
+            donors, partial = groups.setdefault(key, ([], []))
             (donors if r.complete else partial).append(r.peer)
         states = [
-            AdvertisedState(root, epoch, nbytes, sorted(donors), sorted(partial))
-            for (root, epoch, nbytes), (donors, partial) in groups.items()
+            AdvertisedState(root, epoch, nbytes, sorted(donors), sorted(partial), schema)
+            for (root, epoch, nbytes, schema), (donors, partial) in groups.items()
             if donors
         ]
         states.sort(key=lambda s: (-s.epoch, -len(s.donors), s.root))
         return states
 
-    async def find_states(self) -> list[AdvertisedState]:
-        """States announced under our prefix, newest epoch first, then most donors."""
-        return self._group(await self._read_records())
+    @staticmethod
+    def _of_schema(records: list[_Record], schema: bytes | None) -> list[_Record]:
+        """``records`` without those announcing another schema than ``schema`` (another
+        model under our prefix), unless that leaves no complete one: then all of them, so
+        that the newest manifest is fetched and StateMismatchError names the difference."""
+        if schema is None:
+            return records
+        ours = [r for r in records if r.schema is None or r.schema == schema]
+        return ours if any(r.complete for r in ours) else records
+
+    async def find_states(self, schema: bytes | None = None) -> list[AdvertisedState]:
+        """States announced under our prefix, newest epoch first, then most donors; with
+        ``schema`` (a :func:`state_schema_digest`), only those of that schema if any is."""
+        return self._group(self._of_schema(await self._read_records(), schema))
 
     def _learn_addrs(self, record: _Record) -> None:
         from dht.p2p.multiaddr import Multiaddr
@@ -880,6 +911,8 @@ class StateSharing:
         misbehaving: dict[Any, str],
     ) -> DownloadResult:
         records = await self._wait_for_records(deadline)
+        # states of another model (another schema announced) are passed over unasked
+        records = self._of_schema(records, state_schema_digest(local_schema))
         manifest, state = await self._fetch_manifest(records, misbehaving)
         manifest.check_fits(local_schema)  # StateMismatchError before any chunk is fetched
         dl = _Download(manifest, _Served.of(manifest))

@@ -19,7 +19,9 @@ joiner must match.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
+import math
 import shutil
 import threading
 import time
@@ -38,6 +40,7 @@ from moshpit.training.errors import (
     NoDonorError,
     StateDownloadError,
     StateError,
+    StateMismatchError,
 )
 from moshpit.training.health import NonFiniteStateError, first_non_finite
 from moshpit.training.manifest import Manifest, dtype_name
@@ -51,6 +54,7 @@ __all__ = ["AveragingRound", "TrainingStateAverager", "correct_after_round"]
 _SCALAR_TYPES = (int, float, str, bool, type(None))
 # a state that keeps going non-finite although it was reloaded each time is not a glitch
 MAX_RECOVERIES = 5
+STATE_SCHEMA_VERSION = b"moshpit.state-schema.v1"
 RECOVERY_WINDOW = 300.0  # seconds
 
 
@@ -250,6 +254,18 @@ class TrainingStateAverager:
     def schema(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """``(name, dtype, shape)`` of every state tensor, in manifest order."""
         return [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self._named_state()]
+
+    def schema_digest(self) -> tuple[bytes, str]:
+        """``(hash, description)`` of the state's tensor names and shapes (dtypes left out,
+        as in averaging). Peers with another hash train another model (or optimizer): they
+        can neither average nor share state with this one, so the progress tracker leaves
+        them out of the run's view (``ProgressTracker.set_schema``)."""
+        import msgpack
+
+        named = [(name, list(shape)) for name, _, shape in self.schema()]
+        digest = hashlib.sha256(STATE_SCHEMA_VERSION + msgpack.packb(named)).digest()[:16]
+        values = sum(math.prod(shape) for _, shape in named)
+        return digest, f"{len(named)} state tensors, {values} values"
 
     def _metadata(self) -> dict[str, Any]:
         groups = []
@@ -482,7 +498,7 @@ class TrainingStateAverager:
         """
         self._check_open()
         if again or not self._synchronized:
-            self._synchronize()
+            self._synchronize(catching_up=again and self._synchronized)
 
     def state_is_finite(self) -> bool:
         """True unless a floating-point tensor of the state holds NaN or Inf (one pass)."""
@@ -547,15 +563,25 @@ class TrainingStateAverager:
         return f"this peer's checkpoint of epoch {epoch}"
 
     def _find_states(self) -> list[Any]:
+        """The announced states, of our schema only if any is (another model's states
+        under our prefix are never newer than ours in any sense that matters)."""
+        from moshpit.training.sharing import state_schema_digest
+
         sharing = self._sharing
+        schema = state_schema_digest(self.schema())
 
         async def newest(_dht: Any, _node: Any) -> Any:
-            return await sharing.find_states()
+            return await sharing.find_states(schema)
 
         return self.dht.run_coroutine(newest)
 
-    def _synchronize(self) -> None:
-        """Before the first round: catch up with the swarm if it is ahead of us."""
+    def _synchronize(self, catching_up: bool = False) -> None:
+        """Before the first round: catch up with the swarm if it is ahead of us.
+
+        ``catching_up``: a peer that trained already fell behind. If the newest state does
+        not fit its model (only another model's states are announced) it keeps its own,
+        with a warning, instead of stopping: the newcomer that raises StateMismatchError is
+        the one whose model differs from every state announced when it joins."""
         try:
             states = self._find_states()
         except Exception as e:  # noqa: BLE001 - a failed lookup just means "nobody known"
@@ -565,6 +591,10 @@ class TrainingStateAverager:
             try:
                 self.load_state_from_peers(timeout=self.join_timeout)
             except NoDonorError as e:  # the donors left between the lookup and the download
+                logger.warning("could not catch up with the swarm (%s); keeping our state", e)
+            except StateMismatchError as e:
+                if not catching_up:
+                    raise
                 logger.warning("could not catch up with the swarm (%s); keeping our state", e)
         else:
             logger.info(

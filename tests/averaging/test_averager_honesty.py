@@ -240,6 +240,29 @@ async def test_lone_mismatched_peer_is_told_why(autojump_clock, virtual_dht_time
     assert any("schema" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
+async def test_a_mismatched_peer_is_avoided_cheaply_round_after_round(
+    autojump_clock, virtual_dht_time, caplog
+):
+    """The mismatched peer stays for many rounds: the others group at once every round
+    (target 4 never fills, but they do not wait min_matchmaking_time for it), nobody sends it
+    a join request, and its WARNING is logged once, not every round."""
+    tensors = [filled(SCHEMA_A, 0.0), filled(SCHEMA_A, 2.0), filled(SCHEMA_B, 7.0)]
+    with caplog.at_level(logging.DEBUG, logger="moshpit.averaging.averager"):
+        history, averagers = await run_swarm(tensors, rounds=4)
+    for results in history:
+        a0, a1, lone = results
+        assert a0.succeeded and a1.succeeded and a0.group_size == 2
+        assert a0.matchmaking_seconds < 2.0 and a1.matchmaking_seconds < 2.0
+        assert not lone.succeeded and "schema" in lone.reason  # every result says why
+    warnings = [
+        r for r in caplog.records if r.levelname == "WARNING" and "schema" in r.getMessage()
+    ]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert all(av.matchmaker.schema_refusals == 0 for av in averagers)  # nobody was asked
+    lone_peer = averagers[2]._host.peer_id
+    assert lone_peer in averagers[0].matchmaker.schema_memory
+
+
 # ------------------------------------------------------------------ item 10: weight=0 joiner
 
 

@@ -24,6 +24,7 @@ from moshpit.averaging.matchmaking import (
     Matchmaker,
     MatchmakingDispatcher,
     MatchmakingError,
+    SchemaMemory,
 )
 
 
@@ -416,3 +417,108 @@ async def test_churn_many_peers_staggered(autojump_clock):
         expected = sum(c for c in per_key.values() if c >= 2)
         assert grouped == expected  # everyone who had a partner got a group
         nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# peers of another tensor schema: skipped without a request, remembered across rounds
+
+
+class SchemaBackend(LocalBackend):
+    """A LocalBackend whose declarations carry the schema and which counts join attempts."""
+
+    def __init__(self, net: LocalNet):
+        super().__init__(net)
+        self.dialed: Counter = Counter()  # peer -> streams opened to it (join requests)
+
+    async def declare(self, key, order, expiration, mode, schema=None) -> bool:
+        await trio.sleep(self.net.latency)
+        self.net.directory[key][self.local_peer] = (
+            Declaration(self.local_peer, order, (), mode, schema),
+            expiration,
+            trio.current_time() + self.net.visibility_delay,
+        )
+        return True
+
+    async def open_stream(self, peer, addrs, dial_timeout):
+        self.dialed[peer] += 1
+        return await super().open_stream(peer, addrs, dial_timeout)
+
+
+SCHEMA_A, SCHEMA_B = b"A" * 16, b"B" * 16
+
+
+def make_schema(net, schemas, **kwargs) -> list[Matchmaker]:
+    defaults = dict(
+        target_group_size=4,
+        min_group_size=2,
+        min_matchmaking_time=2.0,
+        request_timeout=1.0,
+        start_when_all_joined=True,  # what the averager sets for a key without grid bits
+    )
+    defaults.update(kwargs)
+    return [Matchmaker(SchemaBackend(net), "run", schema=s, **defaults) for s in schemas]
+
+
+async def test_a_peer_of_another_schema_costs_the_others_nothing_round_after_round(
+    autojump_clock,
+):
+    """Two peers of one schema and one of another under the same key: the pair groups at
+    once every round (the other peer is neither asked nor waited for, although the target
+    group of 4 never fills), and nobody ever dials across the schemas."""
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make_schema(net, [SCHEMA_A, SCHEMA_B, SCHEMA_A])
+        for _ in range(4):
+            results, finished = await run_all(mms, ["run.0b"] * 3, starts=[0.0, 0.05, 0.1])
+            groups = check_consistent(mms, results)
+            assert [sorted(i for i, _ in m) for m in groups.values()] == [[0, 2]]
+            assert results[1] is None
+            assert finished[0] < 1.0 and finished[2] < 1.0  # min_matchmaking_time is 2
+            assert mms[1].backend.local_peer in mms[0].last_schema_conflicts
+        for i, j in [(0, 1), (1, 0), (2, 1), (1, 2)]:
+            assert mms[i].backend.dialed[mms[j].backend.local_peer] == 0
+        assert all(m.schema_refusals == 0 for m in mms)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refusal_for_our_schema_is_remembered_until_the_peer_declares_another(
+    autojump_clock,
+):
+    """A peer whose declaration carries no schema (an older version) learns of the conflict
+    only from the leader's refusal: it asks once, not every round, until the leader declares
+    another schema (restarted with another model), which it then asks about again."""
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        leader, joiner = make_schema(net, [SCHEMA_A, None])
+        lead_peer = leader.backend.local_peer
+        for _ in range(3):
+            results, _ = await run_all([leader, joiner], ["run.0b"] * 2, starts=[0.0, 0.1])
+            assert results == {0: None, 1: None}
+            assert lead_peer in joiner.last_schema_conflicts  # still reported every round
+        assert joiner.backend.dialed[lead_peer] == 1 and joiner.schema_refusals == 1
+        # the same peer comes back with another model: worth asking again (refused again)
+        leader.close()
+        leader = Matchmaker(
+            leader.backend, "run", schema=SCHEMA_B, target_group_size=4, request_timeout=1.0
+        )
+        for _ in range(2):
+            await run_all([leader, joiner], ["run.0b"] * 2, starts=[0.0, 0.1])
+        assert joiner.backend.dialed[lead_peer] == 2 and joiner.schema_refusals == 2
+        nursery.cancel_scope.cancel()
+
+
+def test_schema_memory_is_bounded_and_forgets_a_peer_that_changed_schema():
+    memory = SchemaMemory(capacity=3)
+    for i in range(5):
+        memory.note(f"p{i}", SCHEMA_A, "why")
+    assert len(memory) == 3 and "p0" not in memory and "p4" in memory  # oldest dropped
+    assert memory.refused("p4", SCHEMA_A)
+    assert not memory.refused("p4", SCHEMA_B) and "p4" not in memory  # re-declared: forgotten
+    memory.note("p2", SCHEMA_A, "again")  # noted again: the most recent now
+    memory.note("p5", SCHEMA_A, "why")
+    memory.note("p6", SCHEMA_A, "why")
+    assert "p3" not in memory and "p2" in memory and len(memory) == 3
+    assert memory.first_warning(["p2", "p5", "nobody"]) == ["p2", "p5"]
+    assert memory.first_warning(["p2", "p5"]) == []  # warned once
+    memory.note("p5", SCHEMA_B, "another schema now")
+    assert memory.first_warning(["p5"]) == ["p5"]  # a new conflict is worth a new warning

@@ -147,6 +147,9 @@ def test_eta_and_readiness():
         ({"epoch": 1, "samples": 0}, "samples/s"),
         ([1, 2, 3], "not a map"),
         (b"junk", "not a map"),
+        ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "s": "text"}, "schema"),
+        ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "s": b""}, "schema"),
+        ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "s": b"x" * 65}, "schema"),
     ],
 )
 def test_absurd_or_malformed_records_are_ignored_with_a_reason(value, reason):
@@ -154,6 +157,48 @@ def test_absurd_or_malformed_records_are_ignored_with_a_reason(value, reason):
         "p", value, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
     )
     assert record is None and reason in why
+
+
+SCHEMA_A, SCHEMA_B = b"A" * 16, b"B" * 16
+
+
+def test_records_of_another_schema_are_another_model_and_left_out():
+    """A peer of the run that trains a model of another shape counts for nothing: not as a
+    peer (a round would wait for it), not its samples (they would fill our batch), not its
+    epoch; it is only listed in other_schemas. Records without a schema (older peers) count."""
+    me = PeerProgress("me", 4, 10, 10.0, 100.0, schema=SCHEMA_A)
+    records = [
+        PeerProgress("a", 4, 20, 10.0, 100.0, schema=SCHEMA_A),
+        PeerProgress("old", 4, 30, 10.0, 100.0),  # no schema: an older peer, counted
+        PeerProgress("b1", 9, 10**4, 10.0, 100.0, schema=SCHEMA_B),
+        PeerProgress("b2", 9, 10**4, 10.0, 100.0, schema=SCHEMA_B),
+    ]
+    view = aggregate(records, now=100.0, own=me, target_batch_size=1000)
+    assert view.epoch == 4  # two peers of the other model at 9 do not move our epoch
+    assert view.num_peers == 3 and {p.peer_id for p in view.peers} == {"me", "a", "old"}
+    assert view.samples_accumulated == 60
+    assert view.other_schemas == {"b1": SCHEMA_B.hex()[:12], "b2": SCHEMA_B.hex()[:12]}
+    assert not view.ignored  # not malformed: just not ours
+    # a reader without a schema (moshpit status) sees everyone, as before
+    everyone = aggregate(records, now=100.0)
+    assert everyone.num_peers == 4 and not everyone.other_schemas
+    # a schema given explicitly (no own record yet) filters the same way
+    assert aggregate(records, now=100.0, schema=SCHEMA_B).num_peers == 3
+
+
+def test_the_schema_travels_in_the_record():
+    value = {"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "s": SCHEMA_A}
+    record, why = parse_progress_record(
+        "p", value, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
+    )
+    assert why is None and record.schema == SCHEMA_A
+    node = type("Node", (), {"peer_id": "me"})()  # a "DHTNode" that is never used
+    tracker = ProgressTracker(node, PREFIX, start=False)
+    with pytest.raises(ValueError):
+        tracker.set_schema(b"")
+    tracker.set_schema(SCHEMA_A, "2 tensors")
+    tracker.report(0, 0)
+    assert tracker.local_progress().schema == SCHEMA_A
 
 
 def test_records_that_claim_to_live_too_long_are_ignored():
@@ -272,6 +317,31 @@ async def test_a_lying_peer_cannot_advance_the_epoch_or_inflate_samples(
         # two liars that agree on an absurd epoch do move it: that is the documented limit
         await lie(nodes[4], {"epoch": 10**9, "samples": 0, "sps": 1.0, "time": now}, now + 31)
         assert (await honest[1].arefresh()).epoch == 10**9
+
+
+async def test_peers_of_another_model_are_not_in_the_view_and_warned_about_once(
+    autojump_clock, virtual_dht_time, caplog
+):
+    async with open_swarm(6, seed=6) as swarm:
+        good = [ProgressTracker(n, PREFIX, target_batch_size=100) for n in swarm.nodes[:2]]
+        other = ProgressTracker(swarm.nodes[2], PREFIX, target_batch_size=100)
+        for tracker in good:
+            tracker.set_schema(SCHEMA_A)
+        other.set_schema(SCHEMA_B)
+        for tracker in (*good, other):
+            tracker.report(3, 10)
+            await tracker.arefresh()
+        with caplog.at_level("WARNING", logger="moshpit.training.progress"):
+            for _ in range(5):  # the mismatched peer stays: read after read
+                await trio.sleep(1.0)
+                views = [await t.arefresh() for t in (*good, other)]
+        for view in views[:2]:
+            assert {p.peer_id for p in view.peers} == {str(t.peer_id) for t in good}
+            assert set(view.other_schemas) == {str(other.peer_id)}
+        assert views[2].num_peers == 1 and len(views[2].other_schemas) == 2
+        warnings = [r.getMessage() for r in caplog.records if "another shape" in r.getMessage()]
+        assert len(warnings) == 3, warnings  # once per reader, not once per read
+        assert all(SCHEMA_B.hex()[:12] in w for w in warnings[:2])
 
 
 async def test_unsigned_subkeys_are_ignored(autojump_clock, virtual_dht_time):

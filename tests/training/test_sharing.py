@@ -21,7 +21,7 @@ from dht.kademlia.simulation import open_swarm
 from dht.p2p import MemoryNetwork, StreamResetError
 from moshpit.training.errors import NoDonorError, StateDownloadError, StateMismatchError
 from moshpit.training.manifest import build_manifest
-from moshpit.training.sharing import STATE_PROTOCOL, StateSharing
+from moshpit.training.sharing import STATE_PROTOCOL, StateSharing, state_schema_digest
 
 CHUNK = 4096
 INF = float("inf")
@@ -300,6 +300,29 @@ async def test_mismatch_names_the_tensor_and_fetches_no_chunk(autojump_clock, vi
             await peers[2].sharing.download(local, timeout=10.0, sink=sink)
         assert peers[0].store.reads == 0 and peers[0].sharing.stats["chunks_served"] == 0
         assert sink.puts == 0
+
+
+async def test_a_newer_state_of_another_model_is_passed_over_unasked(
+    autojump_clock, virtual_dht_time
+):
+    """A peer of the run trains another model (another shape) and announces a newer state:
+    a joiner of our model loads the newest state of its own schema, without asking the other
+    peer for anything (the schema is in the signed record)."""
+    ours, theirs = make_state(12), make_state(13, scale=2)
+    async with swarm(3) as (peers, _):
+        other, donor, joiner = peers
+        other.sharing.publish(stored(theirs, 9, other.store))
+        donor.sharing.publish(stored(ours, 3, donor.store))
+        await trio.sleep(1.0)
+        states = await joiner.sharing.find_states()
+        assert [s.epoch for s in states] == [9, 3]
+        assert states[0].schema == state_schema_digest(schema_of(theirs))
+        mine = state_schema_digest(schema_of(ours))
+        assert [s.epoch for s in await joiner.sharing.find_states(mine)] == [3]
+        result = await joiner.sharing.download(schema_of(ours), timeout=10.0)
+        assert_state_equal(result, ours)
+        assert result.manifest.epoch == 3
+        assert other.sharing.stats["requests"] == 0  # not even its manifest
 
 
 async def test_manifest_not_hashing_to_signed_root_is_rejected(autojump_clock, virtual_dht_time):

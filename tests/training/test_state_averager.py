@@ -235,3 +235,30 @@ def test_failed_catch_up_skips_the_round_instead_of_averaging_fresh_weights(
     finally:
         newcomer.shutdown()
         donor.shutdown()
+
+
+def test_a_running_peer_does_not_stop_because_another_models_state_is_newer(dhts, tmp_path):
+    """Only another model's state (another shape) is announced, and it is newer: a newcomer
+    is told at once (StateMismatchError names the tensor), while a peer that trains already
+    and looks for a newer state keeps its own and goes on."""
+    other = _state(
+        dhts[0],
+        torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)),
+        checkpoint_dir=tmp_path / "other",
+        sync_on_start=False,
+    )
+    mine = _model(1.0)
+    running = _state(dhts[1], mine, sync_on_start=False)
+    newcomer = _state(dhts[2], _model(2.0))
+    try:
+        other.epoch = 7
+        other.save_checkpoint()
+        with pytest.raises(StateMismatchError, match=r"params\.0.*shape"):
+            newcomer.synchronize()
+        running.synchronize(again=True)  # a warning, not an error
+        assert running.epoch == 0
+        assert all(torch.equal(p, torch.full_like(p, 1.0)) for p in mine.parameters())
+    finally:
+        newcomer.shutdown()
+        running.shutdown()
+        other.shutdown()

@@ -475,6 +475,76 @@ def test_a_round_missing_peers_its_members_know_is_not_applied(make_dhts):
     assert not serve_dir.exists()
 
 
+def test_a_peer_training_another_model_is_neither_waited_for_nor_counted(make_dhts):
+    """Two peers of one model and a third of another shape under the same run id (e.g. a
+    different hidden size). The third can never join the pair's gradient rounds (its tensor
+    schema differs), so the pair must not wait for it: each of their rounds forms at once,
+    none fails, and the third's samples do not count toward their batch. (Before, its
+    progress record made it an expected member of every round: every round of all three
+    waited out the matchmaking timeout for a group of 3 that could never form.)"""
+    dhts = make_dhts(3)
+    models = [_model(), _model()]
+    peers = [Peer(i, m, _opt(d, m)) for i, (d, m) in enumerate(zip(dhts[:2], models, strict=True))]
+    other_model = torch.nn.Linear(4, 2)  # another shape
+    other = _opt(dhts[2], other_model)
+    stop = threading.Event()
+    epochs = 3
+
+    def train(peer: Peer) -> None:
+        # until epoch 3, or the first failed round (on a broken build: instead of waiting
+        # for a minute of failed rounds)
+        while peer.opt.epoch < epochs and peer.opt.mode.rounds_failed == 0 and peer.steps < 500:
+            if stop.is_set():
+                return
+            idx, epoch = peer.batch(), peer.opt.epoch
+            _loss(peer.model, idx).backward()
+            peer.opt.step()
+            peer.opt.zero_grad()
+            peer.steps += 1
+            if peer.opt.epoch != epoch:
+                peer.params_at[peer.opt.epoch] = [
+                    q.detach().clone() for q in peer.model.parameters()
+                ]
+            threading.Event().wait(0.02)
+
+    def train_other() -> None:
+        while not stop.is_set():
+            idx = torch.randint(0, len(X), (BATCH,))
+            out = other_model(X[idx]).sum(-1)
+            torch.nn.functional.mse_loss(out, Y[idx]).backward()
+            other.step()
+            other.zero_grad()
+            threading.Event().wait(0.02)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            background = pool.submit(train_other)
+            for future in [pool.submit(train, p) for p in peers]:
+                future.result(timeout=120)
+            stop.set()
+            background.result(timeout=60)
+        other_peer = str(other.tracker.peer_id)
+        for p in peers:
+            mode = p.opt.mode
+            assert mode.rounds_failed == 0, (p.index, mode.last_result)
+            assert p.opt.epoch == epochs and mode.rounds_succeeded == epochs
+            assert mode.solo_steps == mode.state_loads == 0
+            view = p.opt.tracker.global_progress
+            assert other_peer in view.other_schemas
+            assert other_peer not in {q.peer_id for q in view.peers}
+            assert mode.rounds.expected(view, p.opt.epoch) <= 2
+            assert mode.last_group_size == 2
+        for epoch in range(1, epochs + 1):  # the pair took identical steps
+            assert _same(peers[0].params_at[epoch], peers[1].params_at[epoch])
+        view = other.tracker.global_progress
+        assert view.num_peers == 1 and len(view.other_schemas) == 2
+    finally:
+        stop.set()
+        for p in peers:
+            p.opt.shutdown()
+        other.shutdown()
+
+
 def test_next_round_does_not_wait_for_members_that_failed_or_were_excluded():
     """A peer that joined our round and then failed (or sent bad input) is not awaited in the
     next one: otherwise one misbehaving peer would hold every round until it times out."""

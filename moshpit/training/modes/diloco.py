@@ -57,6 +57,7 @@ from compression import (
 )
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.averager import Averager, StepResult
+from moshpit.averaging.matchmaking import SchemaMemory
 from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.health import first_non_finite
 from moshpit.training.modes.base import TrainingMode, params_of
@@ -201,6 +202,9 @@ class DiLoCoMode(TrainingMode):
         self.state = optimizer.make_state_averager(self.outer, **options)
         self.averager_options = dict(optimizer.averager_options)
         self.averager_options.pop("compression", None)
+        # peers of another tensor schema, shared by the per-epoch averagers (asked once,
+        # warned about once)
+        self.schema_memory = SchemaMemory()
         if self.compression is None:
             self.compression = optimizer.averager_options.get("compression")
         self.deltas = [torch.zeros_like(t) for t in self.theta]
@@ -381,6 +385,7 @@ class DiLoCoMode(TrainingMode):
             dht=self.opt.dht,
             prefix=outer_prefix(self.opt.run_id, epoch),
             target_group_size=self.opt.target_group_size,
+            schema_memory=self.schema_memory,
             **options,
         )
         digest = self._theta_digest()
