@@ -286,3 +286,37 @@ def test_a_full_disk_is_reported_and_sigterm_still_leaves(tmp_path):
     ), err
     assert "left the swarm in" not in out  # (logged, not printed)
     assert "withdraw" not in err.lower() or "could not withdraw" not in err.lower()
+
+
+def test_a_run_of_another_model_is_one_line_and_exit_1(tmp_path: Path):
+    """A newcomer whose run id names another model's run (its donors serve a state that does
+    not fit the demo's MLP) stops with the mismatch in one line, not a traceback."""
+    import torch
+
+    import moshpit
+    from moshpit.training.state_averager import TrainingStateAverager
+
+    dht = moshpit.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        model = torch.nn.Linear(64, 10)  # not the demo's 64-H-10 MLP
+        state = TrainingStateAverager(
+            dht=dht,
+            optimizer=torch.optim.Adam(model.parameters()),
+            prefix="digits",
+            target_group_size=4,
+            checkpoint_dir=tmp_path / "other-model",
+            sync_on_start=False,
+        )
+        try:
+            state.epoch = 7
+            state.save_checkpoint()
+            address = str(dht.get_visible_maddrs()[0])
+            done = train(tmp_path / "ckpt", "--initial-peers", address, "--duration", "30")
+        finally:
+            state.shutdown()
+    finally:
+        dht.shutdown()
+    no_traceback(done)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    [line] = [s for s in done.stderr.splitlines() if s.startswith("moshpit train:")]
+    assert "trains another model" in line and "'params.0' has shape [10, 64]" in line, line

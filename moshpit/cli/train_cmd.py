@@ -415,7 +415,12 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
         make_optimizer,
         params_to_text,
     )
-    from moshpit.training.errors import CheckpointError, NoDonorError, StateDownloadError
+    from moshpit.training.errors import (
+        CheckpointError,
+        NoDonorError,
+        StateDownloadError,
+        StateMismatchError,
+    )
     from moshpit.training.health import NonFiniteStateError
 
     started = time.monotonic()
@@ -539,8 +544,15 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
             samples=samples,
         )
         return 0
-    except NonFiniteStateError as e:  # diverged, and no good state to go back to
+    except (NonFiniteStateError, StateMismatchError) as e:
+        # diverged with no good state to go back to, or the run's state is another model's
+        # (its run id names a run of another model): nothing this peer can train on
         reporter.stop_live()
+        if isinstance(e, StateMismatchError):
+            e = StateMismatchError(
+                f"the swarm of run {args.run_id!r} trains another model: {e} (pick another "
+                "--run-id, or run the same model and options as its peers)"
+            )
         print(f"moshpit train: {e}", file=sys.stderr)
         from moshpit.training.preemption import critical_section
 
