@@ -297,6 +297,9 @@ class Averager:
         self.mode = MODE_CLIENT if client_mode else MODE_AUX if auxiliary else MODE_NODE
         self.sender_timeout = sender_timeout
         self.reducer_timeout = reducer_timeout
+        # True while a step's group has formed (its all-reduce is on): read from other threads
+        # by a peer that leaves, which waits for such a round but not for one still matchmaking
+        self.in_group = False
         self.ban_after_failures = ban_after_failures
         self.ban_seconds = ban_seconds
         self.keys = GroupKeyManager(
@@ -600,7 +603,10 @@ class Averager:
                     now = trio.current_time()
                     hard_end = min(end, now + self._hard_step_bound()) + HARD_STEP_SLACK
                     with trio.move_on_at(hard_end):
-                        return await self._step(key, float(weight), gather, started, end)
+                        try:
+                            return await self._step(key, float(weight), gather, started, end)
+                        finally:
+                            self.in_group = False
                     logger.error(
                         "averaging step under %s ran past %.0fs although each of its phases "
                         "has a timeout; abandoned (please report this with the log above)",
@@ -637,6 +643,7 @@ class Averager:
         self.matchmaker.start_when_all_joined = self.keys.num_bits == 0
         self._mm_backend.seen.clear()
         group = await self.matchmaker.look_for_group(key, matchmaking_deadline, gather)
+        self.in_group = group is not None
         matchmaking_seconds = trio.current_time() - started
         declared = self._mm_backend.take_count(key)
         conflicts = self.matchmaker.last_schema_conflicts

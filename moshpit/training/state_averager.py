@@ -722,12 +722,17 @@ class TrainingStateAverager:
     def leave_swarm(self, deadline: float = 25.0) -> None:
         """Leave for good within ``deadline`` seconds (what SIGTERM handling calls).
 
-        Waits up to a third of the deadline for a running round (its result is useful work),
-        abandons it otherwise, writes a checkpoint if a ``checkpoint_dir`` was given,
-        withdraws this peer's announcements and shuts down.
+        Waits up to a third of the deadline for a running round whose group has formed (its
+        result is useful work, and its members count on us) and abandons it after that; a round
+        still looking for a group is abandoned at once. Then writes a checkpoint if a
+        ``checkpoint_dir`` was given, withdraws this peer's announcements and shuts down.
         """
         started = time.monotonic()
-        if self._pending is not None:
+        if self._pending is not None and not self._pending.done() and not self.averager.in_group:
+            # still looking for a group: nobody depends on us yet, and waiting could take the
+            # whole matchmaking timeout for a round that may never form
+            logger.info("abandoning the running averaging round: it had no group yet")
+        elif self._pending is not None:
             try:
                 self._pending.wait(timeout=deadline / 3)
             except TimeoutError:

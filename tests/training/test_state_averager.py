@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 import torch
@@ -262,3 +263,38 @@ def test_a_running_peer_does_not_stop_because_another_models_state_is_newer(dhts
         newcomer.shutdown()
         running.shutdown()
         other.shutdown()
+
+
+def test_leaving_abandons_a_round_still_looking_for_a_group_at_once(dhts, tmp_path, caplog):
+    """A round with no group yet has nobody counting on us: SIGTERM handling must not spend a
+    third of its deadline waiting for a group that may never form (it used to)."""
+    state = _state(dhts[0], _model(1.0), checkpoint_dir=tmp_path, min_matchmaking_time=30.0)
+    handle = state.step(wait=False)  # alone: the round can only look for partners
+    assert isinstance(handle, AveragingRound) and not handle.done()
+    assert not state.averager.in_group
+    with caplog.at_level("INFO", logger="moshpit.training.state_averager"):
+        state.leave_swarm(deadline=60.0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert "abandoning the running averaging round: it had no group yet" in messages
+    assert not any("to leave in time" in m for m in messages)
+    assert handle.future.done() and state.newest_checkpoint_epoch == 0
+
+
+def test_leaving_waits_for_a_round_whose_group_formed(dhts, tmp_path):
+    """A round in its all-reduce is useful work that others count on: leaving finishes it."""
+    a = _state(dhts[0], _model(1.0), checkpoint_dir=tmp_path)
+    b = _state(dhts[1], _model(3.0))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            res_b = pool.submit(b.step)
+            handle = a.step(wait=False)
+            deadline = time.monotonic() + 30
+            while not a.averager.in_group and not handle.done():
+                assert time.monotonic() < deadline, "no group formed"
+                time.sleep(0.005)
+            a.leave_swarm(deadline=60.0)
+            assert handle.result is not None and handle.result.succeeded
+            assert res_b.result(timeout=60).succeeded
+        assert not a.averager.in_group
+    finally:
+        b.shutdown()
