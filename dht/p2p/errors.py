@@ -69,3 +69,12 @@ class RemoteError(P2PError):
 
 class P2PTimeoutError(P2PError, TimeoutError):
     """A network operation did not finish within its timeout."""
+
+
+class RelayError(DialError):
+    """A circuit relay refused or failed a request (``status`` is the relay's status code,
+    ``None`` where it sent none): no reservation, a refused reservation, limits reached."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

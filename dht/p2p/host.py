@@ -191,6 +191,10 @@ class _Connection:
         self.remote_addr = remote_addr
         self.last_used = trio.current_time()  # last stream opened or accepted
         self.identified = trio.Event()  # our identify exchange on it finished (or failed)
+        # through a circuit relay (relay.py): limited in bytes and time, used only when there
+        # is no direct connection; relay_limit is the relay's Limit (None: it stated none)
+        self.relayed = False
+        self.relay_limit: Any = None
 
     @property
     def alive(self) -> bool:
@@ -704,6 +708,7 @@ class Host:
         live = [c for c in self._conns.get(peer_id, ()) if c.alive]
         if not live:
             return None
+        live = [c for c in live if not c.relayed] or live  # a relayed one only as a last resort
         # Deterministic choice for simultaneous dials: prefer the connection dialed by the
         # peer with the smaller PeerID (both sides compute the same answer).
         we_dial = self.peer_id < peer_id
@@ -749,8 +754,32 @@ class Host:
         if peer_id == self.peer_id:
             raise DialError("refusing to dial ourselves")
         self.peerstore.add_addrs(peer_id, maddrs)
+        current = self._best_connection(peer_id)
+        direct = [m for m in maddrs if not m.is_circuit()]
+        if current is not None and current.relayed and direct:
+            await self._dial_beside_relayed(peer_id, direct, timeout)
+            return peer_id
         await self._get_connection(peer_id, timeout)
         return peer_id
+
+    async def _dial_beside_relayed(
+        self,
+        peer_id: PeerID,
+        addrs: list[Multiaddr],
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
+        """Dial direct addresses of a peer we reach only through a relay; new streams then
+        take the direct connection (the relayed one idles until its relay's limits end it)."""
+        self._check_connection_limit()
+        with trio.move_on_after(timeout) as scope:
+            conn = await self._dial_addrs(peer_id, addrs)
+        if scope.cancelled_caught:
+            raise P2PTimeoutError(f"could not connect to {peer_id.short()} within {timeout:.1f}s")
+        if self._closing:
+            await conn.session.aclose()
+            raise DialError("host is closing")
+        self._register(conn)
+        self._nursery.start_soon(self._serve_connection, conn)
 
     def _check_connection_limit(self) -> None:
         if not self._make_room(len(self._dials)):
@@ -891,6 +920,10 @@ class Host:
         raise DialError(f"could not connect to {who}: " + "; ".join(failures or ["no addresses"]))
 
     async def _dial_one(self, expected: PeerID | None, target: Multiaddr) -> _Connection:
+        if target.is_circuit():
+            from .relay import dial_circuit  # relay.py builds on this module
+
+            return await dial_circuit(self, expected, target)
         if not self.transport.can_dial(target):
             raise DialError("transport cannot dial this address")
         raw = await self.transport.dial(target, timeout=self.limits.handshake_timeout)
@@ -1041,7 +1074,7 @@ class Host:
                 ystream.reset()
                 return
             await ystream.aclose()
-            addrs = [a for a in info.listen_addrs if self.transport.can_dial(a)]
+            addrs = [a for a in info.listen_addrs if a.is_circuit() or self.transport.can_dial(a)]
             if not _is_loopback(conn.remote_addr):
                 addrs = [a for a in addrs if not _is_loopback(str(a))]
             if addrs:

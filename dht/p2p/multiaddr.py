@@ -2,8 +2,10 @@
 
 Text form: ``/<protocol>/<value>`` components. Binary form (multiformats): for each component
 the protocol's multicodec code as an unsigned varint, then its value — fixed-size for
-addresses and ports, varint-length-prefixed for names and PeerIDs. Only the protocols this
-project uses are supported; anything else is a clear ``MultiaddrError``.
+addresses and ports, varint-length-prefixed for names and PeerIDs, nothing at all for
+``/p2p-circuit`` (a relayed address: ``<relay address>/p2p/<relay>/p2p-circuit/p2p/<target>``).
+Only the protocols this project uses are supported; anything else is a clear
+``MultiaddrError``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ _PROTOCOLS = [
     _Protocol("dns4", 54, -1),
     _Protocol("dns6", 55, -1),
     _Protocol("p2p", 421, -1),
+    _Protocol("p2p-circuit", 290, 0),  # no value: "reach the next /p2p/ through the one before"
     _Protocol("memory", 777, 8),
 ]
 _BY_NAME = {p.name: p for p in _PROTOCOLS}
@@ -93,6 +96,8 @@ def _check_dns_name(name: str, where: str) -> None:
 
 def _value_to_bytes(proto: _Protocol, value: Value) -> bytes:
     name = proto.name
+    if proto.size == 0:
+        return b""
     if name in ("ip4", "ip6"):
         return ipaddress.ip_address(value).packed  # type: ignore[arg-type]
     if name == "tcp":
@@ -108,6 +113,8 @@ def _value_to_bytes(proto: _Protocol, value: Value) -> bytes:
 
 def _value_from_bytes(proto: _Protocol, raw: bytes, where: str) -> Value:
     name = proto.name
+    if proto.size == 0:
+        return ""
     if name == "ip4":
         return str(ipaddress.IPv4Address(raw))
     if name == "ip6":
@@ -127,8 +134,10 @@ def _value_from_bytes(proto: _Protocol, raw: bytes, where: str) -> Value:
     return text
 
 
-def _format_value(value: Value) -> str:
-    return value.to_base58() if isinstance(value, PeerID) else str(value)
+def _format_component(name: str, value: Value) -> str:
+    if _BY_NAME[name].size == 0:
+        return f"/{name}"
+    return f"/{name}/{value.to_base58() if isinstance(value, PeerID) else value}"
 
 
 class Multiaddr:
@@ -204,7 +213,7 @@ class Multiaddr:
 
     def __str__(self) -> str:
         if self._text is None:
-            text = "".join(f"/{n}/{_format_value(v)}" for n, v in self._components)
+            text = "".join(_format_component(n, v) for n, v in self._components)
             object.__setattr__(self, "_text", text)
         return self._text  # type: ignore[return-value]
 
@@ -214,8 +223,8 @@ class Multiaddr:
     # -- accessors -----------------------------------------------------------------------------
     @property
     def components(self) -> tuple[tuple[str, Value], ...]:
-        """``((protocol_name, value), ...)``; values are str (addresses, names), int (ports,
-        memory ids) or PeerID."""
+        """``((protocol_name, value), ...)``; values are str (addresses, names; ``""`` for
+        ``p2p-circuit``, which has none), int (ports, memory ids) or PeerID."""
         return self._components
 
     def protocols(self) -> list[str]:
@@ -286,6 +295,10 @@ class Multiaddr:
             return False
         return True
 
+    def is_circuit(self) -> bool:
+        """True for a relayed address (it has a ``/p2p-circuit`` component)."""
+        return any(name == "p2p-circuit" for name, _ in self._components)
+
     # -- value semantics -----------------------------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Multiaddr is immutable")
@@ -324,6 +337,10 @@ def _parse_text(text: str) -> tuple[tuple[str, Value], ...]:
             if name == "":
                 raise MultiaddrError(f"empty protocol name (double '/') in {text!r}")
             raise MultiaddrError(f"unsupported protocol {name!r} in {text!r}")
+        if proto.size == 0:
+            components.append((proto.name, ""))
+            i += 1
+            continue
         if i + 1 >= len(parts) or parts[i + 1] == "":
             raise MultiaddrError(f"protocol /{name} is missing its value in {text!r}")
         components.append((proto.name, _parse_value(proto, parts[i + 1], text)))

@@ -1134,3 +1134,67 @@ register(
         ),
     )
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# circuit relay v2 (relay_messages.py): hop and stop messages
+
+
+def _relay_body(frame: bytes) -> bytes:
+    _, start = decode_uvarint(frame)
+    return frame[start:]
+
+
+def _relay_round_trip(msg, encode, decode) -> None:  # noqa: ANN001 - two message classes
+    if msg.limit is not None and msg.limit.unlimited:
+        msg.limit = None  # "no limit" has one encoding: the field left out
+    assert decode(_relay_body(encode(msg))) == msg
+
+
+def check_relay_hop(data: bytes) -> None:
+    from dht.p2p.relay_messages import RelayMessageError, decode_hop, encode_hop
+
+    try:
+        msg = decode_hop(data)
+    except RelayMessageError:
+        return
+    _relay_round_trip(msg, encode_hop, decode_hop)
+
+
+def check_relay_stop(data: bytes) -> None:
+    from dht.p2p.relay_messages import RelayMessageError, decode_stop, encode_stop
+
+    try:
+        msg = decode_stop(data)
+    except RelayMessageError:
+        return
+    _relay_round_trip(msg, encode_stop, decode_stop)
+
+
+def _relay_seeds(kind: str) -> dict[str, bytes]:
+    from dht.p2p import relay_messages as rm
+
+    relay_addr = SEED_ADDRS[0].with_peer_id(BOB.peer_id)
+    peer = rm.PeerInfo(ALICE.peer_id, [SEED_ADDRS[0]])
+    if kind == "hop":
+        msgs = {
+            "reserve": rm.HopMessage(rm.HopType.RESERVE),
+            "connect": rm.HopMessage(rm.HopType.CONNECT, peer=peer),
+            "reserved": rm.HopMessage(
+                rm.HopType.STATUS,
+                status=rm.Status.OK,
+                reservation=rm.ReservationInfo(1_900_000_000, [relay_addr], b"voucher"),
+                limit=rm.Limit(120, 131072),
+            ),
+            "refused": rm.HopMessage(rm.HopType.STATUS, status=rm.Status.NO_RESERVATION),
+        }
+        return {name: _relay_body(rm.encode_hop(m)) for name, m in msgs.items()}
+    msgs = {
+        "connect": rm.StopMessage(rm.StopType.CONNECT, peer=peer, limit=rm.Limit(120, 131072)),
+        "ok": rm.StopMessage(rm.StopType.STATUS, status=rm.Status.OK),
+    }
+    return {name: _relay_body(rm.encode_stop(m)) for name, m in msgs.items()}
+
+
+register(Target("relay_hop", "p2p", check_relay_hop, seeds=lambda: _relay_seeds("hop")))
+register(Target("relay_stop", "p2p", check_relay_stop, seeds=lambda: _relay_seeds("stop")))
