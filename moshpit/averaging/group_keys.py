@@ -6,7 +6,7 @@ After a round every member shifts in a new coordinate (its position in a permuta
 group seeded by the group ID, hence distinct within the group) and drops the oldest one, so
 former groupmates are spread over different groups for the next ``d - 1`` rounds. On a full
 grid (``N = M**d`` peers, groups of ``M``) every peer then holds the exact mean after ``d``
-rounds (PAPERS.md, "Moshpit All-Reduce").
+rounds (the Moshpit All-Reduce paper, Ryabinin et al., 2021).
 
 Without ``expected_num_peers`` (and without ``initial_group_bits``) the key length adapts
 (:class:`GroupKeyManager` ``adaptive``): every round the averager reports how many distinct

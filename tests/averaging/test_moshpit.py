@@ -250,7 +250,7 @@ async def test_churn_converges_geometrically(autojump_clock, virtual_dht_time):
         # left is mostly that of the few peers whom churn left alone in their group (they keep
         # their values), so one such round can shrink it little; 2 runs in 24 had a round above
         # 0.7 (one failed CI). The claims are geometric shrinking overall and no round growing
-        # the error (PAPERS.md)
+        # the error (the Moshpit All-Reduce paper)
         ratios = [b / a for a, b in zip(variances, variances[1:], strict=False)]
         geometric_mean_ratio = (variances[-1] / variances[0]) ** (1 / (len(variances) - 1))
         assert geometric_mean_ratio < 0.35, ratios
