@@ -25,13 +25,14 @@ killed first, so nothing keeps a namespace alive.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
 import subprocess
 import uuid
 from collections.abc import Sequence
 from typing import Any
+
+from netns import NamespaceTestbed, run_command
+from netns import unavailable_reason as namespaces_unavailable
 
 __all__ = ["WanTestbed", "WanTestbedError", "parse_rate", "unavailable_reason"]
 
@@ -55,47 +56,24 @@ def parse_rate(rate: str) -> int:
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        raise WanTestbedError(
-            f"`{' '.join(argv)}` failed (rc={proc.returncode}): {proc.stderr.strip()}"
-        )
-    return proc
+    return run_command(argv, WanTestbedError, check)
 
 
 def unavailable_reason() -> str | None:
     """``None`` if network namespaces, veths, bridges and tbf can be used here, else why not."""
-    if os.name != "posix" or not os.path.exists("/proc/self/ns/net"):
-        return "network namespaces need Linux"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root (or CAP_NET_ADMIN)"
-    name = f"mwprobe-{uuid.uuid4().hex[:8]}"
-    try:
-        proc = _run(["ip", "netns", "add", name], check=False)
-        if proc.returncode != 0:
-            return f"`ip netns add` is not permitted here: {proc.stderr.strip()}"
-        proc = _run(
-            ["ip", "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "p1"],
-            check=False,
-        )
-        if proc.returncode != 0:
-            return f"veth pairs are not available: {proc.stderr.strip()}"
+
+    def tbf(name: str) -> str | None:
         proc = _run(
             ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "p0", "root", "tbf",
              "rate", "1mbit", "burst", "32kb", "latency", "50ms"],
             check=False,
         )  # fmt: skip
-        if proc.returncode != 0:
-            return f"the tbf qdisc is not available: {proc.stderr.strip()}"
-    finally:
-        _run(["ip", "netns", "del", name], check=False)
-    return None
+        return f"the tbf qdisc is not available: {proc.stderr.strip()}" if proc.returncode else None
+
+    return namespaces_unavailable({"tc": "iproute2"}, tbf)
 
 
-class WanTestbed:
+class WanTestbed(NamespaceTestbed):
     """Context manager: ``num_peers`` namespaces on a bridge, each link shaped to ``rate``.
 
     :param rate: per-peer link rate in each direction, tc syntax (``"100mbit"``, ``"1gbit"``).
@@ -130,8 +108,8 @@ class WanTestbed:
         self.tag = "mw" + uuid.uuid4().hex[:6]
         self.switch_ns = f"{self.tag}-sw"
         self.namespaces = [f"{self.tag}-p{i}" for i in range(num_peers)]
-        self._procs: list[subprocess.Popen] = []
-        self._created: list[str] = []
+        self.error = WanTestbedError
+        super().__init__()
 
     # -- addresses and processes ---------------------------------------------------------------
 
@@ -145,14 +123,11 @@ class WanTestbed:
 
     def popen(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` in peer ``i``'s namespace; killed on exit if still running."""
-        proc = subprocess.Popen(self.ns_argv(i, argv), **kwargs)
-        self._procs.append(proc)
-        return proc
+        return self._spawn(self.namespaces[i], argv, **kwargs)
 
     def run(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
         """Run ``argv`` to completion in peer ``i``'s namespace."""
-        kwargs.setdefault("timeout", 600)
-        return subprocess.run(self.ns_argv(i, argv), **kwargs)
+        return self._run_in(self.namespaces[i], argv, **kwargs)
 
     # -- setup / teardown ----------------------------------------------------------------------
 
@@ -200,8 +175,7 @@ class WanTestbed:
         _run(["ip", "-n", sw, "link", "set", "br0", "up"])
         _run(["ip", "-n", sw, "link", "set", "lo", "up"])
         for i, ns in enumerate(self.namespaces):
-            _run(["ip", "netns", "add", ns])
-            self._created.append(ns)
+            self._add_namespace(ns)
             outer = f"{self.tag}s{i}"
             # create the pair inside the switch namespace (never in the root namespace), then
             # move the peer end into the peer's namespace
@@ -209,29 +183,10 @@ class WanTestbed:
             _run(["ip", "-n", sw, "link", "set", "eth0", "netns", ns])
             _run(["ip", "-n", sw, "link", "set", outer, "master", "br0"])
             _run(["ip", "-n", sw, "link", "set", outer, "up"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             self._shape(ns, "eth0")  # uplink
             self._shape(sw, outer)  # downlink
-
-    def _teardown(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.kill()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    logger.warning("process %d in the testbed did not exit after kill", proc.pid)
-        self._procs.clear()
-        for ns in reversed(self._created):
-            proc = _run(["ip", "netns", "del", ns], check=False)
-            if proc.returncode != 0:
-                logger.warning("could not delete namespace %s: %s", ns, proc.stderr.strip())
-        self._created.clear()
-
-    def __exit__(self, *exc: object) -> None:
-        self._teardown()
 
     # -- introspection (tests, reports) --------------------------------------------------------
 

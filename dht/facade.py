@@ -253,6 +253,18 @@ class DHT:
     def peer_id(self) -> Any:
         return self.node.peer_id
 
+    @property
+    def reachability(self) -> Any:
+        """Can other peers connect to this one? A ``dht.p2p.autonat.Reachability``:
+        ``.status`` (``public`` / ``private`` / ``unknown``) and ``.reason`` (one line).
+        Checked with AutoNAT a few seconds after start and then periodically (TCP only)."""
+        host = self.node.host
+        if host is None or not hasattr(host, "reachability"):
+            from dht.p2p.autonat import Reachability
+
+            return Reachability(reason="this DHT runs on a network without AutoNAT")
+        return host.reachability
+
     def get_visible_maddrs(self) -> list[Any]:
         """Full multiaddrs (``.../p2p/<PeerID>``) other peers can use as initial peers."""
         return self.node.get_visible_maddrs()

@@ -131,6 +131,24 @@ def check_address_args(
     return peers, listen, announce
 
 
+def _start_autonat(node: DHTNode, setting: Any) -> Any:
+    """An AutoNAT for the node's Host per ``setting`` (see :meth:`DHTNode.open`), or None."""
+    host = node.host
+    if setting is False or host is None or not hasattr(host, "dial_new_connection"):
+        return None
+    from dht.p2p import TCPTransport
+    from dht.p2p.autonat import AutoNAT, AutoNATConfig
+
+    if setting is None and not isinstance(host.transport, TCPTransport):
+        return None  # the in-memory network has no NATs (and simulations no spare cycles)
+    config = setting if isinstance(setting, AutoNATConfig) else None
+    autonat = AutoNAT(host, config)
+    if not node.client_mode:
+        autonat.serve()
+    autonat.add_observer(node._on_reachability)
+    return autonat
+
+
 def _single_exception(group: BaseExceptionGroup) -> BaseException:
     """Unwrap the nursery groups around one exception, so callers can catch it by type."""
     error: BaseException = group
@@ -181,6 +199,7 @@ class DHTNode:
         self.node_id = node_id_of(self.peer_id)
         self.identity = identity
         self.client_mode = client_mode
+        self.autonat: Any = None  # dht.p2p.autonat.AutoNAT when open() started one
         self.num_replicas = num_replicas
         self.bucket_size = bucket_size
         self.alpha = alpha
@@ -238,6 +257,7 @@ class DHTNode:
         network: RPCNetwork | None = None,
         client_mode: bool = False,
         bootstrap_timeout: float = 10.0,
+        autonat: Any = None,
         **kwargs: Any,
     ) -> AsyncIterator[DHTNode]:
         """Start a node, join through any live ``initial_peers``, and stop it on exit.
@@ -248,6 +268,11 @@ class DHTNode:
         only if ``host_maddrs`` is given. Address arguments are checked first
         (:func:`check_address_args`). Raises :class:`BootstrapError` if initial peers were
         given and none answered.
+
+        ``autonat``: check whether peers can connect to this one (AutoNAT, see
+        ``dht.p2p.autonat``; the answer is ``node.host.reachability``) and answer their
+        checks unless in client mode. ``None`` (default): on over TCP, off on other
+        transports; ``True`` / ``False``; or an ``AutoNATConfig``.
         """
         initial_peers, host_maddrs, announce_maddrs = check_address_args(
             initial_peers, host_maddrs, announce_maddrs, by_peer_id=network is not None
@@ -271,6 +296,7 @@ class DHTNode:
                         identity = getattr(host, "identity", None)
                     network = HostNetwork(host, announce_maddrs)
                 node = cls(network, identity=identity, client_mode=client_mode, **kwargs)
+                node.autonat = _start_autonat(node, autonat)
                 visible = [] if client_mode else node.get_visible_maddrs()
                 if visible:
                     logger.info(
@@ -284,6 +310,8 @@ class DHTNode:
                             nursery.start_soon(node._handover_loop)
                         await node._bootstrap(initial_peers, bootstrap_timeout)
                         nursery.start_soon(node._maintenance_loop)
+                        if node.autonat is not None:
+                            nursery.start_soon(node.autonat.run)
                         if node.republish_interval is not None:
                             nursery.start_soon(node._republish_loop)
                         yield node
@@ -292,6 +320,17 @@ class DHTNode:
                         nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise _single_exception(group) from None
+
+    def _on_reachability(self, reachability: Any) -> None:
+        """Say what AutoNAT decided and what it means for this node (it keeps its mode: the
+        averager and the caller chose theirs from ``client_mode`` at start)."""
+        if reachability.is_private and not self.client_mode:
+            logger.warning(
+                "other peers cannot connect to this peer (%s), yet it announces itself as a DHT "
+                "server; behind NAT run it with client_mode=True (--client-mode) or forward a "
+                "port and pass announce_maddrs",
+                reachability.reason,
+            )
 
     def get_visible_maddrs(self) -> list[Any]:
         """Multiaddrs (with ``/p2p/<PeerID>``) other peers can pass as ``initial_peers``."""

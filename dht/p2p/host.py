@@ -30,6 +30,7 @@ import trio
 
 from .._logging import RateLimitedLogger
 from . import identify, multistream
+from .autonat import ObservedAddrs, Reachability
 from .errors import (
     DialError,
     HandshakeError,
@@ -240,6 +241,9 @@ class Host:
         self.transport = transport
         self.limits = limits
         self.peerstore = PeerStore()
+        # where peers see us (identify) and whether they can reach us (set by autonat.AutoNAT)
+        self.observed_addrs = ObservedAddrs()
+        self.reachability = Reachability()
         self._nursery = nursery
         self._listeners: list[Any] = []
         self._listen_addrs: list[Multiaddr] = []
@@ -781,6 +785,38 @@ class Host:
         self._register(conn)
         self._nursery.start_soon(self._serve_connection, conn)
 
+    async def dial_new_connection(
+        self,
+        peer_id: PeerID,
+        addrs: Sequence[Multiaddr | str],
+        timeout: float = 10.0,  # noqa: ASYNC109 - the documented API takes a timeout
+        *,
+        identity: Identity | None = None,
+    ) -> Multiaddr:
+        """Dial ``peer_id`` at ``addrs`` on a connection of its own (even if one is open),
+        prove its PeerID, close it; returns the address that worked. AutoNAT's dial-back:
+        reusing the connection a request came on would prove nothing about reachability.
+
+        With ``identity`` the handshake proves that key instead of ours, so the remote does
+        not count this short-lived connection as one to us (it might pick it for its next
+        streams to us, and it is about to close)."""
+        if peer_id == self.peer_id:
+            raise DialError("refusing to dial ourselves")
+        if self._closing:
+            raise DialError("host is closing")
+        self._check_connection_limit()
+        dialer = self
+        if identity is not None:  # a host object that only dials: no tasks, never registers
+            dialer = Host(
+                identity, self.transport, self.limits, self._nursery, self.security_protocols
+            )
+        with trio.move_on_after(timeout) as scope:
+            conn = await dialer._dial_addrs(peer_id, [Multiaddr(a) for a in addrs])
+        if scope.cancelled_caught:
+            raise P2PTimeoutError(f"could not connect to {peer_id.short()} within {timeout:.1f}s")
+        await _close_quietly(conn.session)  # never registered nor run: nothing else uses it
+        return Multiaddr(conn.remote_addr)
+
     def _check_connection_limit(self) -> None:
         if not self._make_room(len(self._dials)):
             raise ResourceLimitError(
@@ -1074,6 +1110,8 @@ class Host:
                 ystream.reset()
                 return
             await ystream.aclose()
+            if not conn.relayed:  # over a circuit the remote sees the relay, not us
+                self.observed_addrs.record(conn.peer_id, info.observed_addr)
             addrs = [a for a in info.listen_addrs if a.is_circuit() or self.transport.can_dial(a)]
             if not _is_loopback(conn.remote_addr):
                 addrs = [a for a in addrs if not _is_loopback(str(a))]

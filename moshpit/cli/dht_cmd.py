@@ -195,6 +195,10 @@ async def _serve(
         num_replicas=args.num_replicas,
     ) as node:
         _announce(node, args.client_mode)
+        if node.autonat is not None:  # one line per decision: what, and why
+            node.autonat.add_observer(
+                lambda r: _say(f"Reachability: {r.status.value} ({r.reason})")
+            )
         if initial_peers:
             _say(f"Joined the swarm: this peer sees {_peer_count(node)} other peer(s)")
         node.host.add_connection_observer(

@@ -1198,3 +1198,41 @@ def _relay_seeds(kind: str) -> dict[str, bytes]:
 
 register(Target("relay_hop", "p2p", check_relay_hop, seeds=lambda: _relay_seeds("hop")))
 register(Target("relay_stop", "p2p", check_relay_stop, seeds=lambda: _relay_seeds("stop")))
+
+
+# ---------------------------------------------------------------------------------------------
+# AutoNAT v1 (autonat.py): Dial and DialResponse messages
+
+
+def check_autonat(data: bytes) -> None:
+    from dht.p2p.autonat import (
+        AutoNATMessageError,
+        DialRequest,
+        decode_message,
+        encode_dial,
+        encode_dial_response,
+    )
+
+    try:
+        msg = decode_message(data)
+    except AutoNATMessageError:
+        return
+    if isinstance(msg, DialRequest):
+        if msg.peer_id is not None:  # the encoder always names the peer
+            again = decode_message(encode_dial(msg.peer_id, msg.addrs))
+            assert again == DialRequest(msg.peer_id, msg.addrs, 0)
+    else:
+        assert decode_message(encode_dial_response(msg)) == msg
+
+
+def _autonat_seeds() -> dict[str, bytes]:
+    from dht.p2p.autonat import DialResponse, ResponseStatus, encode_dial, encode_dial_response
+
+    return {
+        "dial": encode_dial(ALICE.peer_id, SEED_ADDRS[:2]),
+        "ok": encode_dial_response(DialResponse(ResponseStatus.OK, "", SEED_ADDRS[0])),
+        "error": encode_dial_response(DialResponse(ResponseStatus.E_DIAL_ERROR, "refused")),
+    }
+
+
+register(Target("autonat", "p2p", check_autonat, seeds=_autonat_seeds))

@@ -1,0 +1,848 @@
+"""AutoNAT v1 (``/libp2p/autonat/1.0.0``): can peers on the Internet connect to this one?
+
+A peer cannot tell by looking at its own interfaces whether it sits behind a NAT or a
+firewall. So it asks peers it is connected to to dial it back: it sends a ``Dial`` message
+listing its addresses, the other peer dials them on a *new* connection and answers ``OK``
+(with the address that worked) or ``E_DIAL_ERROR``. Several peers must agree
+(``threshold``, 3 by default) before the answer is believed: ``public`` if that many dialed
+us back, ``private`` if that many could not and none could; anything else stays
+``unknown``. The result is ``host.reachability`` (a :class:`Reachability`).
+
+Server side, everything from the requester is untrusted:
+
+* only the IP address the request arrived from is ever dialed (the requested addresses
+  contribute their TCP ports, never their IPs), so a peer cannot make us connect to a third
+  party (libp2p spec; RFC 3489 12.1.1); requests over relayed connections are refused, their
+  IP cannot be seen;
+* requests are rate-limited per peer, per source IP (IPv6: /64) and in total, at most
+  ``max_concurrent_dials`` dial-backs run at once, at most ``max_dial_addrs`` ports are tried;
+* a message is at most :data:`MAX_MESSAGE_SIZE` bytes, carries at most
+  :data:`MAX_REQUEST_ADDRS` addresses; a malformed one is answered ``E_BAD_REQUEST`` and
+  logged with the reason (rate-limited).
+
+Wire format (uvarint-length-prefixed protobuf, proto2)::
+
+    Message      {1 type: enum {DIAL=0, DIAL_RESPONSE=1}, 2 dial: Dial, 3 dialResponse}
+    Dial         {1 peer: PeerInfo}
+    PeerInfo     {1 id: bytes (PeerID), 2 addrs: repeated bytes (binary multiaddrs)}
+    DialResponse {1 status: enum, 2 statusText: string, 3 addr: bytes}
+    status: OK=0, E_DIAL_ERROR=100, E_DIAL_REFUSED=101, E_BAD_REQUEST=200, E_INTERNAL_ERROR=300
+
+This module also keeps the addresses other peers *observed* us at (identify's
+``observedAddr``): :class:`ObservedAddrs`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import TYPE_CHECKING
+
+import trio
+
+from .._logging import RateLimitedLogger
+from ._proto import (
+    WIRE_LEN,
+    WIRE_VARINT,
+    ProtobufDecodeError,
+    encode_bytes_field,
+    encode_varint_field,
+    iter_fields,
+)
+from .errors import (
+    IdentityError,
+    MessageTooLargeError,
+    MultiaddrError,
+    P2PError,
+    ProtocolViolationError,
+    ResourceLimitError,
+)
+from .identity import Identity, PeerID
+from .multiaddr import Multiaddr
+from .varint import encode_uvarint
+
+if TYPE_CHECKING:
+    from .host import Host, P2PStream
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_ID = "/libp2p/autonat/1.0.0"
+MAX_MESSAGE_SIZE = 4096  # a request with 16 addresses is a few hundred bytes
+MAX_REQUEST_ADDRS = 32  # more addresses than this in one request: E_BAD_REQUEST
+MAX_STATUS_TEXT = 256  # characters of statusText kept (and sent)
+MAX_ENUM = (1 << 31) - 1  # protobuf enums are int32
+
+
+class MessageType(IntEnum):
+    DIAL = 0
+    DIAL_RESPONSE = 1
+
+
+class ResponseStatus(IntEnum):
+    OK = 0
+    E_DIAL_ERROR = 100
+    E_DIAL_REFUSED = 101
+    E_BAD_REQUEST = 200
+    E_INTERNAL_ERROR = 300
+
+
+def status_name(status: int) -> str:
+    """``"E_DIAL_ERROR"`` for 100, ``"status 7"`` for a code we do not know."""
+    try:
+        return ResponseStatus(status).name
+    except ValueError:
+        return f"status {status}"
+
+
+class AutoNATMessageError(ProtocolViolationError):
+    """An AutoNAT message is malformed (wrong wire type, missing field, over a cap...)."""
+
+
+@dataclass(frozen=True)
+class DialRequest:
+    """``Dial``: the requester's PeerID (None if it left it out) and addresses to dial.
+    ``skipped`` counts addresses that did not parse (kinds we do not support)."""
+
+    peer_id: PeerID | None
+    addrs: tuple[Multiaddr, ...]
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class DialResponse:
+    """``DialResponse``: ``status`` is kept as an int (an unknown code is the caller's call)."""
+
+    status: int
+    text: str = ""
+    addr: Multiaddr | None = None
+
+
+# -- codec --------------------------------------------------------------------------------------
+
+
+def encode_dial(peer_id: PeerID, addrs: Iterable[Multiaddr]) -> bytes:
+    """A ``Message{type: DIAL}`` body (no length prefix)."""
+    info = bytearray(encode_bytes_field(1, peer_id.to_bytes()))
+    for addr in list(addrs)[:MAX_REQUEST_ADDRS]:
+        info += encode_bytes_field(2, addr.to_bytes())
+    dial = encode_bytes_field(1, bytes(info))
+    return encode_varint_field(1, MessageType.DIAL) + encode_bytes_field(2, dial)
+
+
+def encode_dial_response(response: DialResponse) -> bytes:
+    """A ``Message{type: DIAL_RESPONSE}`` body (no length prefix)."""
+    body = bytearray(encode_varint_field(1, int(response.status)))
+    if response.text:
+        body += encode_bytes_field(2, response.text[:MAX_STATUS_TEXT].encode())
+    if response.addr is not None:
+        body += encode_bytes_field(3, response.addr.to_bytes())
+    return encode_varint_field(1, MessageType.DIAL_RESPONSE) + encode_bytes_field(3, bytes(body))
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` with its uvarint length prefix, as it goes on the stream."""
+    return encode_uvarint(len(body)) + body
+
+
+def _fields(data: bytes, what: str, expected: dict[int, int]) -> dict[int, list[int | bytes]]:
+    """Every field of a message, grouped by number; a known field with another wire type than
+    ``expected`` is an error, unknown fields are dropped (forward compatibility)."""
+    out: dict[int, list[int | bytes]] = {}
+    try:
+        for number, wire, value in iter_fields(data):
+            want = expected.get(number)
+            if want is None:
+                continue
+            if wire != want:
+                raise AutoNATMessageError(f"{what} field {number} has wire type {wire}, not {want}")
+            out.setdefault(number, []).append(value)
+    except ProtobufDecodeError as e:
+        raise AutoNATMessageError(f"malformed {what}: {e}") from None
+    return out
+
+
+def _single(fields: dict[int, list[int | bytes]], number: int, what: str) -> int | bytes | None:
+    values = fields.get(number)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise AutoNATMessageError(f"{what} repeats field {number}")
+    return values[0]
+
+
+def _enum(value: int | bytes | None, what: str) -> int | None:
+    if value is None:
+        return None
+    assert isinstance(value, int)
+    if value > MAX_ENUM:
+        raise AutoNATMessageError(f"{what} {value} is out of range")
+    return value
+
+
+def _decode_dial(data: bytes) -> DialRequest:
+    dial = _fields(data, "Dial", {1: WIRE_LEN})
+    peer = _single(dial, 1, "Dial")
+    if peer is None:
+        raise AutoNATMessageError("Dial has no peer")
+    assert isinstance(peer, bytes)
+    info = _fields(peer, "PeerInfo", {1: WIRE_LEN, 2: WIRE_LEN})
+    raw_id = _single(info, 1, "PeerInfo")
+    peer_id = None
+    if raw_id is not None:
+        assert isinstance(raw_id, bytes)
+        try:
+            peer_id = PeerID.from_bytes(raw_id)
+        except (IdentityError, ValueError) as e:
+            raise AutoNATMessageError(f"PeerInfo.id is not a PeerID: {e}") from None
+    raw_addrs = info.get(2, [])
+    if len(raw_addrs) > MAX_REQUEST_ADDRS:
+        raise AutoNATMessageError(
+            f"Dial lists {len(raw_addrs)} addresses (at most {MAX_REQUEST_ADDRS})"
+        )
+    addrs: list[Multiaddr] = []
+    skipped = 0
+    for raw in raw_addrs:
+        assert isinstance(raw, bytes)
+        try:
+            addrs.append(Multiaddr.from_bytes(raw))
+        except MultiaddrError:
+            skipped += 1  # an address kind we do not support (quic, ws...): not ours to dial
+    return DialRequest(peer_id, tuple(addrs), skipped)
+
+
+def _decode_response(data: bytes) -> DialResponse:
+    resp = _fields(data, "DialResponse", {1: WIRE_VARINT, 2: WIRE_LEN, 3: WIRE_LEN})
+    status = _enum(_single(resp, 1, "DialResponse"), "DialResponse.status")
+    if status is None:  # proto2 would read OK: never take a missing status as a success
+        raise AutoNATMessageError("DialResponse has no status")
+    raw_text = _single(resp, 2, "DialResponse")
+    text = ""
+    if raw_text is not None:
+        assert isinstance(raw_text, bytes)
+        try:
+            text = raw_text.decode("utf-8")[:MAX_STATUS_TEXT]
+        except UnicodeDecodeError:
+            raise AutoNATMessageError("DialResponse.statusText is not UTF-8") from None
+    raw_addr = _single(resp, 3, "DialResponse")
+    addr = None
+    if raw_addr is not None:
+        assert isinstance(raw_addr, bytes)
+        try:
+            addr = Multiaddr.from_bytes(raw_addr)
+        except MultiaddrError:
+            addr = None  # informational only
+    return DialResponse(status, text, addr)
+
+
+def decode_message(data: bytes) -> DialRequest | DialResponse:
+    """Parse a ``Message`` body; AutoNATMessageError if it is malformed or over a cap."""
+    if len(data) > MAX_MESSAGE_SIZE:
+        raise AutoNATMessageError(f"message of {len(data)} bytes (at most {MAX_MESSAGE_SIZE})")
+    msg = _fields(bytes(data), "Message", {1: WIRE_VARINT, 2: WIRE_LEN, 3: WIRE_LEN})
+    kind = _enum(_single(msg, 1, "Message"), "Message.type")
+    kind = MessageType.DIAL if kind is None else kind  # proto2's default
+    if kind == MessageType.DIAL:
+        dial = _single(msg, 2, "Message")
+        if dial is None:
+            raise AutoNATMessageError("DIAL message without a dial field")
+        assert isinstance(dial, bytes)
+        return _decode_dial(dial)
+    if kind == MessageType.DIAL_RESPONSE:
+        resp = _single(msg, 3, "Message")
+        if resp is None:
+            raise AutoNATMessageError("DIAL_RESPONSE message without a dialResponse field")
+        assert isinstance(resp, bytes)
+        return _decode_response(resp)
+    raise AutoNATMessageError(f"unknown message type {kind}")
+
+
+# -- addresses ----------------------------------------------------------------------------------
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _ip_of(addr: str | Multiaddr) -> IPAddress | None:
+    """The IP of ``ip:port`` / ``[v6]:port`` text or of a multiaddr starting with /ip4 or
+    /ip6 (IPv4-mapped IPv6 as IPv4); None for anything else (memory, relayed, DNS)."""
+    if isinstance(addr, Multiaddr):
+        if addr.is_circuit():
+            return None
+        kind, value = addr.components[0]
+        text = str(value) if kind in ("ip4", "ip6") else ""
+    elif addr.startswith("/"):
+        try:
+            return _ip_of(Multiaddr(addr))
+        except MultiaddrError:
+            return None
+    else:
+        text = addr.rpartition(":")[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _tcp_addr(ip: IPAddress, port: int) -> Multiaddr:
+    return Multiaddr(f"/ip{ip.version}/{ip}/tcp/{port}")
+
+
+def _tcp_port(addr: Multiaddr) -> int | None:
+    """The port of an ``/ip4|ip6/<ip>/tcp/<port>`` address (DNS names and others: None)."""
+    parts = addr.components
+    if parts[-1][0] == "p2p":
+        parts = parts[:-1]
+    if len(parts) != 2 or parts[0][0] not in ("ip4", "ip6") or parts[1][0] != "tcp":
+        return None
+    port = int(parts[1][1])  # type: ignore[arg-type]
+    return port if 0 < port < 65536 else None
+
+
+def _source_key(ip: IPAddress) -> str:
+    """What per-source limits count: the IPv4 address, or the /64 of an IPv6 address."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((int(ip), 64), strict=False))
+    return str(ip)
+
+
+def dial_targets(
+    requested: Iterable[Multiaddr], observed_ip: IPAddress, requester: PeerID, limit: int
+) -> list[Multiaddr]:
+    """The addresses a server dials back: the TCP ports of the requested addresses, at the IP
+    the request came from, whatever IP the requester wrote (it may not know its public IP,
+    and dialing any other IP would let it aim us at a third party). Relayed addresses, DNS
+    names and addresses of another peer are skipped; at most ``limit``, no repeats."""
+    out: list[Multiaddr] = []
+    for addr in requested:
+        if addr.peer_id is not None and addr.peer_id != requester:
+            continue
+        port = _tcp_port(addr)
+        if port is None:
+            continue
+        target = _tcp_addr(observed_ip, port)
+        if target not in out:
+            out.append(target)
+            if len(out) >= limit:
+                break
+    return out
+
+
+class ObservedAddrs:
+    """Where other peers see us (identify's ``observedAddr``), and what follows from it.
+
+    Each peer's latest report counts once. Loopback, link-local, unspecified and multicast
+    addresses are never kept; any other IP (private ranges included: a "public" network may
+    use them, e.g. a test bed or a campus) becomes a candidate only once ``min_confirmations``
+    distinct peers reported it. A candidate is that IP with each of our TCP listen ports:
+    without port reuse an outbound connection's observed port is a NAT mapping of an
+    ephemeral port, which nobody can dial. Reports expire after ``ttl`` seconds; at most
+    ``max_observers`` peers are remembered (the oldest report goes first).
+    """
+
+    def __init__(
+        self,
+        min_confirmations: int = 2,
+        *,
+        ttl: float = 3600.0,
+        max_observers: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if min_confirmations < 1:
+            raise ValueError(f"min_confirmations must be at least 1, got {min_confirmations}")
+        self.min_confirmations = min_confirmations
+        self.ttl = ttl
+        self.max_observers = max_observers
+        self._clock = clock
+        self._reports: dict[PeerID, tuple[Multiaddr, float]] = {}  # oldest first
+
+    def record(self, observer: PeerID, observed: Multiaddr | None) -> bool:
+        """Take ``observer``'s report; False (and nothing kept) if it is untrustworthy."""
+        if observed is None:
+            return False
+        ip = _ip_of(observed)
+        if ip is None or _tcp_port(observed) is None:
+            return False  # relayed, memory, DNS or no TCP port: nothing to learn
+        if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
+            logger.debug("ignoring observed address %s reported by %s", observed, observer.short())
+            return False
+        self._reports.pop(observer, None)
+        self._reports[observer] = (_tcp_addr(ip, _tcp_port(observed) or 0), self._clock())
+        while len(self._reports) > self.max_observers:
+            del self._reports[next(iter(self._reports))]
+        return True
+
+    def _fresh(self) -> list[tuple[PeerID, Multiaddr]]:
+        cutoff = self._clock() - self.ttl
+        for peer in [p for p, (_, t) in self._reports.items() if t < cutoff]:
+            del self._reports[peer]
+        return [(p, a) for p, (a, _) in self._reports.items()]
+
+    def observed(self) -> dict[Multiaddr, int]:
+        """Every observed ``ip:port`` with how many peers reported it (for logs, debugging)."""
+        counts: dict[Multiaddr, int] = {}
+        for _, addr in self._fresh():
+            counts[addr] = counts.get(addr, 0) + 1
+        return counts
+
+    def confirmed_ips(self) -> list[IPAddress]:
+        """IPs that at least ``min_confirmations`` distinct peers saw us at (most first)."""
+        voters: dict[IPAddress, set[PeerID]] = {}
+        for peer, addr in self._fresh():
+            ip = _ip_of(addr)
+            if ip is not None:
+                voters.setdefault(ip, set()).add(peer)
+        ranked = sorted(voters.items(), key=lambda item: -len(item[1]))
+        return [ip for ip, peers in ranked if len(peers) >= self.min_confirmations]
+
+    def candidates(self, listen_addrs: Iterable[Multiaddr]) -> list[Multiaddr]:
+        """Our possible public addresses: each confirmed IP with each TCP listen port of the
+        same IP version (the address a NAT with a port forward or no NAT would expose)."""
+        ports: dict[int, list[int]] = {4: [], 6: []}
+        for addr in listen_addrs:
+            ip, port = _ip_of(addr), _tcp_port(addr)
+            if ip is not None and port is not None and port not in ports[ip.version]:
+                ports[ip.version].append(port)
+        out: list[Multiaddr] = []
+        for ip in self.confirmed_ips():
+            out += [_tcp_addr(ip, port) for port in ports[ip.version]]
+        return out
+
+
+# -- reachability -------------------------------------------------------------------------------
+
+
+class ReachabilityStatus(str, Enum):
+    UNKNOWN = "unknown"
+    PUBLIC = "public"
+    PRIVATE = "private"
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """What AutoNAT last decided, and why (``reason`` is one line for humans)."""
+
+    status: ReachabilityStatus = ReachabilityStatus.UNKNOWN
+    reason: str = "not checked yet"
+    public_addrs: tuple[Multiaddr, ...] = ()  # addresses servers reached us at
+    confirmations: int = 0  # servers that agreed with the decision
+    asked: int = 0  # servers asked in the deciding round
+    decided_at: float = 0.0  # UNIX time (0: never decided)
+
+    @property
+    def is_public(self) -> bool:
+        return self.status is ReachabilityStatus.PUBLIC
+
+    @property
+    def is_private(self) -> bool:
+        return self.status is ReachabilityStatus.PRIVATE
+
+    def __str__(self) -> str:
+        return f"{self.status.value}: {self.reason}"
+
+
+@dataclass
+class AutoNATConfig:
+    """Knobs of :class:`AutoNAT` (server limits first, then the client's decision rule)."""
+
+    # server
+    dial_timeout: float = 15.0  # one dial-back, all its addresses
+    request_timeout: float = 10.0  # the request must arrive by then
+    max_dial_addrs: int = 4  # ports tried per request
+    max_concurrent_dials: int = 8
+    max_requests_per_peer: int = 3  # per rate_window
+    max_requests_per_source: int = 6  # per IPv4 address / IPv6 /64 per rate_window
+    max_requests_total: int = 60  # per rate_window
+    rate_window: float = 60.0
+    # client
+    threshold: int = 3  # servers that must agree
+    max_servers: int = 6  # asked per round (at once)
+    response_timeout: float = 30.0  # must exceed the servers' dial_timeout
+    retry_interval: float = 60.0  # next round while unknown
+    refresh_interval: float = 900.0  # next round once decided
+    max_offered_addrs: int = 16
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_dial_addrs",
+            "max_concurrent_dials",
+            "max_requests_per_peer",
+            "max_requests_per_source",
+            "max_requests_total",
+            "threshold",
+            "max_servers",
+            "max_offered_addrs",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"AutoNATConfig.{name} must be at least 1, got {getattr(self, name)}"
+                )
+        for name in ("dial_timeout", "request_timeout", "rate_window", "response_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"AutoNATConfig.{name} must be positive, got {getattr(self, name)}"
+                )
+
+
+class _RateLimiter:
+    """Fixed-window request counters: per peer, per source, in total. The per-peer and
+    per-source tables can hold at most ``total`` entries, so memory is bounded too."""
+
+    def __init__(self, per_peer: int, per_source: int, total: int, window: float) -> None:
+        self.per_peer, self.per_source, self.total, self.window = (
+            per_peer,
+            per_source,
+            total,
+            window,
+        )
+        self._ends = float("-inf")
+        self._count = 0
+        self._peers: dict[PeerID, int] = {}
+        self._sources: dict[str, int] = {}
+
+    def refuse(self, peer: PeerID, source: str | None, now: float) -> str | None:
+        """None if the request may go on (and count it), else why not."""
+        if now >= self._ends:
+            self._ends, self._count = now + self.window, 0
+            self._peers.clear()
+            self._sources.clear()
+        if self._count >= self.total:
+            return f"too many requests ({self.total} per {self.window:.0f}s in total)"
+        if self._peers.get(peer, 0) >= self.per_peer:
+            return f"too many requests from this peer ({self.per_peer} per {self.window:.0f}s)"
+        if source is not None and self._sources.get(source, 0) >= self.per_source:
+            return f"too many requests from {source} ({self.per_source} per {self.window:.0f}s)"
+        self._count += 1
+        self._peers[peer] = self._peers.get(peer, 0) + 1
+        if source is not None:
+            self._sources[source] = self._sources.get(source, 0) + 1
+        return None
+
+
+@dataclass
+class _Answer:
+    server: PeerID
+    status: int | None  # None: no usable answer (see error)
+    text: str = ""
+    addr: Multiaddr | None = None
+    error: str = ""
+
+
+@dataclass
+class ProbeResult:
+    """One round: which servers said what (kept for logs and tests)."""
+
+    reachability: Reachability
+    answers: list[_Answer] = field(default_factory=list)
+
+
+class AutoNAT:
+    """AutoNAT v1 for one Host: :meth:`serve` answers other peers, :meth:`probe` asks them.
+
+    :meth:`run` probes periodically (every ``retry_interval`` while the answer is unknown,
+    every ``refresh_interval`` once decided) and keeps ``host.reachability`` current; an
+    inconclusive round does not overturn an earlier decision. ``on_change(reachability)``
+    callbacks run after the first round and whenever the status changes.
+    """
+
+    def __init__(self, host: Host, config: AutoNATConfig | None = None) -> None:
+        self.host = host
+        self.config = config or AutoNATConfig()
+        self._limiter = _RateLimiter(
+            self.config.max_requests_per_peer,
+            self.config.max_requests_per_source,
+            self.config.max_requests_total,
+            self.config.rate_window,
+        )
+        self._active_dials = 0
+        # dial-backs prove this key, not the host's (the spec allows another PeerID): the
+        # requester must not take a connection we close at once for its connection to us
+        self._dialback_identity = Identity.generate()
+        self._log = RateLimitedLogger(logger, clock=time.monotonic)
+        self._observers: list[Callable[[Reachability], None]] = []
+        self.changed = trio.Event()  # set (and replaced) whenever the status changes
+        self.last_round: ProbeResult | None = None
+
+    # -- server ---------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Answer ``/libp2p/autonat/1.0.0`` requests on the host."""
+        self.host.set_stream_handler(PROTOCOL_ID, self._handle)
+
+    def stop_serving(self) -> None:
+        self.host.set_stream_handler(PROTOCOL_ID, None)
+
+    async def _handle(self, stream: P2PStream) -> None:
+        peer = stream.remote_peer
+        with trio.move_on_after(self.config.request_timeout) as scope:
+            try:
+                body = await stream._reader.receive_frame(MAX_MESSAGE_SIZE)
+            except (MessageTooLargeError, ProtocolViolationError) as e:
+                # answered, then closed by the host (the rest of the bytes are dropped)
+                await self._respond(stream, self._bad(peer, "framing", f"unreadable request: {e}"))
+                return
+        if scope.cancelled_caught:
+            self._log.info(
+                ("slow", peer),
+                "autonat: dropping request from %s: nothing within %.1fs",
+                peer.short(),
+                self.config.request_timeout,
+            )
+            stream.reset()
+            return
+        await self._respond(stream, await self._answer(stream, body))
+
+    async def _respond(self, stream: P2PStream, response: DialResponse) -> None:
+        with trio.move_on_after(self.config.request_timeout):
+            await stream.send_all(frame(encode_dial_response(response)))
+
+    def _bad(self, peer: PeerID, kind: str, why: str) -> DialResponse:
+        self._log.info(
+            ("bad-request", kind), "autonat: dropping request from %s: %s", peer.short(), why
+        )
+        return DialResponse(ResponseStatus.E_BAD_REQUEST, why[:MAX_STATUS_TEXT])
+
+    def _refused(self, peer: PeerID, kind: str, why: str) -> DialResponse:
+        self._log.info(
+            ("refused", kind), "autonat: refusing request from %s: %s", peer.short(), why
+        )
+        return DialResponse(ResponseStatus.E_DIAL_REFUSED, why[:MAX_STATUS_TEXT])
+
+    def _arrived_relayed(self, stream: P2PStream) -> bool:
+        session = stream._yamux.session
+        conns = self.host._conns.get(stream.remote_peer, ())
+        return any(getattr(c, "relayed", False) for c in conns if c.session is session)
+
+    async def _answer(self, stream: P2PStream, body: bytes) -> DialResponse:
+        peer = stream.remote_peer
+        observed = _ip_of(stream.remote_addr)
+        source = _source_key(observed) if observed is not None else None
+        why = self._limiter.refuse(peer, source, time.monotonic())
+        if why is not None:
+            return self._refused(peer, "rate", why)
+        try:
+            request = decode_message(body)
+        except AutoNATMessageError as e:
+            return self._bad(peer, "malformed", str(e))
+        if not isinstance(request, DialRequest):
+            return self._bad(peer, "type", "expected a DIAL message, got DIAL_RESPONSE")
+        if request.peer_id is not None and request.peer_id != peer:
+            return self._bad(peer, "peer", "the request names another peer")
+        if observed is None or self._arrived_relayed(stream):
+            return self._refused(
+                peer,
+                "unverifiable",
+                f"cannot see the requester's IP (connection {stream.remote_addr})",
+            )
+        targets = dial_targets(request.addrs, observed, peer, self.config.max_dial_addrs)
+        if not targets:
+            return DialResponse(ResponseStatus.E_DIAL_ERROR, "no dialable TCP address")
+        if self._active_dials >= self.config.max_concurrent_dials:
+            return self._refused(peer, "busy", "too many dial-backs in progress")
+        self._active_dials += 1
+        try:
+            addr = await self.host.dial_new_connection(
+                peer, targets, timeout=self.config.dial_timeout, identity=self._dialback_identity
+            )
+        except ResourceLimitError as e:  # our connection table is full of busy connections
+            return self._refused(peer, "limit", str(e))
+        except P2PError as e:  # refused, unreachable, timed out, someone else answered...
+            logger.debug("autonat: dial-back to %s failed: %s", peer.short(), e)
+            return DialResponse(ResponseStatus.E_DIAL_ERROR, str(e)[:MAX_STATUS_TEXT])
+        except Exception:  # a bug reachable from a request must not take the host down
+            logger.exception("autonat: dial-back to %s failed unexpectedly", peer.short())
+            return DialResponse(ResponseStatus.E_INTERNAL_ERROR, "internal error")
+        finally:
+            self._active_dials -= 1
+        logger.debug("autonat: dialed %s back at %s", peer.short(), addr)
+        return DialResponse(ResponseStatus.OK, "", addr)
+
+    # -- client ---------------------------------------------------------------------------------
+    def add_observer(self, on_change: Callable[[Reachability], None]) -> None:
+        """Call ``on_change(reachability)`` after the first round (whatever it found) and
+        whenever the status changes."""
+        self._observers.append(on_change)
+
+    def offered_addrs(self) -> list[Multiaddr]:
+        """What we ask servers to dial: our TCP listen addresses, then the candidates from
+        observed addresses (servers use only the ports: they dial the IP they see)."""
+        listen = [a for a in self.host.listen_addrs if _tcp_port(a) is not None]
+        out: list[Multiaddr] = []
+        for addr in listen + self.host.observed_addrs.candidates(listen):
+            addr = addr.without_peer_id()
+            if addr not in out:
+                out.append(addr)
+        return out[: self.config.max_offered_addrs]
+
+    def _servers(self) -> list[PeerID]:
+        """Connected peers with a direct connection, in random order."""
+        peers = []
+        for peer in self.host.connected_peers():
+            conn = self.host._best_connection(peer)
+            if conn is not None and not getattr(conn, "relayed", False):
+                peers.append(peer)
+        random.shuffle(peers)
+        return peers
+
+    async def _ask(self, server: PeerID, request: bytes) -> _Answer:
+        timeout = self.config.response_timeout
+        try:
+            with trio.fail_after(timeout):
+                stream = await self.host.new_stream(server, PROTOCOL_ID, timeout, lazy=True)
+                try:
+                    await stream.send_all(frame(request))
+                    await stream.send_eof()
+                    body = await stream._reader.receive_frame(MAX_MESSAGE_SIZE)
+                except BaseException:
+                    stream.reset()
+                    raise
+                await stream.aclose()
+            response = decode_message(body)
+        except trio.TooSlowError:
+            return _Answer(server, None, error=f"no answer within {timeout:.0f}s")
+        except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            return _Answer(server, None, error=str(e) or type(e).__name__)
+        if not isinstance(response, DialResponse):
+            return _Answer(server, None, error="answered with a DIAL message")
+        return _Answer(server, response.status, response.text, response.addr)
+
+    async def probe(self, servers: Sequence[PeerID] | None = None) -> ProbeResult:
+        """Ask up to ``max_servers`` servers (default: connected peers) at once and decide.
+
+        Sets ``host.reachability`` when the round is decisive (or nothing was decided yet)."""
+        cfg = self.config
+        addrs = self.offered_addrs()
+        if not addrs:
+            result = ProbeResult(
+                Reachability(
+                    ReachabilityStatus.PRIVATE,
+                    "not listening on any TCP address: nobody can connect to this peer",
+                    decided_at=time.time(),
+                )
+            )
+            self._publish(result)
+            return result
+        chosen = list(servers) if servers is not None else self._servers()
+        chosen = [s for s in dict.fromkeys(chosen) if s != self.host.peer_id][: cfg.max_servers]
+        request = encode_dial(self.host.peer_id, addrs)
+        answers: list[_Answer] = []
+
+        async def ask(server: PeerID) -> None:
+            answers.append(await self._ask(server, request))
+
+        async with trio.open_nursery() as nursery:
+            for server in chosen:
+                nursery.start_soon(ask, server)
+        ports = {_tcp_port(a) for a in addrs}
+        result = ProbeResult(self._decide(answers, ports), answers)
+        for a in answers:
+            logger.debug(
+                "autonat: %s answered %s %s",
+                a.server.short(),
+                status_name(a.status) if a.status is not None else "nothing",
+                a.text or a.error,
+            )
+        self._publish(result)
+        return result
+
+    def _decide(self, answers: list[_Answer], ports: set[int | None]) -> Reachability:
+        """``threshold`` servers reached us: public; ``threshold`` could not and none could:
+        private; otherwise unknown. Refusals and silence count for nothing. ``ports``: the
+        ones we offered; a reported address on another port is a server's invention."""
+        need = self.config.threshold
+        ok = [a for a in answers if a.status == ResponseStatus.OK]
+        failed = [a for a in answers if a.status == ResponseStatus.E_DIAL_ERROR]
+        other = len(answers) - len(ok) - len(failed)
+        tail = f" ({other} gave no verdict)" if other else ""
+        now = time.time()
+        if len(ok) >= need:
+            reached = [a.addr for a in ok if a.addr is not None and _tcp_port(a.addr) in ports]
+            addrs = tuple(dict.fromkeys(reached))[:8]
+            where = f" at {', '.join(map(str, addrs))}" if addrs else ""
+            return Reachability(
+                ReachabilityStatus.PUBLIC,
+                f"{len(ok)} of {len(answers)} peers dialed this peer back{where}{tail}",
+                addrs,
+                len(ok),
+                len(answers),
+                now,
+            )
+        if len(failed) >= need and not ok:
+            return Reachability(
+                ReachabilityStatus.PRIVATE,
+                f"{len(failed)} of {len(answers)} peers could not dial this peer back "
+                f"(behind NAT or a firewall){tail}",
+                (),
+                len(failed),
+                len(answers),
+                now,
+            )
+        if not answers:
+            reason = "no connected peer to ask"
+        else:
+            reason = (
+                f"inconclusive: {len(ok)} of {len(answers)} peers dialed back, "
+                f"{len(failed)} could not{tail}; {need} must agree"
+            )
+        return Reachability(ReachabilityStatus.UNKNOWN, reason, (), 0, len(answers), 0.0)
+
+    def _publish(self, result: ProbeResult) -> None:
+        first = self.last_round is None
+        self.last_round = result
+        new, old = result.reachability, self.host.reachability
+        if (
+            new.status is ReachabilityStatus.UNKNOWN
+            and old.status is not ReachabilityStatus.UNKNOWN
+        ):
+            logger.debug("autonat: keeping %s (this round: %s)", old, new.reason)
+            return
+        self.host.reachability = new
+        if new.status is old.status and not first:
+            return
+        logger.info("reachability: %s", new)
+        self.changed.set()
+        self.changed = trio.Event()
+        for callback in list(self._observers):
+            try:
+                callback(new)
+            except Exception:
+                logger.exception("reachability observer failed")
+
+    async def run(self, first_delay: float = 2.0) -> None:
+        """Probe now and then until cancelled (a task in the owner's nursery): soon after
+        start (peers connect while a node joins), then backing off from ``first_delay`` to
+        ``retry_interval`` while the answer is unknown, every ``refresh_interval`` once known."""
+        delay = first_delay
+        await trio.sleep(delay)
+        while True:
+            await self.probe()
+            if self.host.reachability.status is not ReachabilityStatus.UNKNOWN:
+                await trio.sleep(self.config.refresh_interval)
+                continue
+            delay = min(delay * 2, self.config.retry_interval)
+            await trio.sleep(delay)
+
+
+__all__ = [
+    "PROTOCOL_ID",
+    "AutoNAT",
+    "AutoNATConfig",
+    "AutoNATMessageError",
+    "DialRequest",
+    "DialResponse",
+    "MessageType",
+    "ObservedAddrs",
+    "ProbeResult",
+    "Reachability",
+    "ReachabilityStatus",
+    "ResponseStatus",
+    "decode_message",
+    "dial_targets",
+    "encode_dial",
+    "encode_dial_response",
+]
