@@ -20,6 +20,8 @@ expire.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -145,8 +147,14 @@ class PreemptionHandler:
         def watchdog() -> None:
             if self._watchdog_cancelled.wait(deadline):
                 return
-            logger.error("leaving took longer than %.0f s: exiting now", deadline)
+            logger.error(
+                "leaving took longer than %.0f s: exiting now; where every thread was waiting "
+                "follows (please report it)",
+                deadline,
+            )
             logging.shutdown()
+            with contextlib.suppress(Exception):  # stderr may be closed: exit anyway
+                faulthandler.dump_traceback(all_threads=True)
             os._exit(WATCHDOG_EXIT_CODE)
 
         threading.Thread(target=watchdog, name="moshpit-preemption-watchdog", daemon=True).start()

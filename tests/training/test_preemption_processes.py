@@ -167,3 +167,28 @@ def test_without_the_handler_sigterm_kills_and_the_swarm_goes_on(bootstrap, tmp_
     finally:
         for peer in peers:
             peer.stop()
+
+
+def test_a_leave_that_hangs_past_the_deadline_exits_3_saying_where_it_waited():
+    """The watchdog ends a hung exit, and its stderr shows every thread's stack: a hang in the
+    field then says where it waited instead of only that it did."""
+    script = (
+        "import os, signal, time\n"
+        "import moshpit\n"
+        "class Stuck:\n"
+        "    def leave_swarm(self, deadline):\n"
+        "        time.sleep(60)  # a component that never finishes leaving\n"
+        "moshpit.handle_preemption(Stuck(), deadline=1.0)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert done.returncode == 3, done.stderr
+    assert "leaving took longer than 1 s" in done.stderr
+    assert "in leave_swarm" in done.stderr and "Thread 0x" in done.stderr, done.stderr
