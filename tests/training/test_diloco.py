@@ -378,7 +378,7 @@ def test_h50_lands_within_two_points_of_sync_sending_50x_less():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])  # seed 2 passed too; dropped to keep the suite in budget
 def test_h50_claim_on_other_seeds_and_longer_training(seed):
     # two peers: with three, sync-mode laggards load state mid-run, and a failed download
     # there (StateDownloadError under load) ends the baseline run

@@ -57,7 +57,7 @@ def test_adpsgd_period_grows_and_halves_the_rounds_at_equal_accuracy():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])  # seed 2 passed too; dropped to keep the suite in budget
 def test_adpsgd_claim_with_three_peers_and_longer_training(seed):
     fixed, adaptive, summary = bench.adpsgd(peers=3, seed=seed, steps=400)
     _check_adpsgd(fixed, adaptive, peers=3)
