@@ -125,13 +125,21 @@ class _Record:
     schema: bytes | None = None
 
 
-def state_schema_digest(schema: Sequence[tuple[str, str, Sequence[int]]]) -> bytes:
+def state_schema_digest(
+    schema: Sequence[tuple[str, str, Sequence[int]]], with_dtypes: bool = True
+) -> bytes:
     """A hash of a state's ``(name, dtype, shape)`` list (what ``Manifest.check_fits``
-    compares): equal digests, the state fits."""
+    compares): equal digests, the state fits. ``with_dtypes=False`` hashes names and shapes
+    only: the model's identity, which peers of different dtypes share (they average in
+    float32) and which progress records carry."""
     import msgpack
 
-    packed = msgpack.packb([[str(n), str(d), [int(x) for x in shape]] for n, d, shape in schema])
-    return hashlib.sha256(b"moshpit.state-schema.v1" + packed).digest()[:DIGEST_BYTES]
+    tag = b"moshpit.state-schema.v1" if with_dtypes else b"moshpit.model-schema.v1"
+    entries = [
+        [str(name), *([str(dtype)] if with_dtypes else []), [int(x) for x in shape]]
+        for name, dtype, shape in schema
+    ]
+    return hashlib.sha256(tag + msgpack.packb(entries)).digest()[:DIGEST_BYTES]
 
 
 @dataclass

@@ -19,7 +19,6 @@ joiner must match.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import logging
 import math
 import shutil
@@ -54,7 +53,6 @@ __all__ = ["AveragingRound", "TrainingStateAverager", "correct_after_round"]
 _SCALAR_TYPES = (int, float, str, bool, type(None))
 # a state that keeps going non-finite although it was reloaded each time is not a glitch
 MAX_RECOVERIES = 5
-STATE_SCHEMA_VERSION = b"moshpit.state-schema.v1"
 RECOVERY_WINDOW = 300.0  # seconds
 
 
@@ -260,12 +258,12 @@ class TrainingStateAverager:
         as in averaging). Peers with another hash train another model (or optimizer): they
         can neither average nor share state with this one, so the progress tracker leaves
         them out of the run's view (``ProgressTracker.set_schema``)."""
-        import msgpack
+        from moshpit.training.sharing import state_schema_digest
 
-        named = [(name, list(shape)) for name, _, shape in self.schema()]
-        digest = hashlib.sha256(STATE_SCHEMA_VERSION + msgpack.packb(named)).digest()[:16]
-        values = sum(math.prod(shape) for _, shape in named)
-        return digest, f"{len(named)} state tensors, {values} values"
+        schema = self.schema()
+        values = sum(math.prod(shape) for _, _, shape in schema)
+        digest = state_schema_digest(schema, with_dtypes=False)
+        return digest, f"{len(schema)} state tensors, {values} values"
 
     def _metadata(self) -> dict[str, Any]:
         groups = []
