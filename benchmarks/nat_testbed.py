@@ -216,22 +216,16 @@ class NatTestbed(NamespaceTestbed):
 
     # -- setup / teardown ------------------------------------------------------------------------
 
-    def __enter__(self) -> NatTestbed:
-        reason = unavailable_reason()
-        if reason is not None:
-            raise NatTestbedError(f"NAT test bed unavailable: {reason}")
-        try:
-            self._setup()
-        except BaseException:
-            self._teardown()
-            raise
-        logger.info(
-            "NAT test bed %s: %d public host(s), home LANs behind %s",
-            self.tag,
-            self.public_hosts,
-            ", ".join(self.nats) or "none",
+    name = "NAT test bed"
+
+    def _unavailable(self) -> str | None:
+        return unavailable_reason()
+
+    def _describe(self) -> str:
+        return (
+            f"NAT test bed {self.tag}: {self.public_hosts} public host(s), home LANs behind "
+            f"{', '.join(self.nats) or 'none'}"
         )
-        return self
 
     def _plug(self, switch_ns: str, bridge: str, outer: str, ns: str, inner: str) -> None:
         """A veth from ``bridge`` in ``switch_ns`` to interface ``inner`` in ``ns`` (created in

@@ -95,6 +95,31 @@ class NamespaceTestbed:
         kwargs.setdefault("timeout", 600)
         return subprocess.run(["ip", "netns", "exec", ns, *argv], **kwargs)
 
+    name = "test bed"  # in the error when it cannot be set up here
+
+    def _unavailable(self) -> str | None:
+        """Why this test bed cannot run here (None: it can)."""
+        return None
+
+    def _setup(self) -> None:
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        """One line for the log once it is up."""
+        return self.name
+
+    def __enter__(self) -> Any:
+        reason = self._unavailable()
+        if reason is not None:
+            raise self.error(f"{self.name} unavailable: {reason}")
+        try:
+            self._setup()
+        except BaseException:
+            self._teardown()
+            raise
+        logger.info("%s", self._describe())
+        return self
+
     def _teardown(self) -> None:
         for proc in self._procs:
             if proc.poll() is None:

@@ -149,23 +149,16 @@ class WanTestbed(NamespaceTestbed):
         else:
             _run([*tc, "root", *tbf])
 
-    def __enter__(self) -> WanTestbed:
-        reason = unavailable_reason()
-        if reason is not None:
-            raise WanTestbedError(f"WAN testbed unavailable: {reason}")
-        try:
-            self._setup()
-        except BaseException:
-            self._teardown()
-            raise
-        logger.info(
-            "WAN testbed %s: %d peers at %s (delay %.1f ms)",
-            self.tag,
-            self.num_peers,
-            self.rate,
-            self.delay_ms,
+    name = "WAN testbed"
+
+    def _unavailable(self) -> str | None:
+        return unavailable_reason()
+
+    def _describe(self) -> str:
+        return (
+            f"WAN testbed {self.tag}: {self.num_peers} peers at {self.rate} "
+            f"(delay {self.delay_ms:.1f} ms)"
         )
-        return self
 
     def _setup(self) -> None:
         sw = self.switch_ns
