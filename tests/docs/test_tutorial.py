@@ -5,8 +5,8 @@ blocks are run there (``python`` is this interpreter, ``moshpit`` this checkout'
 ``text`` blocks are sample output and are not run. HTML comments ``<!-- test: ... -->`` (not
 shown by a renderer) say how: ``background NAME`` starts the next block as process NAME and
 ``wait-for "REGEX"`` waits until NAME prints a matching line; ``run`` runs it to the end;
-``expect-exit N`` checks an exit status; ``sigterm NAME`` and ``wait NAME`` end a background
-process; ``expect-output "REGEX"`` checks what the process printed. A bash block without a
+``expect-exit N`` checks an exit status (negative: killed by that signal); ``sigterm NAME``,
+``sigint NAME`` (Ctrl-C) and ``wait NAME`` end a background process; ``expect-output "REGEX"`` checks what the process printed. A bash block without a
 directive runs to the end and must exit 0.
 
 Two substitutions make one machine stand in for several: the placeholder address
@@ -203,12 +203,12 @@ class Tutorial:
                     return
                 pytest.fail(
                     f"{process.name!r} exited ({process.popen.returncode}) before printing "
-                    f"{pattern!r}:\n{process.output()}"
+                    f"{pattern!r}:\n{process.output()}{self.others(process)}"
                 )
             time.sleep(0.1)
         pytest.fail(
             f"{process.name!r} printed no {pattern!r} in {WAIT_FOR_SECONDS:.0f} s:\n"
-            f"{process.output()}"
+            f"{process.output()}{self.others(process)}"
         )
 
     def run(self, command: str, actions: list) -> None:
@@ -223,6 +223,7 @@ class Tutorial:
                 expected = int(arg or 0)
         assert code == expected, (
             f"`{process.command}` exited {code}, expected {expected}:\n{process.output()}"
+            f"{self.others(process)}"
         )
         for action, arg in actions:
             if action == "expect-output":
@@ -231,6 +232,15 @@ class Tutorial:
                 )
         self.finished.append(process)
 
+    def others(self, process: Process) -> str:
+        """What every other process printed: a failure often starts in another peer."""
+        text = ""
+        for other in [*self.processes.values(), *self.finished[-3:]]:
+            if other is not process:
+                state = "running" if other.popen.poll() is None else f"exit {other.popen.poll()}"
+                text += f"\n--- {other.name} ({state}): {other.command}\n{other.output()[-3000:]}"
+        return text
+
     def directive(self, text: str) -> None:
         actions = parse_actions(text)
         if actions[0][0] in ("background", "run"):
@@ -238,15 +248,15 @@ class Tutorial:
             return
         groups: list[list] = []
         for action, arg in actions:  # "sigterm a; expect-exit 0; wait b" -> two groups
-            if action in ("sigterm", "wait"):
+            if action in ("sigterm", "sigint", "wait"):
                 groups.append([(action, arg)])
             else:
                 groups[-1].append((action, arg))
         for group in groups:
             (verb, name), rest = group[0], group[1:]
             process = self.processes.pop(name or "")
-            if verb == "sigterm":
-                process.popen.send_signal(signal.SIGTERM)
+            if verb in ("sigterm", "sigint"):
+                process.popen.send_signal(signal.SIGTERM if verb == "sigterm" else signal.SIGINT)
             code = process.finish(RUN_SECONDS)
             self.check(process, code, rest)
 
