@@ -27,10 +27,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
+from moshpit.critical import critical_section, defer, in_critical_section
 from moshpit.training.errors import StateError
 
 logger = logging.getLogger(__name__)
@@ -52,26 +51,7 @@ class Preempted(SystemExit):
         self.failures = failures
 
 
-_local = threading.local()
 _active: PreemptionHandler | None = None
-
-
-@contextmanager
-def critical_section() -> Iterator[None]:
-    """Code that must not be cut in half by a preemption (e.g. applying a state update).
-
-    A SIGTERM arriving inside is handled right after the outermost section ends.
-    """
-    depth = getattr(_local, "depth", 0)
-    _local.depth = depth + 1
-    try:
-        yield
-    finally:
-        _local.depth = depth
-        handler = _active
-        if depth == 0 and handler is not None and handler.deferred:
-            handler.deferred = False
-            handler._leave_and_raise()
 
 
 class PreemptionHandler:
@@ -94,7 +74,6 @@ class PreemptionHandler:
         self.deadline = float(deadline)
         self.signals = signals
         self.requested_at: float | None = None
-        self.deferred = False
         self._previous: dict[int, Any] = {}
         self._leaving = False
         self._watchdog_cancelled = threading.Event()
@@ -136,8 +115,8 @@ class PreemptionHandler:
             self.deadline,
         )
         self._start_watchdog()
-        if getattr(_local, "depth", 0) > 0:
-            self.deferred = True  # critical_section() calls _leave_and_raise when it ends
+        if in_critical_section():
+            defer(self._leave_and_raise)  # runs when the outermost critical section ends
             return
         self._leave_and_raise()
 

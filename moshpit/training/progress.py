@@ -32,7 +32,6 @@ import bisect
 import concurrent.futures
 import logging
 import math
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from typing import Any
 import trio
 
 from dht.kademlia.clock import get_dht_time
+from moshpit.critical import CriticalLock
 
 logger = logging.getLogger(__name__)
 
@@ -447,7 +447,9 @@ class ProgressTracker:
         self._facade: Any = dht if hasattr(dht, "run_coroutine") else None
         self._node: Any = None if self._facade is not None else dht
 
-        self._lock = threading.Lock()  # local state: written by the user's thread, read by trio
+        # local state: written by the user's thread, read by trio; a CriticalLock because leaving
+        # on SIGTERM (withdraw) takes it too, maybe while the training thread holds it
+        self._lock = CriticalLock()
         self._epoch: int | None = None
         self._samples = 0
         self._report_time = 0.0

@@ -22,7 +22,6 @@ import concurrent.futures
 import logging
 import math
 import shutil
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 from dht._logging import RateLimitedLogger
 from moshpit.averaging.averager import Averager, StepResult
+from moshpit.critical import CriticalLock, critical_section
 from moshpit.training.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -43,7 +43,6 @@ from moshpit.training.errors import (
 )
 from moshpit.training.health import NonFiniteStateError, first_non_finite
 from moshpit.training.manifest import Manifest, dtype_name
-from moshpit.training.preemption import critical_section
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +176,7 @@ class TrainingStateAverager:
         self.failing_checkpoints = 0  # failures since the last checkpoint that succeeded
         self.last_checkpoint_error: str | None = None
         self.newest_checkpoint_epoch: int | None = None  # of the newest good checkpoint
-        self._failure_lock = threading.Lock()
+        self._failure_lock = CriticalLock()
         self._failure_log = RateLimitedLogger(logger, 60.0)
         self.recoveries = 0  # times a non-finite state was replaced by a good one
         self._recovered_at: list[float] = []

@@ -47,6 +47,7 @@ from typing import Any
 import msgpack
 import torch
 
+from moshpit.critical import CriticalLock
 from moshpit.training.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -101,7 +102,7 @@ PACK_MIN_CHUNKS = 8  # ...when a save has at least this many new ones (else writ
 PACK_MAX_BYTES = 64 << 20
 IOV_MAX = 1024
 
-_pool_lock = threading.Lock()
+_pool_lock = CriticalLock()
 _pool: ThreadPoolExecutor | None = None
 _POOL_THREADS = min(8, max(4, os.cpu_count() or 1))  # fsync waits, so more threads than cores
 
@@ -143,10 +144,10 @@ class _Shared:
                     self.where.setdefault(digest, (name, offset, size))
 
 
-_shared_lock = threading.Lock()
+_shared_lock = CriticalLock()
 _shared: dict[str, _Shared] = {}
 _in_flight: set[str] = set()  # names of this process's tmp files being written (random, unique)
-_in_flight_lock = threading.Lock()
+_in_flight_lock = CriticalLock()
 
 
 def _shared_for(key: str) -> _Shared:
@@ -162,9 +163,9 @@ def _reset_after_fork() -> None:
     locked and the pool's workers are gone, so the child starts with fresh ones."""
     global _pool, _pool_lock, _shared_lock, _shared, _in_flight, _in_flight_lock, _generation
     _generation += 1
-    _pool, _pool_lock = None, threading.Lock()
-    _shared_lock, _shared = threading.Lock(), {}
-    _in_flight, _in_flight_lock = set(), threading.Lock()
+    _pool, _pool_lock = None, CriticalLock()
+    _shared_lock, _shared = CriticalLock(), {}
+    _in_flight, _in_flight_lock = set(), CriticalLock()
 
 
 if hasattr(os, "register_at_fork"):

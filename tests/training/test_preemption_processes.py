@@ -192,3 +192,33 @@ def test_a_leave_that_hangs_past_the_deadline_exits_3_saying_where_it_waited():
     assert done.returncode == 3, done.stderr
     assert "leaving took longer than 1 s" in done.stderr
     assert "in leave_swarm" in done.stderr and "Thread 0x" in done.stderr, done.stderr
+
+
+def test_sigterm_while_the_training_thread_holds_the_progress_lock_still_leaves_cleanly():
+    """The handler runs between two bytecodes of the main thread, which may be inside
+    ``ProgressTracker.report`` (called by every ``step()``) holding the tracker's lock. Leaving
+    needs that lock (``withdraw``): run in the handler there, it waited on its own thread until
+    the watchdog's exit 3 (a tutorial volunteer did, about one SIGTERM in seven under load)."""
+    script = (
+        "import os, signal\n"
+        "import moshpit\n"
+        "from moshpit.training.progress import ProgressTracker\n"
+        "dht = moshpit.DHT(host_maddrs=['/ip4/127.0.0.1/tcp/0'], start=True)\n"
+        "tracker = ProgressTracker(dht, 'lock-test')\n"
+        "tracker.report(0, 0)\n"
+        "moshpit.handle_preemption(tracker, dht, deadline=5.0)\n"
+        "with tracker._lock:  # where report() is between taking and releasing it\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    print('still inside', flush=True)\n"
+        "print('never reached', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "left the swarm cleanly" in done.stderr, done.stderr[-3000:]
+    assert "still inside" in done.stdout and "never reached" not in done.stdout, done.stdout
