@@ -42,6 +42,11 @@ class DHT:
     arguments go to :meth:`DHTNode.open` (``num_replicas``, ``limits``, ``validators``, ...).
     Without ``host_maddrs`` it listens on every IPv4 interface; a malformed address raises
     ``MultiaddrError`` (a single string instead of a list, ``TypeError``) before starting.
+
+    ``client_mode=None`` (default): the role follows reachability (a peer behind NAT is
+    reached through a relay, or becomes a client; a public one relays for others; see
+    :meth:`DHTNode.open`); True / False override it. ``relay=`` (True, False or a
+    ``RelayLimits``) goes to :meth:`DHTNode.open` like the other keyword arguments.
     """
 
     def __init__(
@@ -50,7 +55,7 @@ class DHT:
         host_maddrs: Sequence[Any] | None = None,
         announce_maddrs: Sequence[Any] | None = None,
         identity_path: str | None = None,
-        client_mode: bool = False,
+        client_mode: bool | None = None,
         start: bool = True,
         startup_timeout: float = 60.0,
         **node_kwargs: Any,
@@ -264,6 +269,21 @@ class DHT:
 
             return Reachability(reason="this DHT runs on a network without AutoNAT")
         return host.reachability
+
+    @property
+    def role(self) -> Any:
+        """The node's last ``RoleDecision`` (None until AutoNAT decided): its
+        ``.describe()`` is one line saying what was decided, why, and what the node does."""
+        return self.node.role
+
+    def add_role_observer(self, on_change: Callable[[Any], None]) -> None:
+        """Call ``on_change(decision)`` (on the DHT's thread) with each new ``RoleDecision``,
+        and at once with the current one if there is one."""
+
+        async def register(_dht: DHT, node: DHTNode) -> None:
+            node.add_role_observer(on_change)
+
+        self.run_coroutine(register)
 
     def get_visible_maddrs(self) -> list[Any]:
         """Full multiaddrs (``.../p2p/<PeerID>``) other peers can use as initial peers."""

@@ -42,7 +42,9 @@ class RPCNetwork(Protocol):
         """Dial an initial peer given as an address; return (PeerID, its addresses as bytes)."""
         ...
 
-    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> None: ...
+    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> bool | None:
+        """Note where a peer says it listens; True if that taught us a new address."""
+        ...
 
     def own_addrs(self) -> list[bytes]: ...
 
@@ -61,6 +63,14 @@ class HostNetwork:
         self.peer_id = host.peer_id
         self._announce = [Multiaddr(str(a)) for a in announce_maddrs] if announce_maddrs else None
         self._recent_addrs: dict[Any, tuple[bytes, ...]] = {}  # skips re-parsing unchanged addrs
+        # False once AutoNAT found that nobody can dial our own (non-relayed) listen addresses:
+        # then only circuit addresses are announced (set by the DHT node's role logic)
+        self.direct_reachable = True
+
+    @property
+    def announces_explicitly(self) -> bool:
+        """The caller named the addresses to announce (``announce_maddrs``)."""
+        return self._announce is not None
 
     def set_handler(self, handler: RPCHandler | None) -> None:
         self.host.set_rpc_handler(PROTOCOL_ID, handler)
@@ -99,10 +109,13 @@ class HostNetwork:
         self.remember_addrs(peer_id, addrs)
         return peer_id, addrs
 
-    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> None:
+    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> bool:
+        """Add announced addresses to the peerstore. True if one of them was not known: the
+        peer may have moved (e.g. behind a relay), so an earlier failure to reach it says
+        little about the new way in."""
         addrs = tuple(addrs)
         if not addrs or self._recent_addrs.get(peer_id) == addrs:
-            return
+            return False
         if len(self._recent_addrs) >= 10_000:
             self._recent_addrs.clear()
         self._recent_addrs[peer_id] = addrs
@@ -112,21 +125,69 @@ class HostNetwork:
                 parsed.append(self._Multiaddr.from_bytes(raw).without_peer_id())
             except ValueError:
                 logger.debug("ignoring a malformed address announced for %s", peer_id)
-        if parsed:
-            self.host.peerstore.add_addrs(peer_id, parsed)
+        if not parsed:
+            return False
+        known = set(self.host.peerstore.get_addrs(peer_id))
+        self.host.peerstore.add_addrs(peer_id, parsed)
+        return any(a not in known for a in parsed)
 
     def visible_maddrs(self) -> list[Any]:
         """Full multiaddrs (with ``/p2p/<PeerID>``) others can use to reach this peer.
 
         The announced addresses if given, else the listen addresses (the TCP transport has
         already replaced a wildcard ``0.0.0.0`` / ``::`` by this machine's interface
-        addresses; an unexpanded wildcard is never announced, nobody can dial it).
+        addresses; an unexpanded wildcard is never announced, nobody can dial it). Circuit
+        addresses (``.../p2p-circuit``, added to the listen addresses while a relay holds a
+        slot for us) come last, after the given announce addresses too; while
+        ``direct_reachable`` is False only they are announced.
         """
+        listen = self.host.listen_addrs
+        circuits = [a for a in listen if a.is_circuit()]
         if self._announce is not None:
-            addrs = self._announce
+            addrs = self._announce + [a for a in circuits if a not in self._announce]
+        elif not self.direct_reachable:
+            addrs = circuits
         else:
-            addrs = [a for a in self.host.listen_addrs if not _is_wildcard(a)]
+            direct = [a for a in listen if not a.is_circuit() and not _is_wildcard(a)]
+            addrs = direct + circuits
         return [a if a.peer_id is not None else a.with_peer_id(self.peer_id) for a in addrs]
+
+    # -- read-only views of the Host's connections (roles and averaging read these) --------
+
+    def _live_connections(self, peer_id: Any) -> list[Any]:
+        return [c for c in self.host._conns.get(peer_id, ()) if c.alive]
+
+    def relayed_only(self, peer_id: Any) -> bool:
+        """True if we are connected to ``peer_id`` and every live connection to it runs
+        through a circuit relay (byte- and time-limited)."""
+        live = self._live_connections(peer_id)
+        return bool(live) and all(getattr(c, "relayed", False) for c in live)
+
+    def relay_limit(self, peer_id: Any) -> Any:
+        """The relay's ``Limit`` (``.duration`` s, ``.data`` bytes per direction, 0 = none) of
+        the connection to ``peer_id`` when we reach it only through a relay, else None."""
+        if not self.relayed_only(peer_id):
+            return None
+        limits = [c.relay_limit for c in self._live_connections(peer_id)]
+        return next((limit for limit in limits if limit is not None), None)
+
+    def direct_peers(self) -> list[Any]:
+        """Peers we hold a live direct (not relayed) connection to, the ones we dialed first
+        (those are known to accept connections)."""
+        dialed, accepted = [], []
+        for peer_id in self.host.connected_peers():
+            direct = [
+                c for c in self._live_connections(peer_id) if not getattr(c, "relayed", False)
+            ]
+            if any(c.outbound for c in direct):
+                dialed.append(peer_id)
+            elif direct:
+                accepted.append(peer_id)
+        return dialed + accepted
+
+    def serves(self, protocol: str) -> bool:
+        """Does our Host already answer ``protocol`` (e.g. someone enabled a relay on it)?"""
+        return self.host._supports(protocol)
 
     def own_addrs(self) -> list[bytes]:
         """The addresses sent with every request: at most what peers accept from one peer."""

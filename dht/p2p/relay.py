@@ -805,6 +805,7 @@ class RelayClient:
         self._lost: dict[PeerID, trio.Event] = {}
         self._advertised: dict[PeerID, tuple[Multiaddr, ...]] = {}
         self.inbound_circuits = 0
+        self._observers: list[Callable[[], None]] = []
         self._log = RateLimitedLogger(logger, host.limits.log_interval, clock=trio.current_time)
         host.set_stream_handler(STOP_PROTOCOL, self._serve_stop)
         host.add_connection_observer(lambda _peer: None, self._on_disconnect)
@@ -948,6 +949,22 @@ class RelayClient:
             a for r in self.reservations.values() if r.seconds_left() > 0 for a in r.circuit_addrs
         ]
 
+    def add_observer(self, on_change: Callable[[], None]) -> None:
+        """Call ``on_change()`` whenever the circuit addresses we advertise change (a slot
+        gained, moved or lost), e.g. to refresh what a DHT node announces."""
+        self._observers.append(on_change)
+
+    def remove_observer(self, on_change: Callable[[], None]) -> None:
+        if on_change in self._observers:
+            self._observers.remove(on_change)
+
+    def _notify(self) -> None:
+        for callback in list(self._observers):
+            try:
+                callback()
+            except Exception:
+                logger.exception("relay address observer failed")
+
     def _trust(self, relay: PeerID) -> None:
         self._relays.pop(relay, None)
         self._relays[relay] = None
@@ -958,19 +975,25 @@ class RelayClient:
         """Add our circuit addresses to the Host's listen addresses (identify and the DHT
         announce those), replacing what this relay gave before."""
         listen = self.host._listen_addrs
-        for addr in self._advertised.pop(rsvp.relay, ()):
+        before = self._advertised.pop(rsvp.relay, ())
+        for addr in before:
             if addr in listen:
                 listen.remove(addr)
         for addr in rsvp.circuit_addrs:
             if addr not in listen:
                 listen.append(addr)
         self._advertised[rsvp.relay] = rsvp.circuit_addrs
+        if before != rsvp.circuit_addrs:
+            self._notify()
 
     def _withdraw(self, relay: PeerID) -> None:
         listen = self.host._listen_addrs
-        for addr in self._advertised.pop(relay, ()):
+        gone = self._advertised.pop(relay, ())
+        for addr in gone:
             if addr in listen:
                 listen.remove(addr)
+        if gone:
+            self._notify()
 
     def _on_disconnect(self, peer: PeerID) -> None:
         if self.reservations.pop(peer, None) is not None:

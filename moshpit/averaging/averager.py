@@ -53,6 +53,10 @@ LOCK_POLL_SECONDS = (
 )
 WRITE_INLINE_NUMEL = 1 << 15  # smaller results are copied on the loop, larger ones in a thread
 SCHEMA_VERSION = b"moshpit.tensor-schema.v1"
+# A peer reachable only through a relay reduces only if a whole round fits one relayed
+# connection: its tensors as uncompressed float32 (no part is larger) plus this much for the
+# connection's handshake, matchmaking and DHT messages.
+RELAY_CONTROL_HEADROOM = 32 * 1024
 
 
 class AveragerLockError(RuntimeError):
@@ -201,6 +205,13 @@ class Averager:
     :param pace_uplink: set False to use ``bandwidth`` only for part sizes (and chunk sizes:
       with the members' codec densities it tells how long a round keeps the links busy).
     :param client_mode: this peer cannot accept connections: it never leads or reduces.
+      Also chosen per round when the DHT node acts as a client (its role follows AutoNAT),
+      and when peers reach this one only through a relay whose per-connection byte limit
+      (``node.relay_limit``) is below the whole tensors' float32 size plus
+      ``RELAY_CONTROL_HEADROOM``: a reducer's part is at most that, so such a peer is never
+      picked to reduce more than its relay carries (an auxiliary peer then sits the round
+      out). Leading only takes small matchmaking messages, so a relayed peer whose tensors
+      fit still leads and reduces.
     :param auxiliary: this peer helps reduce but contributes nothing (weight 0).
     :param initial_group_bits: the starting key bits (a string of 0/1; its length is the number
       of bits kept forever). Default: random bits, ``(d-1)*ceil(log2 M)`` of them for a
@@ -362,8 +373,10 @@ class Averager:
         self._loop_thread = threading.get_ident()
         if self._host is None:
             raise ValueError("the DHT node has no Host (a loopback-fabric node cannot average)")
-        if getattr(node, "client_mode", False) and self.mode == MODE_NODE:
+        explicit = getattr(node, "client_mode_setting", True) is not None
+        if getattr(node, "client_mode", False) and explicit and self.mode == MODE_NODE:
             # a client-mode DHT peer cannot accept connections, so it cannot lead or reduce
+            # (a role chosen from reachability may change: _round_mode follows it per round)
             logger.info("the DHT runs in client mode: averaging in client mode too")
             self.mode = MODE_CLIENT
         self._step_lock = trio.Lock()
@@ -639,6 +652,12 @@ class Averager:
     ) -> StepResult:
         """One round; ``end`` (trio time, may be inf) bounds everything including the lock."""
         matchmaking_deadline = min(started + self.matchmaking_timeout, end)
+        mode, why = self._round_mode()
+        if mode is None:
+            return StepResult(False, key, reason=why, next_group_key=key)
+        if mode != self.matchmaker.mode:
+            logger.info("averaging in %s mode%s", mode, f": {why}" if why else "")
+            self.matchmaker.mode = mode
         # the key length may have changed since the last round (adaptive grid)
         self.matchmaker.start_when_all_joined = self.keys.num_bits == 0
         self._mm_backend.seen.clear()
@@ -751,6 +770,30 @@ class Averager:
             next_group_key=next_key,
             group_deviation=result.deviation,
         )
+
+    def _round_mode(self) -> tuple[str | None, str]:
+        """This round's mode and why it differs from ``self.mode`` (None: sit it out).
+
+        The DHT node's role may change while it runs (``client_mode`` unset: AutoNAT's
+        verdict and the relays decide). A node-mode peer averages as a client while the
+        node acts as a client, or while peers reach it only through a relay that could not
+        carry a reducer's traffic (see ``client_mode`` in the class docstring)."""
+        if self.mode == MODE_CLIENT:
+            return MODE_CLIENT, ""
+        node = self._node
+        if self.mode == MODE_NODE and getattr(node, "client_mode", False):
+            return MODE_CLIENT, "the DHT node acts as a client (peers cannot connect to it)"
+        limit = getattr(node, "relay_limit", None)
+        need = self._numel * 4 + RELAY_CONTROL_HEADROOM
+        if limit is not None and limit.data and limit.data < need:
+            why = (
+                f"peers reach this one only through a relay that passes {limit.data} bytes "
+                f"per connection, less than reducing these tensors may take ({need} bytes)"
+            )
+            if self.mode == MODE_AUX:
+                return None, f"an auxiliary peer must reduce, but {why}"
+            return MODE_CLIENT, why
+        return self.mode, ""
 
     def _out_buffers(self) -> list[torch.Tensor] | None:
         """Output tensors the all-reduce writes into, kept across rounds (None for aux).

@@ -57,8 +57,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--client-mode",
-        action="store_true",
-        help="use the DHT without accepting connections (behind NAT)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--client-mode: use the DHT without accepting connections; --no-client-mode: "
+        "act as a DHT server whatever AutoNAT finds (default: decided from reachability: "
+        "behind NAT the peer is reached through a relay, else it becomes a client)",
     )
     parser.add_argument(
         "--refresh-period",
@@ -195,10 +198,8 @@ async def _serve(
         num_replicas=args.num_replicas,
     ) as node:
         _announce(node, args.client_mode)
-        if node.autonat is not None:  # one line per decision: what, and why
-            node.autonat.add_observer(
-                lambda r: _say(f"Reachability: {r.status.value} ({r.reason})")
-            )
+        # one line per decision, once AutoNAT has decided: what, why, and the role it implies
+        node.add_role_observer(lambda decision: _say(decision.describe()))
         if initial_peers:
             _say(f"Joined the swarm: this peer sees {_peer_count(node)} other peer(s)")
         node.host.add_connection_observer(

@@ -246,12 +246,15 @@ class _Reporter:
         self.console = Console()
         self.live: Any = None
         self.last_plain = 0.0
+        # events also come from the DHT's thread (the reachability line): one line at a time
+        self._lock = threading.Lock()
 
     def event(self, kind: str, text: str, **fields: Any) -> None:
-        if self.json_lines:
-            _emit({"event": kind, **fields})
-        else:
-            self.console.print(text, soft_wrap=True, highlight=False)
+        with self._lock:
+            if self.json_lines:
+                _emit({"event": kind, **fields})
+            else:
+                self.console.print(text, soft_wrap=True, highlight=False)
 
     def start_live(self) -> None:
         if self.json_lines or not self.console.is_terminal:
@@ -266,6 +269,10 @@ class _Reporter:
         self.live.start()
 
     def progress(self, row: dict[str, Any]) -> None:
+        with self._lock:
+            self._progress(row)
+
+    def _progress(self, row: dict[str, Any]) -> None:
         if self.json_lines:
             _emit({"event": "progress", **row})
         elif self.live is not None:
@@ -329,6 +336,21 @@ def _join(args: argparse.Namespace) -> Any:
         host_maddrs=args.host_maddrs,
         identity_path=args.identity,
         bootstrap_timeout=30,
+    )
+
+
+def _report_role(reporter: _Reporter, decision: Any) -> None:
+    """One line once AutoNAT has decided (and on each change): what, why, and the role."""
+    reach = decision.reachability
+    reporter.event(
+        "reachability",
+        decision.describe(),
+        line=decision.describe(),
+        status=reach.status.value,
+        reason=reach.reason,
+        client_mode=decision.client_mode,
+        relay_addrs=[str(a) for a in decision.circuit_addrs],
+        serving_relay=decision.serving_relay,
     )
 
 
@@ -450,6 +472,7 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
         addr=addrs[0],
         startup_s=round(time.monotonic() - started, 2),
     )
+    dht.add_role_observer(lambda decision: _report_role(reporter, decision))
     model = make_model(seed=0)  # every peer starts from the same weights
     inner = make_optimizer(model, args.lr)
     mode_options: dict[str, Any] = {}
