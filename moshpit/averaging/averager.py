@@ -42,6 +42,7 @@ from moshpit.averaging.matchmaking import (
     SchemaMemory,
 )
 from moshpit.averaging.partition import empty_like_all
+from moshpit.critical import critical_section
 
 logger = logging.getLogger(__name__)
 HARD_STEP_SLACK = 30.0  # s past a step's bound before it is abandoned (a safety net)
@@ -448,8 +449,15 @@ class Averager:
 
         A running step holds this lock while it averages, so this waits for the round. Do not
         call ``step()`` inside the block: the step needs this lock (it raises
-        :class:`AveragerLockError` at once instead of deadlocking). Not re-entrant.
+        :class:`AveragerLockError` at once instead of deadlocking). Not re-entrant. The block
+        is a critical section (``moshpit.critical``): a SIGTERM arriving inside is handled
+        after it, since leaving (a last checkpoint) takes this lock too.
         """
+        with critical_section(), self._locked_tensors() as tensors:
+            yield tensors
+
+    @contextmanager
+    def _locked_tensors(self) -> Iterator[list[torch.Tensor]]:
         me = threading.get_ident()
         if self._lock_owner == me:
             raise AveragerLockError(

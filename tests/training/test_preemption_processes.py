@@ -222,3 +222,35 @@ def test_sigterm_while_the_training_thread_holds_the_progress_lock_still_leaves_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "left the swarm cleanly" in done.stderr, done.stderr[-3000:]
     assert "still inside" in done.stdout and "never reached" not in done.stdout, done.stdout
+
+
+def test_sigterm_while_the_training_thread_holds_the_averagers_tensors_leaves_after_the_block():
+    """Leaving writes a last checkpoint, which reads the averaged tensors under their lock;
+    a SIGTERM inside the user's ``with averager.get_tensors():`` is handled after the block."""
+    script = (
+        "import os, signal, torch\n"
+        "import moshpit\n"
+        "dht = moshpit.DHT(host_maddrs=['/ip4/127.0.0.1/tcp/0'], start=True)\n"
+        "averager = moshpit.Averager([torch.zeros(4)], dht, 'lock-test', 2, start=True)\n"
+        "class LastCheckpoint:\n"
+        "    def leave_swarm(self, deadline):\n"
+        "        with averager.get_tensors() as tensors:\n"
+        "            print('saved', tensors[0].tolist(), flush=True)\n"
+        "        averager.shutdown()\n"
+        "        dht.shutdown()\n"
+        "moshpit.handle_preemption(LastCheckpoint(), deadline=5.0)\n"
+        "with averager.get_tensors() as tensors:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    tensors[0] += 1  # the update the block was making is not cut in half\n"
+        "print('never reached', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "saved [1.0, 1.0, 1.0, 1.0]" in done.stdout, (done.stdout, done.stderr[-3000:])
+    assert "never reached" not in done.stdout
