@@ -1,5 +1,6 @@
 """libp2p-compatible transport stack: identity, multiaddr, multistream-select, Noise, yamux, Host."""
 
+from .dcutr import HolePunchConfig, HolePuncher
 from .errors import (
     DialError,
     HandshakeError,
@@ -28,6 +29,8 @@ from .transport import TCPTransport
 __all__ = [
     "DialError",
     "HandshakeError",
+    "HolePunchConfig",
+    "HolePuncher",
     "Host",
     "HostLimits",
     "Identity",

@@ -196,6 +196,8 @@ class _Connection:
         # is no direct connection; relay_limit is the relay's Limit (None: it stated none)
         self.relayed = False
         self.relay_limit: Any = None
+        # direct, opened by hole punching (dcutr.py) beside a relayed connection
+        self.hole_punched = False
 
     @property
     def alive(self) -> bool:
@@ -266,6 +268,12 @@ class Host:
         self._rpc_handlers: dict[str, RpcHandler] = {}
         self._observers: list[tuple[Callable[[PeerID], None], Callable[[PeerID], None]]] = []
         self._closing = False
+        # called with every connection as it is registered (hole punching watches these)
+        self._connection_hooks: list[Callable[[_Connection], None]] = []
+        # inbound sockets from one exact remote "ip:port" that a hole punch in progress takes
+        # over (it upgrades them in its own role) instead of the accept path
+        self._inbound_claims: dict[str, Callable[[trio.abc.Stream, str], bool]] = {}
+        self.hole_puncher: Any = None  # dcutr.HolePuncher, while hole punching is on
         self._stream_handlers[PING_PROTOCOL] = self._serve_ping
         self._stream_handlers[identify.PROTOCOL_ID] = self._serve_identify
 
@@ -278,20 +286,32 @@ class Host:
         transport: Any = None,
         limits: HostLimits | None = None,
         security_protocols: Sequence[str] = DEFAULT_SECURITY_PROTOCOLS,
+        hole_punching: Any = None,
     ) -> AsyncIterator[Host]:
         """Run a host for the duration of the block; leaving it closes everything it owns.
 
         ``security_protocols``: what this host dials with (proposed in this order) and accepts;
-        ``("/noise",)`` turns the AES-GCM variant off (libp2p's ChaChaPoly only)."""
+        ``("/noise",)`` turns the AES-GCM variant off (libp2p's ChaChaPoly only).
+        ``hole_punching``: DCUtR (``dcutr.py``), upgrading relayed connections to direct ones.
+        ``None`` (default): on over a TCP transport that can share ports, off otherwise;
+        ``True`` / ``False``; or a ``dcutr.HolePunchConfig``. ``host.hole_puncher`` is the
+        service while it is on (``host.hole_puncher.stop()`` turns it off later)."""
         security_protocols = _check_security_protocols(security_protocols)  # before any task
+        transport = transport if transport is not None else TCPTransport()
+        hole_punching = _hole_punching_setting(transport, hole_punching)
         async with trio.open_nursery() as nursery:
             host = cls(
                 identity or Identity.generate(),
-                transport if transport is not None else TCPTransport(),
+                transport,
                 limits or HostLimits(),
                 nursery,
                 security_protocols,
             )
+            if hole_punching is not False:
+                from .dcutr import HolePuncher  # dcutr.py builds on this module
+
+                host.hole_puncher = HolePuncher(host, hole_punching)
+                host.hole_puncher.start()
             try:
                 yield host
             finally:
@@ -372,6 +392,9 @@ class Host:
             if self._closing:
                 await _close_quietly(raw)
                 return
+            claim = self._inbound_claims.get(remote)
+            if claim is not None and claim(raw, remote):
+                continue  # a hole punch in progress upgrades it (dcutr.py)
             if not self._make_room():
                 self._log.warning(
                     "refused-busy",
@@ -653,6 +676,55 @@ class Host:
         )
         if first:
             self._notify(0, conn.peer_id)
+        for hook in list(self._connection_hooks):
+            try:
+                hook(conn)
+            except Exception:
+                logger.exception("connection hook failed")
+
+    async def upgrade_raw_connection(
+        self,
+        raw: trio.abc.Stream,
+        expected: PeerID,
+        *,
+        outbound: bool,
+        name: str,
+    ) -> _Connection:
+        """Secure and multiplex an already connected raw stream in the given role and return
+        the connection, not yet registered (:meth:`add_connection` does that).
+
+        ``outbound=True``: this side is the initiator of multistream-select, Noise and yamux,
+        whichever socket "connected" (hole punching: a TCP simultaneous open has no dialer;
+        the roles come from the protocol that set it up). The remote must prove ``expected``
+        within ``handshake_timeout``; on any failure ``raw`` is closed and the error raised
+        (P2PError, OSError, trio.BrokenResourceError...)."""
+        if self._closing:
+            await _close_quietly(raw)
+            raise DialError("host is closing")
+        try:
+            with trio.fail_after(self.limits.handshake_timeout):
+                peer_id, session = await self._upgrade(raw, expected, outbound=outbound, name=name)
+        except trio.TooSlowError:
+            await _close_quietly(raw)
+            raise P2PTimeoutError(
+                f"handshake with {expected.short()} over {name} did not finish within "
+                f"{self.limits.handshake_timeout:.1f}s"
+            ) from None
+        except BaseException:
+            await _close_quietly(raw)
+            raise
+        return _Connection(peer_id, session, outbound=outbound, remote_addr=name)
+
+    async def add_connection(self, conn: _Connection) -> bool:
+        """Register an upgraded connection and serve it (a task in the host nursery), as
+        dialing does: new streams to its peer may take it at once. False, and the connection
+        closed, if the host is closing or the connection limit is full of busy connections."""
+        if self._closing or not self._make_room():
+            await _close_quietly(conn.session)
+            return False
+        self._register(conn)
+        self._nursery.start_soon(self._serve_connection, conn)
+        return True
 
     async def _serve_connection(self, conn: _Connection) -> None:
         """Run a registered connection until it closes (a task in the host nursery)."""
@@ -1203,6 +1275,24 @@ class Host:
             )
             logger.debug("handler traceback", exc_info=True)
             await stream.send_msg({"err": f"{type(e).__name__}: {e}"[:4096]})
+
+
+def _hole_punching_setting(transport: Any, setting: Any) -> Any:
+    """``Host.open(hole_punching=...)`` checked: False (off), or the HolePuncher's config
+    (None: the defaults). ValueError for ``True`` on a transport that cannot share ports."""
+    if setting is False:
+        return False
+    can = bool(getattr(transport, "reuse_port", False))
+    if setting is None:
+        return None if can else False
+    if setting is True:
+        if not can:
+            raise ValueError(
+                "hole_punching=True needs a transport that shares its listen ports "
+                "(TCPTransport with reuse_port, on a platform with SO_REUSEPORT)"
+            )
+        return None
+    return setting  # a HolePunchConfig
 
 
 def _check_security_protocols(protocols: Sequence[str]) -> tuple[str, ...]:

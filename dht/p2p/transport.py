@@ -4,14 +4,24 @@ Transports (this one and the in-memory one) share a small interface used by the 
 ``can_dial(maddr)``, ``await listen(maddr) -> [listener]`` where a listener has ``multiaddr``,
 ``await accept() -> (stream, remote_address_text)`` and ``aclose()``, and
 ``await dial(maddr, timeout) -> trio.abc.HalfCloseableStream``.
+
+Port reuse (for hole punching, ``dcutr.py``): a NAT maps each local ``ip:port`` to a public
+port, so a hole-punching dial must leave from the port we listen on, the one whose mapping
+we told the other side. TCP listeners therefore bind with ``SO_REUSEADDR``, then enable
+``SO_REUSEPORT``, and ``dial(..., local_port=p)`` binds its socket to port ``p`` with
+``SO_REUSEPORT`` before connecting. The listener binds *before* it enables ``SO_REUSEPORT``,
+so a port someone already holds (a second moshpit process on the same fixed port) is still
+"address already in use" rather than a silently shared port.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import socket
 import struct
+from typing import Any
 
 import trio
 
@@ -227,14 +237,102 @@ def local_ip_addresses(family: int) -> list[str]:
     return ordered
 
 
+LISTEN_BACKLOG = 0xFFFF  # the kernel caps it at net.core.somaxconn (as trio's default does)
+
+
+def port_reuse_supported() -> bool:
+    """Whether this platform has ``SO_REUSEPORT`` (Linux, the BSDs, macOS; not Windows)."""
+    return hasattr(socket, "SO_REUSEPORT")
+
+
+def _enable_port_reuse(sock: trio.socket.SocketType) -> bool:
+    """Let other sockets of this process bind the same port (hole-punching dials)."""
+    if not port_reuse_supported():
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    except OSError as e:  # pragma: no cover - a kernel without the option
+        logger.debug("cannot set SO_REUSEPORT: %s", e)
+        return False
+    return True
+
+
+async def _open_listeners(host: str, port: int, reuse_port: bool) -> list[tuple[Any, bool]]:
+    """Bound, listening trio sockets for ``host:port`` with whether each allows port reuse.
+
+    ``bind`` happens before ``SO_REUSEPORT`` is set: a port another socket holds fails with
+    EADDRINUSE as it always did (setting it first would let two processes share the port, and
+    the kernel would split the incoming connections between them).
+    """
+    infos = await trio.socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    seen: list[tuple] = []
+    out: list[tuple[Any, bool]] = []
+    try:
+        for family, kind, proto, _, sockaddr in infos:
+            if (family, sockaddr) in seen:
+                continue
+            seen.append((family, sockaddr))
+            try:
+                sock = trio.socket.socket(family, kind, proto)
+            except OSError as e:
+                if e.errno == errno.EAFNOSUPPORT and len(infos) > 1:
+                    continue  # a name that resolves to IPv6 too, on a host without IPv6
+                raise
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                await sock.bind(sockaddr)
+                shared = reuse_port and _enable_port_reuse(sock)
+                sock.listen(LISTEN_BACKLOG)
+            except BaseException:
+                sock.close()
+                raise
+            out.append((sock, shared))
+    except BaseException:
+        for sock, _ in out:
+            sock.close()
+        raise
+    if not out:
+        raise OSError(f"cannot listen on {host}:{port}: no usable address family")
+    return out
+
+
+async def connect_from_port(host: str, port: int, local_port: int) -> trio.SocketStream:
+    """A TCP connection to ``host:port`` whose local port is ``local_port`` (shared with our
+    listener through ``SO_REUSEPORT``): the NAT maps it to the public port we announced.
+
+    OSError if the port cannot be shared (no SO_REUSEPORT here, or the listener lacks it), the
+    exact connection already exists (EADDRNOTAVAIL), or the connect fails."""
+    if not port_reuse_supported():
+        raise OSError("SO_REUSEPORT is not available on this platform")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        await sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", local_port))
+        await sock.connect((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    stream = trio.SocketStream(sock)
+    _set_nodelay(stream)
+    return stream
+
+
 class TCPListener:
     """One bound socket. ``multiaddr`` is the bound address (port 0 resolved); ``multiaddrs``
-    are the addresses others can dial (a wildcard address expanded to concrete ones)."""
+    are the addresses others can dial (a wildcard address expanded to concrete ones);
+    ``reuse_port``: dials may leave from this port (``TCPTransport.dial(local_port=...)``)."""
 
-    def __init__(self, listener: trio.SocketListener) -> None:
+    def __init__(self, listener: trio.SocketListener, reuse_port: bool = False) -> None:
         self._listener = listener
         self.multiaddr = sockaddr_to_multiaddr(listener.socket.getsockname())
         self.multiaddrs = [self.multiaddr]
+        self.reuse_port = reuse_port
 
     async def _expand_wildcard(self) -> None:
         host, port = self.multiaddr.tcp_endpoint()
@@ -260,14 +358,23 @@ class TCPListener:
 
 
 class TCPTransport:
-    """TCP over trio sockets, with TCP_NODELAY (small RPCs must not wait for Nagle)."""
+    """TCP over trio sockets, with TCP_NODELAY (small RPCs must not wait for Nagle).
+
+    ``reuse_port`` (default on where the platform has it): listeners share their port with
+    hole-punching dials (see the module docstring); off, ``dial(local_port=...)`` fails."""
+
+    def __init__(self, *, reuse_port: bool = True) -> None:
+        self.reuse_port = reuse_port and port_reuse_supported()
 
     def can_dial(self, maddr: Multiaddr) -> bool:
         return maddr.is_tcp()
 
     async def listen(self, maddr: Multiaddr | str) -> list[TCPListener]:
         host, port = Multiaddr(maddr).tcp_endpoint()
-        listeners = [TCPListener(lst) for lst in await trio.open_tcp_listeners(port, host=host)]
+        listeners = [
+            TCPListener(trio.SocketListener(sock), shared)
+            for sock, shared in await _open_listeners(host, port, self.reuse_port)
+        ]
         for listener in listeners:
             await listener._expand_wildcard()
         return listeners
@@ -287,14 +394,28 @@ class TCPTransport:
             raise OSError(f"{host} did not resolve to any {kind} address")
         return seen[:MAX_RESOLVED_ADDRESSES]
 
-    async def dial(self, maddr: Multiaddr | str, timeout: float = 10.0) -> trio.SocketStream:  # noqa: ASYNC109
-        """Open a TCP connection; OSError if refused/unreachable, P2PTimeoutError on timeout."""
+    async def dial(
+        self,
+        maddr: Multiaddr | str,
+        timeout: float = 10.0,  # noqa: ASYNC109
+        *,
+        local_port: int | None = None,
+    ) -> trio.SocketStream:
+        """Open a TCP connection; OSError if refused/unreachable, P2PTimeoutError on timeout.
+
+        ``local_port``: leave from that port, shared with our listener on it (hole punching;
+        needs ``reuse_port``), instead of an ephemeral one."""
         maddr = Multiaddr(maddr)
+        if local_port is not None and not self.reuse_port:
+            raise OSError("this transport does not share ports (reuse_port is off)")
         with trio.move_on_after(timeout) as scope:
             errors: list[str] = []
             for host, port in await self._resolve(maddr):
                 try:
-                    stream = await trio.open_tcp_stream(host, port)
+                    if local_port is None:
+                        stream = await trio.open_tcp_stream(host, port)
+                    else:
+                        stream = await connect_from_port(host, port, local_port)
                 except OSError as e:
                     errors.append(f"{host}:{port}: {e}")
                     continue

@@ -1236,3 +1236,40 @@ def _autonat_seeds() -> dict[str, bytes]:
 
 
 register(Target("autonat", "p2p", check_autonat, seeds=_autonat_seeds))
+
+
+# ---------------------------------------------------------------------------------------------
+# DCUtR (dcutr.py): HolePunch messages
+
+
+def check_dcutr(data: bytes) -> None:
+    from dht.p2p.dcutr import (
+        MAX_ADDRS,
+        DCUtRMessageError,
+        HolePunchType,
+        decode_hole_punch,
+        dialable_addrs,
+        encode_hole_punch,
+    )
+
+    try:
+        msg = decode_hole_punch(data)
+    except DCUtRMessageError:
+        return
+    assert msg.type in (HolePunchType.CONNECT, HolePunchType.SYNC)
+    assert len(msg.addrs) + msg.skipped <= MAX_ADDRS
+    assert decode_hole_punch(encode_hole_punch(msg)) == msg
+    for addr in dialable_addrs(msg.addrs, allow_loopback=True):  # what would be dialed
+        assert addr.is_tcp() and not addr.is_circuit() and addr.peer_id is None
+
+
+def _dcutr_seeds() -> dict[str, bytes]:
+    from dht.p2p.dcutr import HolePunch, HolePunchType, encode_hole_punch
+
+    return {
+        "connect": encode_hole_punch(HolePunch(HolePunchType.CONNECT, tuple(SEED_ADDRS[:3]))),
+        "sync": encode_hole_punch(HolePunch(HolePunchType.SYNC)),
+    }
+
+
+register(Target("dcutr", "p2p", check_dcutr, seeds=_dcutr_seeds))
