@@ -66,6 +66,8 @@ class HostNetwork:
         # False once AutoNAT found that nobody can dial our own (non-relayed) listen addresses:
         # then only circuit addresses are announced (set by the DHT node's role logic)
         self.direct_reachable = True
+        if hasattr(host, "announced_addrs"):  # what identify tells peers: what we announce
+            host.announced_addrs = self.visible_maddrs
 
     @property
     def announces_explicitly(self) -> bool:

@@ -267,6 +267,10 @@ class Host:
         self._stream_handlers: dict[str, StreamHandler] = {}
         self._rpc_handlers: dict[str, RpcHandler] = {}
         self._observers: list[tuple[Callable[[PeerID], None], Callable[[PeerID], None]]] = []
+        # What identify tells peers about where we listen (None: our listen addresses). The
+        # DHT sets it to the addresses it announces (a forwarded public port; only circuit
+        # addresses while unreachable), so peers do not first try a LAN address they cannot reach.
+        self.announced_addrs: Callable[[], list[Multiaddr]] | None = None
         self._closing = False
         # called with every connection as it is registered (hole punching watches these)
         self._connection_hooks: list[Callable[[_Connection], None]] = []
@@ -1140,7 +1144,9 @@ class Host:
     # -- identify ------------------------------------------------------------------------
     def _identify_info(self, remote_addr: str) -> identify.IdentifyInfo:
         return identify.IdentifyInfo(
-            listen_addrs=self.listen_addrs,
+            listen_addrs=self.listen_addrs
+            if self.announced_addrs is None
+            else self.announced_addrs(),
             protocols=sorted(set(self._stream_handlers) | set(self._rpc_handlers)),
             observed_addr=identify.observed_multiaddr(remote_addr),
             public_key=self.peer_id.public_key_proto(),

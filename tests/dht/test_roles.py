@@ -299,3 +299,28 @@ async def test_roles_on_the_memory_network_and_bad_settings() -> None:
     with pytest.raises(ValueError, match="max_relays"):
         async with DHTNode.open(transport=net.transport(), host_maddrs=["/memory/0"], max_relays=0):
             pass
+
+
+async def test_identify_tells_peers_the_announced_addresses_not_the_listen_ones() -> None:
+    """Peers learn addresses from identify as well as from DHT records: a peer announcing
+    its forwarded public port (or, when private, only its circuit addresses) must not have
+    its unreachable LAN listen address put first in every other peer's peerstore."""
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        first = await swarm.start(autonat=False)
+        public = Multiaddr("/ip4/203.0.113.7/tcp/31337")
+        announcing = await swarm.start(
+            autonat=False,
+            initial_peers=first.get_visible_maddrs(),
+            announce_maddrs=[public],
+        )
+        told = announcing.host._identify_info("").listen_addrs
+        assert [a.without_peer_id() for a in told] == [public], told
+
+        def known() -> list[Multiaddr]:
+            return [a.without_peer_id() for a in first.host.peerstore.get_addrs(announcing.peer_id)]
+
+        await wait_until(lambda: public in known())
+        loopback = [a.without_peer_id() for a in announcing.host.listen_addrs]
+        assert loopback and not any(a in known() for a in loopback), known()
+        nursery.cancel_scope.cancel()
