@@ -271,6 +271,8 @@ class Host:
         # DHT sets it to the addresses it announces (a forwarded public port; only circuit
         # addresses while unreachable), so peers do not first try a LAN address they cannot reach.
         self.announced_addrs: Callable[[], list[Multiaddr]] | None = None
+        # peers whose connections _make_room never closes, with why (e.g. a relay reservation)
+        self._protected: dict[PeerID, set[str]] = {}
         self._closing = False
         # called with every connection as it is registered (hole punching watches these)
         self._connection_hooks: list[Callable[[_Connection], None]] = []
@@ -900,12 +902,33 @@ class Host:
                 "all of them busy)"
             )
 
+    def protect(self, peer_id: PeerID, tag: str) -> None:
+        """Never close connections to ``peer_id`` to make room while ``tag`` holds (a relay
+        reservation lives exactly as long as its connection, which idles between circuits)."""
+        self._protected.setdefault(peer_id, set()).add(tag)
+
+    def unprotect(self, peer_id: PeerID, tag: str) -> None:
+        tags = self._protected.get(peer_id)
+        if tags is not None:
+            tags.discard(tag)
+            if not tags:
+                del self._protected[peer_id]
+
+    def is_protected(self, peer_id: PeerID) -> bool:
+        return peer_id in self._protected
+
     def _make_room(self, reserved: int = 0) -> bool:
         """True if one more connection fits, closing the least recently used idle connection
-        (no open streams) when the limit is reached; False if every connection is busy."""
+        (no open streams, peer not protected) when the limit is reached; False if every
+        connection is busy."""
         if self._connection_count() + reserved < self.limits.max_connections:
             return True
-        idle = [c for group in self._conns.values() for c in group if c.session.num_streams == 0]
+        idle = [
+            c
+            for group in self._conns.values()
+            for c in group
+            if c.session.num_streams == 0 and c.peer_id not in self._protected
+        ]
         if not idle:
             return False
         victim = min(idle, key=lambda c: c.last_used)

@@ -262,6 +262,11 @@ async def dial_circuit(host: Host, expected: PeerID | None, target: Multiaddr) -
 # -- relay service (hop side) -------------------------------------------------------------------
 
 
+# Host.protect tags: the connection a reservation lives on is never closed to make room
+RESERVATION_TAG = "relay: holds a reservation here"
+RELAY_TAG = "relay: our reservation on it"
+
+
 @dataclass
 class RelayLimits:
     """What a relay grants. The defaults are the spec's (2 min and 128 KiB per circuit): enough
@@ -396,6 +401,8 @@ class RelayService:
         self.host.set_stream_handler(HOP_PROTOCOL, None)
         for circuit in list(self.circuits):
             circuit.cut("relay service stopped")
+        for peer in self._reservations:
+            self.host.unprotect(peer, RESERVATION_TAG)
         self._reservations.clear()
         self._per_source.clear()
 
@@ -422,6 +429,7 @@ class RelayService:
         held = self._reservations.pop(peer, None)
         if held is None:
             return
+        self.host.unprotect(peer, RESERVATION_TAG)
         left = self._per_source.get(held.source, 0) - 1
         if left > 0:
             self._per_source[held.source] = left
@@ -559,6 +567,7 @@ class RelayService:
                 return
             self._per_source[source] = self._per_source.get(source, 0) + 1
         self._reservations[peer] = _Held(trio.current_time() + limits.reservation_ttl, source)
+        self.host.protect(peer, RESERVATION_TAG)  # making room must not void the slot
         if not self.host.is_connected(peer):  # it left while we decided: nothing to hold
             self._drop_reservation(peer)
             return
@@ -886,6 +895,7 @@ class RelayClient:
         if rsvp.seconds_left() <= 0:
             raise ProtocolViolationError(f"relay {relay.short()} granted an expired reservation")
         self.reservations[relay] = rsvp
+        self.host.protect(relay, RELAY_TAG)
         logger.info(
             "reserved a relay slot on %s for %.0fs (limit %s)",
             relay.short(),
@@ -989,6 +999,7 @@ class RelayClient:
     def _withdraw(self, relay: PeerID) -> None:
         listen = self.host._listen_addrs
         gone = self._advertised.pop(relay, ())
+        self.host.unprotect(relay, RELAY_TAG)
         for addr in gone:
             if addr in listen:
                 listen.remove(addr)
@@ -996,6 +1007,7 @@ class RelayClient:
             self._notify()
 
     def _on_disconnect(self, peer: PeerID) -> None:
+        self.host.unprotect(peer, RELAY_TAG)
         if self.reservations.pop(peer, None) is not None:
             logger.info("lost the connection to relay %s: its reservation is void", peer.short())
         lost = self._lost.pop(peer, None)

@@ -3,6 +3,7 @@ byte and time limits, caps, and bad input against the relay and the stop handler
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -549,3 +550,23 @@ async def test_dht_peer_reachable_only_through_a_relay():
                 assert a_host.peerstore.get_addrs(b_host.peer_id) == []
                 assert r.peer_id == r_host.peer_id
             nursery.cancel_scope.cancel()
+
+
+async def test_a_full_relay_never_closes_a_reserving_peers_idle_connection():
+    """A relay at its connection limit makes room by closing the least recently used idle
+    connection; a reserving peer's connection idles between circuits, and closing it voids
+    the slot (the spec ties a reservation to its connection). Both ends protect it."""
+    limits = HostLimits(max_connections=3)
+    async with Host.open(limits=limits) as r, Host.open() as a:
+        (raddr,) = await r.listen(LOCAL)
+        service = enable_relay_service(r)
+        await relay_client(a).reserve(r.peer_id, [raddr])
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(4):  # each newcomer needs a slot: the relay closes idle ones
+                other = await stack.enter_async_context(Host.open())
+                await other.connect(raddr)
+            assert r.is_connected(a.peer_id) and service.has_reservation(a.peer_id)
+        assert r.is_protected(a.peer_id) and a.is_protected(r.peer_id)
+        await a.disconnect(r.peer_id)
+        await wait_until(lambda: not r.is_protected(a.peer_id))
+        assert not a.is_protected(r.peer_id)
