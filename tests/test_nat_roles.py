@@ -56,7 +56,7 @@ async def test_relayed_peer_reduces_only_what_its_relay_carries() -> None:
     torch = pytest.importorskip("torch")
     from moshpit.averaging.averager import RELAY_CONTROL_HEADROOM, Averager
 
-    limit = 64 * 1024
+    limit = 128 * 1024
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery)
         r, s = await swarm.public_pair(relay=RelayLimits(circuit_data=limit))
@@ -69,7 +69,7 @@ async def test_relayed_peer_reduces_only_what_its_relay_carries() -> None:
             assert node.relay_limit.data == limit and not node.client_mode
 
         # two peers nobody can dial: they average through a relay, both reducing (16 values
-        # fit the relay's 64 KiB per connection)
+        # fit the relay's 128 KiB per connection, even counted over both directions)
         pair = [
             Averager([torch.full((16,), float(v))], node, "small", **AVERAGING)
             for v, node in ((1, a), (3, c))
@@ -83,7 +83,7 @@ async def test_relayed_peer_reduces_only_what_its_relay_carries() -> None:
 
         # tensors too big for the relay: the relayed peer averages as a client (the public
         # peer reduces everything; the private one reaches it directly)
-        numel = (limit - RELAY_CONTROL_HEADROOM) // 4 + 1
+        numel = (limit // 2 - RELAY_CONTROL_HEADROOM) // 4 + 1  # both directions in one budget
         big = [
             Averager([torch.full((numel,), float(v))], node, "big", **AVERAGING)
             for v, node in ((1, a), (3, r))

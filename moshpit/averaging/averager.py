@@ -208,11 +208,12 @@ class Averager:
     :param client_mode: this peer cannot accept connections: it never leads or reduces.
       Also chosen per round when the DHT node acts as a client (its role follows AutoNAT),
       and when peers reach this one only through a relay whose per-connection byte limit
-      (``node.relay_limit``) is below the whole tensors' float32 size plus
-      ``RELAY_CONTROL_HEADROOM``: a reducer's part is at most that, so such a peer is never
-      picked to reduce more than its relay carries (an auxiliary peer then sits the round
-      out). Leading only takes small matchmaking messages, so a relayed peer whose tensors
-      fit still leads and reduces.
+      (``node.relay_limit``) is below twice (some relays spend one budget on both
+      directions) the whole tensors' float32 size plus ``RELAY_CONTROL_HEADROOM``: no
+      reducer's part is larger than the whole tensors, so such a peer is never picked to
+      reduce more than its relay carries (an auxiliary peer then sits the round out).
+      Leading only takes small matchmaking messages, so a relayed peer whose tensors fit
+      still leads and reduces.
     :param auxiliary: this peer helps reduce but contributes nothing (weight 0).
     :param initial_group_bits: the starting key bits (a string of 0/1; its length is the number
       of bits kept forever). Default: random bits, ``(d-1)*ceil(log2 M)`` of them for a
@@ -792,7 +793,9 @@ class Averager:
         if self.mode == MODE_NODE and getattr(node, "client_mode", False):
             return MODE_CLIENT, "the DHT node acts as a client (peers cannot connect to it)"
         limit = getattr(node, "relay_limit", None)
-        need = self._numel * 4 + RELAY_CONTROL_HEADROOM
+        # both directions: the spec limits each direction, but py-libp2p's relays (and maybe
+        # others) spend one budget on the two together, and a reducer both sends and receives
+        need = 2 * (self._numel * 4 + RELAY_CONTROL_HEADROOM)
         if limit is not None and limit.data and limit.data < need:
             why = (
                 f"peers reach this one only through a relay that passes {limit.data} bytes "
