@@ -202,11 +202,38 @@ async def _serve(
         node.add_role_observer(lambda decision: _say(decision.describe()))
         if initial_peers:
             _say(f"Joined the swarm: this peer sees {_peer_count(node)} other peer(s)")
-        node.host.add_connection_observer(
-            lambda peer: logger.info("peer connected: %s", peer),
-            lambda peer: logger.info("peer disconnected: %s", peer),
-        )
-        await _status_loop(node, args.status_period)
+        async with trio.open_nursery() as nursery:
+            log = ConnectionLog(node.host, nursery)
+            node.host.add_connection_observer(log.connected, log.disconnected)
+            await _status_loop(node, args.status_period)
+
+
+class ConnectionLog:
+    """Logs peers that stay connected for a moment, and their leaving.
+
+    AutoNAT's dial-backs (and port scans) open connections that close within a second,
+    under throwaway PeerIDs; logging each as a peer joining and leaving was noise."""
+
+    SETTLE_SECONDS = 1.0
+
+    def __init__(self, host: Any, nursery: trio.Nursery) -> None:
+        self.host = host
+        self.nursery = nursery
+        self.logged: set[Any] = set()
+
+    def connected(self, peer: Any) -> None:
+        self.nursery.start_soon(self._log_if_still_connected, peer)
+
+    async def _log_if_still_connected(self, peer: Any) -> None:
+        await trio.sleep(self.SETTLE_SECONDS)
+        if self.host.is_connected(peer) and peer not in self.logged:
+            self.logged.add(peer)
+            logger.info("peer connected: %s", peer)
+
+    def disconnected(self, peer: Any) -> None:
+        if peer in self.logged:
+            self.logged.discard(peer)
+            logger.info("peer disconnected: %s", peer)
 
 
 def _say(line: str) -> None:

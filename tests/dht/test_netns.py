@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,14 @@ class NamespacedPeer:
                 ) from None
             if line.startswith(prefix):
                 return line[len(prefix) :].strip()
+
+    def wait_for_text(self, text: str, timeout: float = 30.0) -> None:
+        """Until a line containing ``text`` is printed (log lines start with a timestamp)."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.output):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r}; output so far: {''.join(self.output)}")
+            time.sleep(0.05)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -134,9 +143,10 @@ def test_a_peer_in_another_namespace_joins_with_only_the_printed_line(two_namesp
         assert second.wait_for("--initial-peers").split()[0].startswith(f"/ip4/{SECOND_IP}/")
         joined = second.wait_for("Joined the swarm:")
         assert int(joined.split("sees ")[1].split()[0]) >= 1, joined
+        # the first peer saw the connection that came in over the veth pair (it logs a peer
+        # that stays connected for a second)
+        first.wait_for_text(f"peer connected: {second_id}")
         assert [p.stop() for p in peers] == [0, 0]
-        # the first peer saw the connection that came in over the veth pair
-        assert f"peer connected: {second_id}" in "".join(first.output)
     finally:
         for peer in peers:
             peer.stop()
