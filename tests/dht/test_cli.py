@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,19 @@ def test_eight_processes_join_through_one_bootstrap_and_survive_its_death(tmp_pa
         )
         assert stored["read"] == list(range(20))
 
+        # the bootstrap logs each of the seven once it has stayed connected for a second
+        # (not the clients, whose connections are too short-lived to count as peers)
+        def logged() -> set[str]:
+            return {
+                line.split("peer connected: ")[1].strip()
+                for line in list(bootstrap.output)
+                if "peer connected: " in line
+            }
+
+        deadline = time.monotonic() + 30
+        while len(logged()) < 7 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(logged()) >= 7, "".join(bootstrap.output)
         bootstrap.stop(signal.SIGKILL)
         assert all(p.proc.poll() is None for p in others)
         after = run_client(
@@ -130,14 +144,7 @@ def test_eight_processes_join_through_one_bootstrap_and_survive_its_death(tmp_pa
         )
         assert after == {"read": list(range(20)), "roster": "x"}
         assert [p.stop(signal.SIGTERM) for p in others] == [0] * 7
-        # the bootstrap logged the seven joining (the clients' connections were too short-lived
-        # to count as peers, and the others all knew each other when they joined)
-        joined = {
-            line.split("peer connected: ")[1].strip()
-            for line in bootstrap.output
-            if "peer connected: " in line
-        }
-        assert len(joined) >= 7, "".join(bootstrap.output)
+
     finally:
         for peer in peers:
             if peer.proc.poll() is None:
