@@ -21,6 +21,16 @@ partial holder (``complete=False``) and serves the chunks it already holds (swar
 joiners poll its ``have`` bitmap and fetch from it like from a donor, and ask complete donors
 first for the chunks fewest joiners hold or are fetching (rarest first).
 
+**Relays.** A donor behind a NAT may be reachable only through a circuit relay, whose every
+connection carries a bounded number of bytes (``RelayLimits.circuit_data``, 128 KiB by the
+spec): a state bigger than that would be cut off mid-transfer. So a joiner asks donors it
+reaches directly (or over a hole-punched connection) first, for the manifest as for chunks,
+and fetches from a donor it reaches only through a relay when what is left to fetch (and the
+requests for it: some relays count both directions in one budget) fits the relay's limit with
+:data:`RELAY_HEADROOM` to spare, or when no complete holder it reaches otherwise is left. A relay cutting a transfer is a network failure like any other (the chunks
+go back to the queue and other holders serve them; no ban), and a relayed donor that gets
+hole-punched meanwhile counts as direct from then on.
+
 Wire: :data:`STATE_PROTOCOL`, one stream handler per Host dispatching by prefix; framed msgpack
 requests and answers, one after the other on a stream (a joiner's worker keeps its stream to a
 peer, so the yamux window grows; a malformed request gets ``{"error": reason}``):
@@ -83,6 +93,10 @@ MAX_RECORD_NUMBER = 1 << 53  # epochs and byte counts above this are not plausib
 MAX_FAILURES = 3  # consecutive failed calls before a peer is dropped from this download
 BUSY_BACKOFF = (0.05, 2.0)  # first and largest wait after a "busy" answer, seconds
 SENDING_AT_ONCE = 2  # answers being transmitted at once (more wait their turn)
+# what a relayed connection carries besides the state's chunks: the manifest's framing, the
+# answers' msgpack/yamux/Noise framing, DHT and other RPCs sharing the connection
+RELAY_HEADROOM = 32 * 1024
+REQUEST_BYTES = DIGEST_BYTES + 2  # one digest in a chunk request (msgpack bin header)
 KEEP_STREAM_SECONDS = 30.0  # a server keeps an idle request stream open this long
 REUSE_STREAM_SECONDS = 10.0  # a requester reuses a stream idle at most this long (< the above)
 # \Z, not $: "$" also matches before a final newline, a second spelling of the subkey
@@ -386,6 +400,7 @@ class _Holder:
     gone: bool = False  # dropped (dead, banned): its workers exit
     retry_at: float = 0.0  # a dropped (failing) peer may be tried again from then on
     workers: int = 0
+    relay_note: str = ""  # what we last logged about reaching it only through a relay
 
 
 class _Download:
@@ -407,6 +422,11 @@ class _Download:
         self.changed = trio.Event()
         self.done = trio.Event()
         self.bytes_by_peer: dict[Any, int] = {}
+
+    def bytes_left(self) -> int:
+        """What fetching the rest moves: the chunks, and the digests that ask for them (the
+        other way, but some relays spend one budget on both directions)."""
+        return sum(self.sizes[i] for i in self.remaining) + REQUEST_BYTES * len(self.remaining)
 
     def notify(self) -> None:
         self.changed.set()
@@ -954,6 +974,12 @@ class StateSharing:
             self._retract_partial = self._retract_partial or announced
             self._wake.set()
         used = sorted(p for p, n in dl.bytes_by_peer.items() if n)
+        logger.info(
+            "state of epoch %d verified: %s",
+            manifest.epoch,
+            ", ".join(f"{dl.bytes_by_peer[p]} bytes from {_short(p)}" for p in used)
+            or "every chunk was held already",
+        )
         return DownloadResult(
             manifest,
             tensors,
@@ -993,6 +1019,8 @@ class StateSharing:
         for state in states:
             donors = list(state.donors)
             random.shuffle(donors)
+            # donors we reach directly first: a relay may cut a manifest (and counts its bytes)
+            donors.sort(key=lambda peer: self._path_rank(peer, by_peer[peer]))
             for peer in donors:
                 if self._banned_now(peer):
                     continue
@@ -1132,6 +1160,10 @@ class StateSharing:
                 if h.busy_until > now:
                     await trio.sleep_until(h.busy_until)
                     continue
+                if not await self._may_fetch(dl, h):
+                    with trio.move_on_after(self.refresh_interval):
+                        await dl.changed.wait()
+                    continue
                 batch = dl.pick(h, self.batch_bytes, MAX_DIGESTS_PER_REQUEST)
                 if not batch:
                     with trio.move_on_after(self.refresh_interval):
@@ -1172,21 +1204,7 @@ class StateSharing:
         except Exception as e:
             if not _is_network_error(e):
                 raise
-            h.failures += 1
-            logger.info(
-                "chunk request to %s failed (%d in a row): %s", _short(h.peer), h.failures, e
-            )
-            if h.failures >= MAX_FAILURES:
-                h.gone = True
-                h.retry_at = trio.current_time() + self.request_timeout
-                logger.warning(
-                    "dropping %s from this download for %.0fs: %s",
-                    _short(h.peer),
-                    self.request_timeout,
-                    e,
-                )
-                return 0.0
-            return min(0.1 * 2**h.failures, 2.0)
+            return self._failed(h, "chunk request", e)
         if not isinstance(reply, dict):
             self._drop_bad(h, "sent a malformed chunk response", misbehaving)
             return 0.0
@@ -1245,6 +1263,93 @@ class StateSharing:
         if not dl.remaining:
             dl.done.set()
         return 0.0
+
+    def _failed(self, h: _Holder, what: str, e: BaseException) -> float:
+        """A network failure with ``h`` (no misbehaviour: a dead peer, a relay's cut): after
+        ``MAX_FAILURES`` in a row it is dropped for ``request_timeout`` s. Returns how long
+        its worker should pause."""
+        h.failures += 1
+        logger.info("%s to %s failed (%d in a row): %s", what, _short(h.peer), h.failures, e)
+        if h.failures >= MAX_FAILURES:
+            h.gone = True
+            h.retry_at = trio.current_time() + self.request_timeout
+            logger.warning(
+                "dropping %s from this download for %.0fs: %s",
+                _short(h.peer),
+                self.request_timeout,
+                e,
+            )
+            return 0.0
+        return min(0.1 * 2**h.failures, 2.0)
+
+    # -- which way a holder is reached (module doc, "Relays")
+
+    def _relay_room(self, peer: Any) -> int | None:
+        """None unless we reach ``peer`` only through a relay; then the bytes one connection
+        may carry per direction (0: the relay set no data limit)."""
+        network = getattr(self.node, "network", None)
+        relayed_only = getattr(network, "relayed_only", None)
+        if relayed_only is None or not relayed_only(peer):
+            return None
+        limit = network.relay_limit(peer)
+        return int(getattr(limit, "data", 0) or 0)
+
+    @staticmethod
+    def _fits(dl: _Download, room: int | None) -> bool:
+        """Does what is left of ``dl`` fit one connection that may carry ``room`` bytes?"""
+        return not room or dl.bytes_left() + RELAY_HEADROOM <= room
+
+    def _connected(self, peer: Any) -> bool:
+        is_connected = getattr(self.host, "is_connected", None)
+        return bool(is_connected(peer)) if is_connected is not None else True
+
+    def _path_rank(self, peer: Any, record: _Record) -> int:
+        """0: reached directly now; 1: not connected, a direct address announced; 2: reached
+        only through a relay (so connected, or announcing circuit addresses only)."""
+        if self._connected(peer):
+            return 0 if self._relay_room(peer) is None else 2
+        return 1 if any("/p2p-circuit" not in a for a in record.addrs) else 2
+
+    async def _may_fetch(self, dl: _Download, h: _Holder) -> bool:
+        """May ``h`` be asked for chunks now? Connects first (the connection tells how we
+        reach it). Not when we reach it only through a relay that cannot carry what is left
+        while a complete holder we reach otherwise is there."""
+        if not self._connected(h.peer):
+            try:
+                await self.host.connect(
+                    self.host.peerstore.get_addrs(h.peer),
+                    peer_id=h.peer,
+                    timeout=self.request_timeout,
+                )
+            except Exception as e:
+                if not _is_network_error(e):
+                    raise
+                pause = self._failed(h, "connecting", e)
+                if pause:
+                    await trio.sleep(pause)
+                return False
+        room = self._relay_room(h.peer)
+        if self._fits(dl, room):
+            return True
+        others = [
+            o
+            for o in dl.holders.values()
+            if o is not h and o.complete and not o.gone and self._fits(dl, self._relay_room(o.peer))
+        ]
+        note = "wait" if others else "alone"
+        if h.relay_note != note:
+            h.relay_note = note
+            logger.info(
+                "%s reaches us only through a relay passing %d bytes per connection, less than "
+                "the %d bytes left to fetch: %s",
+                _short(h.peer),
+                room,
+                dl.bytes_left(),
+                f"fetching from {len(others)} other donor(s) instead"
+                if others
+                else "fetching from it anyway, no other donor is reachable otherwise",
+            )
+        return not others
 
     def _drop_bad(self, h: _Holder, why: str, misbehaving: dict[Any, str]) -> None:
         h.gone = True
