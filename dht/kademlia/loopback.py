@@ -98,8 +98,11 @@ class LoopbackNetwork:
             raise PeerUnreachableError(f"cannot reach initial peer {peer_id}")
         return peer_id, (peer_id.to_bytes(),)
 
-    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> None:
+    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes], informant: Any = None) -> None:
         pass  # the fabric routes by PeerID
+
+    def usable_addrs(self, addrs: Sequence[bytes], informant: Any) -> tuple[bytes, ...]:
+        return tuple(addrs)  # PeerIDs, not addresses
 
     def own_addrs(self) -> list[bytes]:
         return [self.peer_id.to_bytes()]

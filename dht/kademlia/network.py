@@ -42,8 +42,14 @@ class RPCNetwork(Protocol):
         """Dial an initial peer given as an address; return (PeerID, its addresses as bytes)."""
         ...
 
-    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> bool | None:
+    def remember_addrs(
+        self, peer_id: Any, addrs: Sequence[bytes], informant: Any = None
+    ) -> bool | None:
         """Note where a peer says it listens; True if that taught us a new address."""
+        ...
+
+    def usable_addrs(self, addrs: Sequence[bytes], informant: Any) -> tuple[bytes, ...]:
+        """``addrs`` less those that cannot name a way to the peer for us (see HostNetwork)."""
         ...
 
     def own_addrs(self) -> list[bytes]: ...
@@ -111,10 +117,30 @@ class HostNetwork:
         self.remember_addrs(peer_id, addrs)
         return peer_id, addrs
 
-    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes]) -> bool:
+    def usable_addrs(self, addrs: Sequence[bytes], informant: Any) -> tuple[bytes, ...]:
+        """``addrs`` (binary multiaddrs) that ``informant`` could have meant for us.
+
+        A loopback address names the machine of whoever uses it, a link-local one its link:
+        from a peer on another machine they would make us, and everyone we pass them on to,
+        dial ourselves. They are kept only when we reach ``informant`` over such an address
+        too (peers on one machine, as in a local swarm). Malformed ones are dropped as well.
+        """
+        scopes = {_address_scope_of_text(c.remote_addr) for c in self._live_connections(informant)}
+        kept = []
+        for raw in addrs:
+            scope = _address_scope(raw)
+            if scope == "malformed" or (scope is not None and scope not in scopes):
+                continue
+            kept.append(raw)
+        return tuple(kept)
+
+    def remember_addrs(self, peer_id: Any, addrs: Sequence[bytes], informant: Any = None) -> bool:
         """Add announced addresses to the peerstore. True if one of them was not known: the
         peer may have moved (e.g. behind a relay), so an earlier failure to reach it says
-        little about the new way in."""
+        little about the new way in. ``informant``: who told us (see :meth:`usable_addrs`;
+        None: nobody, e.g. the address the user gave)."""
+        if informant is not None:
+            addrs = self.usable_addrs(addrs, informant)
         addrs = tuple(addrs)
         if not addrs or self._recent_addrs.get(peer_id) == addrs:
             return False
@@ -213,3 +239,47 @@ def _is_wildcard(maddr: Any) -> bool:
         return ipaddress.ip_address(maddr.tcp_endpoint()[0]).is_unspecified
     except ValueError:  # a DNS name
         return False
+
+
+_IP4, _IP6 = 0x04, 0x29  # multiaddr protocol codes (one varint byte each)
+
+
+def _address_scope(raw: bytes) -> str | None:
+    """ "loopback" / "link-local" for a binary multiaddr starting with such an IP (a circuit
+    address counts by its relay's), None for any other, "malformed" if it cannot be one."""
+    if not raw:
+        return "malformed"
+    if raw[0] == _IP4:
+        if len(raw) < 5:
+            return "malformed"
+        if raw[1] == 127:
+            return "loopback"
+        return "link-local" if raw[1] == 169 and raw[2] == 254 else None
+    if raw[0] == _IP6:
+        if len(raw) < 17:
+            return "malformed"
+        ip = ipaddress.IPv6Address(raw[1:17])
+        if ip.ipv4_mapped is not None:
+            return _address_scope(bytes([_IP4]) + ip.ipv4_mapped.packed)
+        if ip.is_loopback:
+            return "loopback"
+        return "link-local" if ip.is_link_local else None
+    return None
+
+
+def _address_scope_of_text(remote: str) -> str | None:
+    """The scope of a connection's remote address: ``ip:port``, ``[ip6]:port`` (accepted)
+    or a multiaddr text (dialed)."""
+    if remote.startswith("/ip"):
+        host = remote.split("/")[2]
+    else:
+        host = remote.rpartition(":")[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return "loopback"
+    return "link-local" if ip.is_link_local else None

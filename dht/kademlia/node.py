@@ -8,6 +8,7 @@ import math
 import random
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -74,6 +75,9 @@ RELAY_RETRY_AFTER = 30.0
 RELAY_CANDIDATES_PER_PASS = 8
 RELAY_RESERVE_TIMEOUT = 5.0
 MAX_REMEMBERED_REFUSALS = 4096
+# the nodes of this process between DHTNode.open's start and end, held weakly: monitoring
+# (moshpit.metrics) reads their counters from here when scraped
+open_nodes: weakref.WeakSet[DHTNode] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -335,6 +339,8 @@ class DHTNode:
         self.republish_interval = republish_interval
         self.owned = OwnedRecords(max_republish_records, max_republish_bytes)
         self.maintenance = MaintenanceStats()
+        # RPCs this node answered, by type (monitoring reads it; never reset)
+        self.requests_served = {"ping": 0, "store": 0, "find": 0}
         self.routing_table = RoutingTable(self.node_id, bucket_size)
         # peer -> (was it a contact before the first change since the last hand-over pass)
         self._routing_changes: dict[Any, tuple[bool, Contact]] = {}
@@ -449,6 +455,7 @@ class DHTNode:
                 node = cls(network, identity=identity, client_mode=client_mode, **kwargs)
                 node.autonat = _start_autonat(node, autonat)
                 node.relay_setting = relay
+                open_nodes.add(node)
                 visible = [] if client_mode else node.get_visible_maddrs()
                 if visible:
                     logger.info(
@@ -470,6 +477,7 @@ class DHTNode:
                             nursery.start_soon(node._republish_loop)
                         yield node
                     finally:
+                        open_nodes.discard(node)
                         network.set_handler(None)
                         nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
@@ -1064,7 +1072,7 @@ class DHTNode:
             logger.debug("bad ping response from %s: %s", peer_id, e)
             return False
         if not info.client:
-            addrs = info.addrs or tuple(fallback_addrs)
+            addrs = self.network.usable_addrs(info.addrs, peer_id) or tuple(fallback_addrs)
             self.network.remember_addrs(peer_id, addrs)
             self._seen_alive(Contact(peer_id, node_id_of(peer_id), addrs))
         return True
@@ -1085,9 +1093,11 @@ class DHTNode:
         converted = []
         for result in results:
             peers = []
-            for peer_id, addrs in result.peers:
+            for peer_id, announced in result.peers:
                 if peer_id == self.peer_id:
                     continue
+                # never keep (nor pass on) another machine's loopback or link-local address
+                addrs = self.network.usable_addrs(announced, contact.peer_id)
                 if self.network.remember_addrs(peer_id, addrs):
                     # a new way in (e.g. it is behind a relay now): worth another try
                     self.blacklist.register_success(peer_id)
@@ -1404,19 +1414,25 @@ class DHTNode:
     async def _handle_rpc(self, peer_id: Any, raw_request: Any) -> Any:
         """Serve one DHT RPC. Malformed requests raise DHTProtocolError (an error reply)."""
         request = parse_request(raw_request)
-        if not request.sender.client and request.sender.addrs and peer_id != self.peer_id:
-            if self.network.remember_addrs(peer_id, request.sender.addrs):
+        sender_addrs = request.sender.addrs
+        if not request.sender.client and sender_addrs and peer_id != self.peer_id:
+            sender_addrs = self.network.usable_addrs(sender_addrs, peer_id)
+        if not request.sender.client and sender_addrs and peer_id != self.peer_id:
+            if self.network.remember_addrs(peer_id, sender_addrs):
                 self.blacklist.register_success(peer_id)  # alive, and reachable anew
-            self._seen_alive(Contact(peer_id, node_id_of(peer_id), request.sender.addrs))
+            self._seen_alive(Contact(peer_id, node_id_of(peer_id), sender_addrs))
         if isinstance(request, PingRequest):
+            self.requests_served["ping"] += 1
             return {"from": sender_info(self._own_addrs(), self.client_mode)}
         if isinstance(request, StoreRequest):
+            self.requests_served["store"] += 1
             return {
                 "results": [
                     list(result) for result in await self._store_incoming(request.records, peer_id)
                 ]
             }
         if isinstance(request, FindRequest):
+            self.requests_served["find"] += 1
             now = get_dht_time()
             results = []
             for key_id in request.key_ids:

@@ -229,3 +229,45 @@ async def test_the_async_api_raises_the_specific_error_for_any_number_of_peers()
                 initial_peers=[good, "/memory/1/p2p/notapeer", good],
             ):
                 pytest.fail("a node with a malformed initial peer started")
+
+
+async def test_a_remote_peers_loopback_and_link_local_addresses_are_not_kept_or_passed_on():
+    """A loopback address names the machine of whoever uses it, a link-local one its link:
+    learned from a peer on another machine they would make us (and everyone we tell) dial
+    ourselves. They are kept only from informants we reach over such an address too."""
+    from types import SimpleNamespace
+
+    from dht.kademlia.network import HostNetwork
+
+    async with Host.open() as host:
+        network = HostNetwork(host)
+        remote = Identity.generate().peer_id
+        local = Identity.generate().peer_id
+        host._conns[remote] = [SimpleNamespace(alive=True, remote_addr="10.9.8.7:4001")]
+        # an accepted connection names its remote "ip:port", a dialed one by its multiaddr
+        host._conns[local] = [SimpleNamespace(alive=True, remote_addr="/ip4/127.0.0.1/tcp/4001")]
+        announced = [
+            Multiaddr(a).to_bytes()
+            for a in (
+                "/ip4/10.9.8.7/tcp/4001",
+                "/ip4/127.0.0.1/tcp/4001",
+                "/ip6/::1/tcp/4001",
+                "/ip4/169.254.1.2/tcp/4001",
+                "/ip6/fe80::1/tcp/4001",
+                f"/ip4/127.0.0.1/tcp/4002/p2p/{local}/p2p-circuit",
+                f"/ip4/10.9.8.1/tcp/4002/p2p/{local}/p2p-circuit",
+            )
+        ]
+        kept = [str(Multiaddr.from_bytes(a)) for a in network.usable_addrs(announced, remote)]
+        assert kept == [
+            "/ip4/10.9.8.7/tcp/4001",
+            f"/ip4/10.9.8.1/tcp/4002/p2p/{local}/p2p-circuit",
+        ]
+        # from a peer on this machine, its loopback addresses are real ways in
+        assert network.usable_addrs(announced, local) == tuple(
+            a for a in announced if b"\xa9\xfe" not in a[:3] and not a.startswith(b")\xfe\x80")
+        )
+        # and remember_addrs applies the same rule (what the DHT calls for every contact)
+        network.remember_addrs(remote, announced, informant=remote)
+        assert not any("127.0.0.1" in str(a) for a in host.peerstore.get_addrs(remote))
+        host._conns.clear()
