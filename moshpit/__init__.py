@@ -22,6 +22,7 @@ _LAZY = {
     "ProgressTracker": "moshpit.training.progress",
     "handle_preemption": "moshpit.training.preemption",
     "Preempted": "moshpit.training.preemption",
+    "serve_metrics": "moshpit.metrics",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -802,6 +802,18 @@ class Host:
     def is_connected(self, peer_id: PeerID) -> bool:
         return self._best_connection(peer_id) is not None
 
+    def connection_counts(self) -> dict[str, int]:
+        """Live connections by kind: ``{"direct": n, "relayed": m}`` (for monitoring).
+
+        Safe to call from another thread: it counts a snapshot of the bookkeeping, which
+        the loop may change meanwhile."""
+        counts = {"direct": 0, "relayed": 0}
+        for group in list(self._conns.values()):
+            for conn in list(group):
+                if conn.alive:
+                    counts["relayed" if conn.relayed else "direct"] += 1
+        return counts
+
     def connected_peers(self) -> list[PeerID]:
         return [pid for pid, group in self._conns.items() if any(c.alive for c in group)]
 

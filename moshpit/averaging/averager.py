@@ -58,6 +58,18 @@ SCHEMA_VERSION = b"moshpit.tensor-schema.v1"
 # connection: its tensors as uncompressed float32 (no part is larger) plus this much for the
 # connection's handshake, matchmaking and DHT messages.
 RELAY_CONTROL_HEADROOM = 32 * 1024
+# Monitoring hooks (moshpit.metrics adds one): called as ``observer(event, averager, detail)``
+# on the DHT's thread, with event "step" (detail: the StepResult of a finished step) or "ban"
+# (detail: the peer now avoided). Empty unless metrics are on; an observer must be quick.
+observers: list[Callable[[str, Any, Any], None]] = []
+
+
+def _notify(event: str, averager: Any, detail: Any) -> None:
+    for observer in list(observers):
+        try:
+            observer(event, averager, detail)
+        except Exception:  # monitoring must never break a round
+            logger.exception("averaging observer failed")
 
 
 class AveragerLockError(RuntimeError):
@@ -530,6 +542,8 @@ class Averager:
                     )
                     self._banned_until[peer] = trio.current_time() + self.ban_seconds
                     self._failures.pop(peer, None)
+                    if observers:
+                        _notify("ban", self, peer)
             else:
                 self._failures.pop(peer, None)
         if len(self._failures) > 4096:  # bounded: forget the oldest entries
@@ -578,6 +592,12 @@ class Averager:
         timeout: float | None = None,  # noqa: ASYNC109 - same API as step(); enforced inside
     ) -> StepResult:
         """Average once (async API, on the DHT node's trio loop); see :meth:`step`."""
+        result = await self._astep(weight, gather, timeout)
+        if observers:
+            _notify("step", self, result)
+        return result
+
+    async def _astep(self, weight: float, gather: Any, timeout: float | None) -> StepResult:  # noqa: ASYNC109
         self._check_not_holding_lock()  # `with get_tensors(): await astep()` on the loop
         if self._closed:
             raise RuntimeError("the averager was shut down")

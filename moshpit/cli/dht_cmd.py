@@ -91,6 +91,47 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how often to log a status line (default: %(default)s)",
     )
+    add_metrics_arguments(parser)
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` / ``--metrics-addr`` (also used by ``moshpit train``)."""
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://ADDR:PORT/metrics (needs "
+        "pip install 'moshpit-train[metrics]'; 0: a free port; default: no metrics)",
+    )
+    parser.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the metrics endpoint binds to (default: %(default)s, this machine "
+        "only; 0.0.0.0 lets a Prometheus elsewhere scrape it)",
+    )
+
+
+def start_metrics(args: argparse.Namespace, prog: str) -> tuple[Any, int | None]:
+    """Start the metrics endpoint if ``--metrics-port`` was given: (server or None, None),
+    or (None, exit status) after printing why it could not start."""
+    if args.metrics_port is None:
+        return None, None
+    if not 0 <= args.metrics_port <= 65535:
+        print(f"{prog}: --metrics-port must be 0..65535", file=sys.stderr)
+        return None, 2
+    from moshpit.metrics import MetricsUnavailableError, serve_metrics
+
+    try:
+        return serve_metrics(args.metrics_port, args.metrics_addr), None
+    except MetricsUnavailableError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None, 2
+    except OSError as e:  # the port is taken, or the address is not on this machine
+        where = f"{args.metrics_addr}:{args.metrics_port}"
+        print(f"{prog}: cannot serve metrics on {where}: {e.strerror or e}", file=sys.stderr)
+        return None, 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,10 +142,18 @@ def run(args: argparse.Namespace) -> int:
     except MultiaddrError as e:
         print(f"moshpit dht: {e}", file=sys.stderr)
         return 2
+    metrics, status = start_metrics(args, "moshpit dht")
+    if status is not None:
+        return status
+    if metrics is not None:
+        _say(f"Prometheus metrics: {metrics.url}")
     try:
         return trio.run(_main, args, *addresses)
     except KeyboardInterrupt:
         return 0
+    finally:
+        if metrics is not None:
+            metrics.close()
 
 
 def _parse_addresses(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, Any]:

@@ -52,6 +52,9 @@ class Preempted(SystemExit):
 
 
 _active: PreemptionHandler | None = None
+# Monitoring (moshpit.metrics adds one): called as ``observer("signal", handler, name)`` with
+# the signal's name (e.g. "SIGTERM") when a handler receives the first one. Empty by default.
+observers: list[Any] = []
 
 
 class PreemptionHandler:
@@ -109,6 +112,11 @@ class PreemptionHandler:
             return
         self.requested_at = time.monotonic()
         self._signum = signum
+        for observer in list(observers):
+            try:
+                observer("signal", self, signal.Signals(signum).name)
+            except Exception:  # monitoring must never keep a peer from leaving
+                logger.exception("preemption observer failed")
         logger.warning(
             "received %s: leaving the swarm within %.0f s (checkpoint, withdraw, exit 0)",
             signal.Signals(signum).name,

@@ -23,6 +23,7 @@ import logging
 import math
 import shutil
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,12 @@ _SCALAR_TYPES = (int, float, str, bool, type(None))
 # a state that keeps going non-finite although it was reloaded each time is not a glitch
 MAX_RECOVERIES = 5
 RECOVERY_WINDOW = 300.0  # seconds
+# Monitoring (moshpit.metrics): every TrainingStateAverager of this process, held weakly (its
+# epoch and checkpoint counters are read when scraped), and observers called as
+# ``observer("download", state_averager, (error or None, seconds, DownloadResult or None))``
+# after each attempt to load the swarm's state. Empty unless metrics are on.
+live_state_averagers: weakref.WeakSet[TrainingStateAverager] = weakref.WeakSet()
+observers: list[Any] = []
 
 
 class AveragingRound:
@@ -176,6 +183,7 @@ class TrainingStateAverager:
         self.failing_checkpoints = 0  # failures since the last checkpoint that succeeded
         self.last_checkpoint_error: str | None = None
         self.newest_checkpoint_epoch: int | None = None  # of the newest good checkpoint
+        self.last_checkpoint_at: float | None = None  # time.monotonic() it was written at
         self._failure_lock = CriticalLock()
         self._failure_log = RateLimitedLogger(logger, 60.0)
         self.recoveries = 0  # times a non-finite state was replaced by a good one
@@ -190,6 +198,7 @@ class TrainingStateAverager:
         self._start_sharing()
         if self._store is not None and restore_checkpoint:
             self._restore_if_present()
+        live_state_averagers.add(self)
 
     # ------------------------------------------------------------------ the state's tensors
 
@@ -475,7 +484,13 @@ class TrainingStateAverager:
         async def download(_dht: Any, _node: Any) -> Any:
             return await sharing.download(schema, timeout=timeout, sink=self._store)
 
-        result = self.dht.run_coroutine(download)
+        started = time.monotonic()
+        try:
+            result = self.dht.run_coroutine(download)
+        except Exception as e:
+            _notify("download", self, (e, time.monotonic() - started, None))
+            raise
+        _notify("download", self, (None, time.monotonic() - started, result))
         if result.misbehaving:
             logger.warning(
                 "donors that misbehaved while we loaded state: %s",
@@ -636,6 +651,7 @@ class TrainingStateAverager:
             )
         manifest = save_state(self._store, named, epoch, metadata)
         self.newest_checkpoint_epoch = epoch
+        self.last_checkpoint_at = time.monotonic()
         self.failing_checkpoints = 0
         self._publish(manifest)
         logger.info("checkpoint of epoch %d written (%d bytes)", epoch, manifest.total_bytes)
@@ -786,6 +802,14 @@ class TrainingStateAverager:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
+
+
+def _notify(event: str, source: Any, detail: Any) -> None:
+    for observer in list(observers):
+        try:
+            observer(event, source, detail)
+        except Exception:  # monitoring must never break training
+            logger.exception("training-state observer failed")
 
 
 def correct_after_round(
