@@ -199,6 +199,12 @@ def test_volunteer_stops_after_max_steps_with_a_final_report(tmp_path: Path):
         (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--uplink-mbit", "nan"], "--uplink-mbit must be a number of Mbit/s >= 0"),
         (["--uplink-mbit", "-100"], "--uplink-mbit must be a number of Mbit/s >= 0"),
+        (["--name", "x" * 33], "--name: name must be 1..32 characters, got 33"),
+        (
+            ["--name", "ada\nlovelace"],
+            "--name: name must be printable characters without leading/trailing spaces, "
+            "got 'ada\\nlovelace'",
+        ),
     ],
 )
 def test_volunteer_rejects_bad_arguments_in_one_line(argv, message):

@@ -29,6 +29,8 @@ examples:
     moshpit dht --host-maddrs /ip4/0.0.0.0/tcp/31337 --announce-maddrs /ip4/203.0.113.7/tcp/31337
   watch 4 local peers train while some are preempted (SIGTERM / kill -9):
     moshpit demo
+  a live web page of a run (http://127.0.0.1:8080/):
+    moshpit dashboard --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --run-id RUN
 
 Run 'moshpit COMMAND --help' for the options of a command."""
 
@@ -43,6 +45,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "a local swarm trains while peers are preempted (or: averaging)",
     ),
     "status": ("moshpit.cli.status_cmd", "show a run's peers, epochs, donors and health"),
+    "dashboard": (
+        "moshpit.cli.dashboard_cmd",
+        "serve a live web page of a run (peers, throughput, loss, contributions)",
+    ),
     "train": (
         "moshpit.cli.train_cmd",
         "run a volunteer peer: join, train, checkpoint, survive SIGTERM",

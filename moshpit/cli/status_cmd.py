@@ -2,9 +2,10 @@
 
 Joins the DHT as a client (no listening socket, never in anyone's routing table), reads the
 run's progress records (``{prefix}.progress``, see ``moshpit/training/progress.py``) and donor
-records (``{prefix}.state``, see ``moshpit/training/sharing.py``), aggregates them with the same
-rule every peer uses, and prints a table plus a one-line health verdict (``--json``: one JSON
-object instead).
+records (``{prefix}.state``, see ``moshpit/training/sharing.py``) through
+``moshpit/training/run_records.py`` (which ``moshpit dashboard`` reads them through too),
+aggregates them with the same rule every peer uses, and prints a table plus a one-line health
+verdict (``--json``: one JSON object instead).
 
 Exit status: 0 when the run is healthy, 1 when it is not (no peers, stalled, a peer reports a
 NaN loss or state or failing checkpoints, no donor serves the current state) or the DHT could
@@ -17,16 +18,21 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+# the record reading moved to moshpit/training/run_records.py (shared with the dashboard)
+from moshpit.training.run_records import (  # noqa: F401 - re-exported names
+    DIGEST_BYTES,
+    MAX_DONOR_RECORDS,
+    Donor,
+    parse_donor_records,
+)
+
 DEFAULT_TIMEOUT = 20.0
 DEFAULT_STALL_AFTER = 60.0
-MAX_DONOR_RECORDS = 4096
-DIGEST_BYTES = 32  # a state root is a SHA-256 (moshpit/training/manifest.py)
 
 
 class UsageError(ValueError):
@@ -81,15 +87,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------------ the snapshot
 
 
-@dataclass(frozen=True)
-class Donor:
-    peer_id: str
-    epoch: int
-    nbytes: int
-    complete: bool
-    root: str  # hex
-
-
 @dataclass
 class Snapshot:
     """Everything the table, the JSON and the verdict are made from."""
@@ -99,54 +96,6 @@ class Snapshot:
     progress: Any  # moshpit.training.progress.GlobalProgress
     donors: list[Donor] = field(default_factory=list)
     ignored_donors: dict[str, str] = field(default_factory=dict)
-
-
-def parse_donor_records(found: Any) -> tuple[list[Donor], dict[str, str]]:
-    """Donor records from ``node.get(f"{prefix}.state")``, validated (untrusted)."""
-    from moshpit.training.progress import peer_of_subkey
-
-    donors: list[Donor] = []
-    ignored: dict[str, str] = {}
-    value = getattr(found, "value", None)
-    if not isinstance(value, Mapping):
-        return donors, ignored
-    for subkey, entry in list(value.items())[:MAX_DONOR_RECORDS]:
-        peer = peer_of_subkey(subkey)
-        record = getattr(entry, "value", None)
-        if peer is None:
-            ignored[str(subkey)[:80]] = "subkey is not [owner:<PeerID>] (unsigned)"
-            continue
-        if record is None:
-            continue  # withdrawn
-        reason = _donor_problem(record)
-        if reason is not None:
-            ignored[peer] = reason
-            continue
-        donors.append(
-            Donor(
-                peer,
-                record["epoch"],
-                record["bytes"],
-                record["complete"],
-                record["root"].hex(),
-            )
-        )
-    return donors, ignored
-
-
-def _donor_problem(record: Any) -> str | None:
-    if not isinstance(record, Mapping):
-        return f"record is a {type(record).__name__}, not a map"
-    root, epoch = record.get("root"), record.get("epoch")
-    nbytes, complete = record.get("bytes"), record.get("complete")
-    if not isinstance(root, bytes) or len(root) != DIGEST_BYTES:
-        return f"root is not {DIGEST_BYTES} bytes"
-    for name, number in (("epoch", epoch), ("bytes", nbytes)):
-        if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 2**53:
-            return f"{name} {number!r} is not an integer in [0, 2**53)"
-    if not isinstance(complete, bool):
-        return f"complete {complete!r} is not a bool"
-    return None
 
 
 async def collect(
@@ -161,31 +110,19 @@ async def collect(
     Raises ``dht.BootstrapError`` when no initial peer answers and ``trio.TooSlowError``
     after ``time_limit`` seconds.
     """
-    from dht.kademlia.clock import get_dht_time
     from dht.kademlia.node import DHTNode
-    from moshpit.training.progress import aggregate, parse_progress_records, progress_key
+    from moshpit.training.progress import aggregate
+    from moshpit.training.run_records import read_run
 
     with trio.fail_after(time_limit):
         async with DHTNode.open(
             initial_peers=initial_peers, client_mode=True, bootstrap_timeout=time_limit
         ) as node:
-            found: dict[str, Any] = {}
-
-            async def read(key: str) -> None:
-                found[key] = await node.get(key, latest=True)
-
-            state_key = f"{prefix}.state"
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read, progress_key(prefix))
-                nursery.start_soon(read, state_key)
-    now = get_dht_time()
-    # a status reader has no ttl of its own: allow the default tracker's (30 s) lifetime bound
-    records, ignored = parse_progress_records(
-        found[progress_key(prefix)], now=now, max_clock_skew=15.0, max_lifetime=300.0
+            run = await read_run(node, prefix)
+    view = aggregate(
+        run.progress, now=run.now, target_batch_size=target_batch_size, ignored=run.ignored
     )
-    view = aggregate(records, now=now, target_batch_size=target_batch_size, ignored=ignored)
-    donors, ignored_donors = parse_donor_records(found[state_key])
-    return Snapshot(prefix, now, view, donors, ignored_donors)
+    return Snapshot(prefix, run.now, view, run.donors, run.ignored_donors)
 
 
 # ------------------------------------------------------------------------------ the verdict
@@ -246,6 +183,7 @@ def to_json(snapshot: Snapshot, healthy: bool, verdict: str) -> dict[str, Any]:
         peers.append(
             {
                 "peer_id": p.peer_id,
+                "name": p.name,
                 "epoch": p.epoch,
                 "samples": p.samples,
                 "samples_per_second": p.samples_per_second,
@@ -295,6 +233,7 @@ def _age(seconds: float) -> str:
 def print_table(snapshot: Snapshot, verdict: str) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     view = snapshot.progress
     donor_of = {d.peer_id: d for d in snapshot.donors}
@@ -314,8 +253,10 @@ def print_table(snapshot: Snapshot, verdict: str) -> None:
     for p in view.peers:
         donor = donor_of.get(p.peer_id)
         listed.add(p.peer_id)
+        # a name is the peer's own text: a Text, never parsed as rich markup
+        peer = Text(_short(p.peer_id) + (f" {p.name}" if p.name else ""))
         table.add_row(
-            _short(p.peer_id),
+            peer,
             str(p.epoch),
             str(p.samples),
             f"{p.samples_per_second:.1f}",

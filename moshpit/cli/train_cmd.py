@@ -182,6 +182,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "run",
     )
     parser.add_argument(
+        "--name",
+        default=None,
+        help="your display name on the run's dashboard (moshpit dashboard): up to 32 printable "
+        "characters (default: none, the dashboard shows the PeerID)",
+    )
+    parser.add_argument(
         "--seed", type=int, default=None, help="seed of this peer's batch order (default: random)"
     )
     parser.add_argument(
@@ -211,6 +217,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "OMP_NUM_THREADS is used instead when --threads is not given; 0: torch's default, "
         "every core)",
     )
+    from moshpit.cli.dht_cmd import add_metrics_arguments
+
+    add_metrics_arguments(parser)
     # used by `moshpit demo` for its peer processes
     parser.add_argument("--stdin-control", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ignore-sigint", action="store_true", help=argparse.SUPPRESS)
@@ -233,6 +242,13 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--lr, --report-every and --deadline must be > 0"
     if args.mode == "sync" and args.target_batch_size < args.batch_size:
         return "--target-batch-size must be >= --batch-size"
+    if args.name is not None:
+        from moshpit.training.progress import check_name
+
+        try:
+            check_name(args.name)
+        except ValueError as e:
+            return f"--name: {e}"
     return None
 
 
@@ -377,6 +393,7 @@ def _make_optimizer(
         ),
         load_state_timeout=10.0,
         progress_ttl=10.0,
+        name=args.name,
         **mode_options,
     )
 
@@ -418,11 +435,20 @@ def run(args: argparse.Namespace) -> int:
     except PreflightError as e:
         print(f"moshpit train: {e}", file=sys.stderr)
         return 2
+    from moshpit.cli.dht_cmd import start_metrics
+
+    metrics, status = start_metrics(args, "moshpit train")
+    if status is not None:
+        return status
     reporter = _Reporter(args.json)
+    if metrics is not None:
+        reporter.event("metrics", f"Prometheus metrics: {metrics.url}", url=metrics.url)
     try:
         return _train(args, data, reporter)
     finally:
         reporter.stop_live()
+        if metrics is not None:
+            metrics.close()
 
 
 def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:

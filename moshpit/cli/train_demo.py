@@ -23,6 +23,10 @@ to seed on the 539 test images). Verdict OK: the swarm is at most 1 point plus t
 baselines' standard deviation below their mean (or better), no peer was stuck, and every
 preempted peer came back.
 
+With the ``dashboard`` extra installed, the parent also serves ``moshpit dashboard``'s page of
+the run (on a thread, from the bootstrap peer's DHT) and prints its address; ``--no-dashboard``
+turns it off.
+
 Ctrl-C stops every peer, prints the table so far and a one-line summary, exits 130.
 """
 
@@ -52,6 +56,8 @@ SYNC_TARGET_BATCH = 256  # mode sync: samples per global optimizer step
 STOP_TIMEOUT = 30.0
 ACCURACY_TOLERANCE = 0.01  # 1 point, plus twice the baselines' spread
 BASELINE_SEEDS = 5  # baselines trained (batch orders): ~1 s each on one core
+RUN_ID = "demo-digits"
+DASHBOARD_PORT = 8080
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +112,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plot", action="store_true", help="training: write no plot")
     parser.add_argument(
         "--json", action="store_true", help="training: print a JSON summary as the last line"
+    )
+    parser.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=DASHBOARD_PORT,
+        metavar="PORT",
+        help="training: port of the run's live web page on 127.0.0.1 (default: %(default)s; "
+        "any free port when it is taken; needs the 'dashboard' extra)",
+    )
+    parser.add_argument(
+        "--no-dashboard", action="store_true", help="training: serve no live web page"
     )
 
 
@@ -168,7 +185,7 @@ class Swarm:
             sys.executable, "-m", "moshpit.cli.train_cmd",
             "--initial-peers", self.bootstrap, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--identity", slot.identity, "--checkpoint-dir", slot.checkpoint_dir,
-            "--checkpoint-every", "3", "--run-id", "demo-digits", "--mode", args.mode,
+            "--checkpoint-every", "3", "--run-id", RUN_ID, "--mode", args.mode,
             "--target-batch-size", str(SYNC_TARGET_BATCH),
             "--group-size", str(args.group_size), "--max-rate", str(args.max_rate),
             "--seed", str(args.seed * 100_003 + slot.index * 101 + slot.incarnation),
@@ -321,11 +338,14 @@ def _run(args: argparse.Namespace, console: Any, data: Any, record: Record) -> i
 
     bootstrap: DHT | None = None
     swarm: Swarm | None = None
+    dashboard: Any = None
     with tempfile.TemporaryDirectory(prefix="moshpit-demo-") as workdir:
         try:
             bootstrap = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
             maddr = str(bootstrap.get_visible_maddrs()[0])
             console.print(f"bootstrap peer: [bold]{maddr}[/bold]", soft_wrap=True, highlight=False)
+            if not getattr(args, "no_dashboard", False):
+                dashboard = _start_dashboard(args, console, maddr)
             console.print(
                 f"{args.peers} peers train a 64-64-10 MLP on the 8x8 digits (mode {args.mode}, "
                 f"<= {args.max_rate:.0f} samples/s each) until the swarm has seen "
@@ -340,6 +360,8 @@ def _run(args: argparse.Namespace, console: Any, data: Any, record: Record) -> i
         finally:
             # a second Ctrl-C must not leave peers running: finish the clean-up first
             with _sigint_ignored():
+                if dashboard is not None:
+                    dashboard.stop()
                 if swarm is not None:
                     swarm.stop_all()
                 if bootstrap is not None:
@@ -347,6 +369,44 @@ def _run(args: argparse.Namespace, console: Any, data: Any, record: Record) -> i
     if outcome is None:
         return 1
     return _conclude(args, console, data, swarm, record, outcome)
+
+
+def _start_dashboard(args: argparse.Namespace, console: Any, bootstrap: str) -> Any:
+    """Serve the run's live page on a thread (``moshpit dashboard``); print its address, or
+    one line on why there is none. Returns the running dashboard or None."""
+    from moshpit.dashboard.server import (
+        INSTALL_HINT,
+        DashboardThread,
+        MissingDashboardDependency,
+        bind_socket,
+        require_hypercorn,
+    )
+
+    def say(text: str) -> None:
+        console.print(text, soft_wrap=True, highlight=False, markup=False)
+
+    try:
+        require_hypercorn()
+    except MissingDashboardDependency:
+        say(f"dashboard: not installed ({INSTALL_HINT} to watch the run in a browser)")
+        return None
+    port = getattr(args, "dashboard_port", DASHBOARD_PORT)
+    try:
+        sock = bind_socket("127.0.0.1", port)
+    except OSError:
+        try:  # taken (another demo?): any free port
+            sock = bind_socket("127.0.0.1", 0)
+        except OSError as e:
+            say(f"dashboard: none ({e})")
+            return None
+    dashboard = DashboardThread([bootstrap], RUN_ID, sock, interval=1.0)
+    try:
+        url = dashboard.start(timeout=30.0)
+    except Exception as e:  # noqa: BLE001 - the demo runs without its page
+        say(f"dashboard: could not start ({e})")
+        return None
+    say(f"dashboard: {url} (the run live in a browser, while the demo runs)")
+    return dashboard
 
 
 def _plan(args: argparse.Namespace, rng: random.Random) -> list[tuple[float, str]]:

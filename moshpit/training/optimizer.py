@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ LOSS_EMA = 0.9  # weight kept by the older losses in the loss this peer publishe
 __all__ = ["MODES", "Optimizer"]
 
 MODES = ("sync", "local", "diloco")
+# every Optimizer of this process, held weakly: monitoring (moshpit.metrics) reads its
+# counters (local_steps, samples_processed, the tracker's samples/s) from here when scraped
+live_optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
 class Optimizer:
@@ -67,6 +71,8 @@ class Optimizer:
     :param load_state_timeout: how long a newcomer waits for donors before training alone.
     :param progress_ttl: seconds a peer's progress record lives in the DHT: a peer that dies
       stops counting toward the swarm's epoch and batch after at most this long.
+    :param name: this peer's display name on the run's dashboard (``moshpit dashboard``),
+      published with its progress: at most 32 printable characters, or None (the default).
     :param mode_options: the mode's own knobs. ``sync``: ``compression``, ``dgc``,
       ``delay_averaging``, ``round_timeout``. ``local``: ``average_every`` (steps between
       rounds), ``adaptive_period``, ``max_period``, ``wait_for_rounds``, ``compression``.
@@ -92,6 +98,7 @@ class Optimizer:
         averager_options: dict[str, Any] | None = None,
         load_state_timeout: float = 30.0,
         progress_ttl: float = 30.0,
+        name: str | None = None,
         **mode_options: Any,
     ) -> None:
         if mode not in MODES:
@@ -141,7 +148,7 @@ class Optimizer:
         from moshpit.training.progress import ProgressTracker
 
         self.tracker = ProgressTracker(
-            dht, run_id, target_batch_size=target_batch_size, ttl=progress_ttl
+            dht, run_id, target_batch_size=target_batch_size, ttl=progress_ttl, name=name
         )
         try:
             self.mode = make_mode(mode, self, **mode_options)
@@ -151,6 +158,7 @@ class Optimizer:
         # peers of the run with another model are left out of the progress view: no mode
         # waits for them in a round or counts their samples toward the target batch
         self.tracker.set_schema(*self.mode.state.schema_digest())
+        live_optimizers.add(self)
 
     # ------------------------------------------------------------------ the shared state
 

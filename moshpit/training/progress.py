@@ -15,6 +15,11 @@ reader that knows its own schema leaves it out of everything (epoch, samples, pe
 lists it in :attr:`GlobalProgress.other_schemas`. Otherwise the training modes would wait for
 it in every round (it never joins one) and count its samples toward our batch.
 
+A record may also carry a display ``name`` its volunteer chose (at most
+:data:`MAX_NAME_CHARS` printable characters; see :func:`check_name`) and whether the peer is a
+DHT ``client`` (not reachable: behind a NAT) or a server, for dashboards (``moshpit
+dashboard``). Both are cosmetic: a malformed name is dropped, never the record.
+
 Torch-free on purpose: ``moshpit status`` uses :func:`aggregate` on a bootstrap-sized VM.
 
 Two ways to drive it, as with the averager:
@@ -48,6 +53,7 @@ __all__ = [
     "PeerProgress",
     "ProgressTracker",
     "aggregate",
+    "check_name",
     "owner_subkey",
     "parse_progress_record",
     "peer_of_subkey",
@@ -63,6 +69,33 @@ MAX_LOSS = 1e12  # a published loss is clamped to +-this (a number, not a verdic
 MAX_CHECKPOINT_FAILURES = 2**31
 MAX_SCHEMA_BYTES = 64  # a model-schema hash (trainers send 16 bytes)
 EWMA_DECAY = 0.9  # per report: weight kept by the older samples/seconds sums
+MAX_NAME_CHARS = 32  # a volunteer's display name (ProgressTracker(name=...))
+
+
+def check_name(name: Any) -> str | None:
+    """A volunteer's display name as published: None, or 1..``MAX_NAME_CHARS`` printable
+    characters without leading or trailing spaces (``str.isprintable``: no control, format or
+    separator characters but the space, so no newlines and no right-to-left overrides).
+    Raises ``ValueError`` for anything else (readers use :func:`valid_name`)."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise ValueError(f"name must be a string, got {type(name).__name__}")
+    if not 0 < len(name) <= MAX_NAME_CHARS:
+        raise ValueError(f"name must be 1..{MAX_NAME_CHARS} characters, got {len(name)}")
+    if not name.isprintable() or name != name.strip():
+        raise ValueError(
+            f"name must be printable characters without leading/trailing spaces, got {name!r}"
+        )
+    return name
+
+
+def valid_name(name: Any) -> str | None:
+    """``name`` if it passes :func:`check_name`, else None (an untrusted record's name)."""
+    try:
+        return check_name(name)
+    except ValueError:
+        return None
 
 
 def progress_key(prefix: str) -> str:
@@ -94,7 +127,9 @@ class PeerProgress:
     the peer's recent training loss (clamped to +-``MAX_LOSS``), ``finite`` is False when its
     loss or state went NaN/Inf, ``checkpoint_failures`` counts its background checkpoints
     that failed in a row (a full or read-only disk). ``schema`` hashes the names and shapes
-    of its training state (None: an older peer that does not send it).
+    of its training state (None: an older peer that does not send it). ``name`` is the display
+    name its volunteer chose (None: none, or a malformed one); ``client`` is True for a DHT
+    client (not reachable), False for a server, None when the peer does not say.
     """
 
     peer_id: str
@@ -106,6 +141,8 @@ class PeerProgress:
     finite: bool = True
     checkpoint_failures: int = 0
     schema: bytes | None = None
+    name: str | None = None
+    client: bool | None = None
 
     @property
     def problem(self) -> str | None:
@@ -133,6 +170,8 @@ class GlobalProgress:
     # peers of the run whose model has another schema than the reader's: {peer: schema hex},
     # left out of everything above (at most MAX_IGNORED_REASONS of them listed)
     other_schemas: dict[str, str] = field(default_factory=dict)
+    # each listed peer's samples/s after the throughput clamp (see aggregate)
+    throughput: dict[str, float] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
@@ -200,8 +239,19 @@ def parse_progress_record(
         isinstance(schema, bytes) and 0 < len(schema) <= MAX_SCHEMA_BYTES
     ):
         return None, f"schema is not 1..{MAX_SCHEMA_BYTES} bytes"
+    client = value.get("client")
     record = PeerProgress(
-        peer_id, int(epoch), int(samples), float(sps), float(when), loss, finite, failures, schema
+        peer_id,
+        int(epoch),
+        int(samples),
+        float(sps),
+        float(when),
+        loss,
+        finite,
+        failures,
+        schema,
+        valid_name(value.get("name")),
+        client if isinstance(client, bool) else None,
     )
     return record, None
 
@@ -384,6 +434,7 @@ def aggregate(
         ignored=notes,
         time=now,
         other_schemas=others,
+        throughput=clamped_sps,
     )
 
 
@@ -398,6 +449,8 @@ class ProgressTracker:
     :param min_refresh_period: the fewest seconds between two publications (rate limit on
         reports) and between two reads of the DHT.
     :param max_refresh_period: the most seconds between two reads of the DHT.
+    :param name: a display name for dashboards (``moshpit dashboard``), published with the
+        record: 1..32 printable characters (see :func:`check_name`), or None.
     """
 
     def __init__(
@@ -414,6 +467,7 @@ class ProgressTracker:
         throughput_tolerance: float = 1.5,
         max_clock_skew: float = 15.0,
         request_timeout: float | None = None,
+        name: str | None = None,
     ):
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
@@ -472,6 +526,7 @@ class ProgressTracker:
         self._schema: bytes | None = None
         self._schema_description = ""
         self._warned_schemas: set[str] = set()  # other schemas already warned about (bounded)
+        self._name = check_name(name)
 
         self._token: trio.lowlevel.TrioToken | None = None
         self._wakeup: trio.Event | None = None
@@ -575,6 +630,21 @@ class ProgressTracker:
                 self._version += 1
 
     @property
+    def name(self) -> str | None:
+        return self._name
+
+    def set_name(self, name: str | None) -> None:
+        """Publish ``name`` (or none) as this peer's display name with the next record."""
+        name = check_name(name)
+        with self._lock:
+            changed = name != self._name
+            if changed:
+                self._name = name
+                self._version += 1
+        if changed:
+            self._wake()
+
+    @property
     def samples_per_second(self) -> float:
         with self._lock:
             return self._ewma_samples / self._ewma_seconds if self._ewma_seconds > 0 else 0.0
@@ -597,6 +667,7 @@ class ProgressTracker:
                 finite,
                 self._checkpoint_failures,
                 self._schema,
+                self._name,
             )
 
     @property
@@ -784,9 +855,14 @@ class ProgressTracker:
                 value["ckf"] = min(mine.checkpoint_failures, MAX_CHECKPOINT_FAILURES - 1)
             if mine.schema is not None:
                 value["s"] = mine.schema
+            if mine.name is not None:
+                value["name"] = mine.name
+            node = self._get_node()
+            client = getattr(node, "client_mode", None)
+            if isinstance(client, bool):
+                value["client"] = client
             expiration = max(now + self.ttl, self._last_expiration + 1e-3)
             self._last_expiration = expiration
-            node = self._get_node()
             stored = await node.store(
                 self.key, value, expiration, subkey=owner_subkey(node.peer_id)
             )
