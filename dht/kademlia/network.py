@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -72,6 +74,7 @@ class HostNetwork:
         # False once AutoNAT found that nobody can dial our own (non-relayed) listen addresses:
         # then only circuit addresses are announced (set by the DHT node's role logic)
         self.direct_reachable = True
+        self._local_ips_cache: tuple[float, frozenset[str]] | None = None
         if hasattr(host, "announced_addrs"):  # what identify tells peers: what we announce
             host.announced_addrs = self.visible_maddrs
 
@@ -125,7 +128,10 @@ class HostNetwork:
         dial ourselves. They are kept only when we reach ``informant`` over such an address
         too (peers on one machine, as in a local swarm). Malformed ones are dropped as well.
         """
-        scopes = {_address_scope_of_text(c.remote_addr) for c in self._live_connections(informant)}
+        local = self._local_ips()
+        scopes = {
+            _address_scope_of_text(c.remote_addr, local) for c in self._live_connections(informant)
+        }
         kept = []
         for raw in addrs:
             scope = _address_scope(raw)
@@ -181,6 +187,22 @@ class HostNetwork:
         return [a if a.peer_id is not None else a.with_peer_id(self.peer_id) for a in addrs]
 
     # -- read-only views of the Host's connections (roles and averaging read these) --------
+
+    def _local_ips(self) -> frozenset[str]:
+        """This machine's interface addresses, looked up at most once a minute (a peer that
+        connects from one of them runs here, and its loopback addresses are real)."""
+        now = time.monotonic()
+        if self._local_ips_cache is None or now - self._local_ips_cache[0] > 60.0:
+            from dht.p2p.transport import local_ip_addresses
+
+            ips: set[str] = set()
+            for family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    ips.update(local_ip_addresses(family))
+                except OSError:
+                    pass
+            self._local_ips_cache = (now, frozenset(ips))
+        return self._local_ips_cache[1]
 
     def _live_connections(self, peer_id: Any) -> list[Any]:
         return [c for c in self.host._conns.get(peer_id, ()) if c.alive]
@@ -267,9 +289,10 @@ def _address_scope(raw: bytes) -> str | None:
     return None
 
 
-def _address_scope_of_text(remote: str) -> str | None:
+def _address_scope_of_text(remote: str, local_ips: frozenset[str] = frozenset()) -> str | None:
     """The scope of a connection's remote address: ``ip:port``, ``[ip6]:port`` (accepted)
-    or a multiaddr text (dialed)."""
+    or a multiaddr text (dialed). A remote IP that is one of ours (``local_ips``) is this
+    machine: "loopback" as well."""
     if remote.startswith("/ip"):
         host = remote.split("/")[2]
     else:
@@ -280,6 +303,6 @@ def _address_scope_of_text(remote: str) -> str | None:
         return None
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    if ip.is_loopback:
+    if ip.is_loopback or str(ip) in local_ips:
         return "loopback"
     return "link-local" if ip.is_link_local else None

@@ -267,6 +267,11 @@ async def test_a_remote_peers_loopback_and_link_local_addresses_are_not_kept_or_
         assert network.usable_addrs(announced, local) == tuple(
             a for a in announced if b"\xa9\xfe" not in a[:3] and not a.startswith(b")\xfe\x80")
         )
+        # a peer that connected from one of this machine's own addresses runs here too
+        here = Identity.generate().peer_id
+        network._local_ips_cache = (float("inf"), frozenset({"10.9.8.250"}))
+        host._conns[here] = [SimpleNamespace(alive=True, remote_addr="10.9.8.250:50000")]
+        assert network.usable_addrs(announced, here) == network.usable_addrs(announced, local)
         # and remember_addrs applies the same rule (what the DHT calls for every contact)
         network.remember_addrs(remote, announced, informant=remote)
         assert not any("127.0.0.1" in str(a) for a in host.peerstore.get_addrs(remote))
