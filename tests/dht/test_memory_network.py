@@ -45,10 +45,12 @@ async def test_real_hosts_store_get_dictionary_and_dead_peers(autojump_clock, vi
 
 
 @pytest.mark.slow
-async def test_256_real_hosts_on_the_memory_network(autojump_clock, virtual_dht_time):
+async def test_128_real_hosts_on_the_memory_network(autojump_clock, virtual_dht_time):
+    """Full hosts (Noise, yamux) cost 2-5 ms of CPU per connection, so this stays at 128
+    (256 took ~2 min under a parallel test run); benchmarks/ run the real code at 1024."""
     rng = random.Random(12)
     net = MemoryNetwork(latency=0.005)
-    async with open_swarm(256, memory_network=net, seed=12) as swarm:
+    async with open_swarm(128, memory_network=net, seed=12) as swarm:
         nodes = swarm.nodes
         expiration = get_dht_time() + 1000
         stored = await nodes[0].store_many([(f"big{i}", None, i, expiration) for i in range(100)])
