@@ -232,6 +232,16 @@ def test_volunteer_behind_nat_trains_serves_its_state_to_a_newcomer_and_leaves(t
             public.wait_for("P's preempted event", lambda e: e["event"] == "preempted", 1)
             assert "left the swarm in" in public.log()  # its state announcement withdrawn
             vol.wait_for("V's progress", _progress(2), timeout=5)
+            # if P held one of V's relay slots, V moves it to another public peer (and says
+            # so) before a newcomer could reach it through P's dead address
+            p_prefix = f"/ip4/{tb.addr('pub3')}/"
+            deadline = time.monotonic() + 40
+            while True:
+                slots = [e for e in vol.drain() if e["event"] == "reachability"][-1]["relay_addrs"]
+                if slots and not any(a.startswith(p_prefix) for a in slots):
+                    break
+                assert time.monotonic() < deadline, f"V kept its relay slot on P: {slots}"
+                time.sleep(0.2)
             served = max(e["epoch"] for e in vol.drain() if e["event"] == "progress")
             # -- a newcomer behind another NAT loads the state from V ----------------------------
             new = _train(tb, "home1", "N", tmp_path, boot)

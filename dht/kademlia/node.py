@@ -824,6 +824,16 @@ class DHTNode:
         # whole neighbourhood; with only beam_size, neighbours ranked 5-10 from a key often
         # never met, so later lookups could stop short of the nearest replicas (issue 3).
         await self.find_nearest_peers(self.node_id, self.bucket_size)
+        # ... and then refresh every bucket farther away than our own (Kademlia's join, second
+        # half), in the background. The self-lookup only meets peers near us: when everyone
+        # joins through one address, far buckets would hold little more than that peer until
+        # the periodic refresh, and at 1024 peers 2-4 % of fresh keys were stored on (and read
+        # from) peers outside their true nearest (benchmarks/sim_dht.py, docs/dht.md).
+        for bucket in list(self.routing_table.buckets):
+            if not bucket.covers(self.node_id):
+                self._spawn(
+                    self.find_nearest_peers, random_id(bucket.lower, bucket.upper), self.beam_size
+                )
         logger.info(
             "joined the DHT through %d initial peer(s); %d contacts",
             len(joined),

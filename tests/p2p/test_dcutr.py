@@ -319,9 +319,12 @@ async def test_relayed_connection_is_upgraded_to_a_direct_one():
         await a.connect([caddr])  # A dials B through the relay
         assert a._best_connection(b.peer_id).relayed
         await wait_until(lambda: b.hole_puncher.results and a.hole_puncher.results)
-        (b_result,) = b.hole_puncher.results
-        (a_result,) = a.hole_puncher.results
-        assert b_result.initiated and b_result.success and b_result.attempts == 1
+        (b_result,) = b.hole_puncher.results  # one upgrade: B's attempts are inside it
+        # on one idle machine the first attempt works; under a loaded CI box a handshake may
+        # time out and B tries again (A then saw one exchange per attempt)
+        assert b_result.initiated and b_result.success and 1 <= b_result.attempts <= 3
+        await wait_until(lambda: a.hole_puncher.results[-1].success)
+        a_result = a.hole_puncher.results[-1]
         assert not a_result.initiated and a_result.success
         (a_conn,) = _direct(a, b.peer_id)
         (b_conn,) = _direct(b, a.peer_id)
