@@ -18,13 +18,11 @@ from typing import Any
 
 import trio
 
+from moshpit.cli.status_cmd import UsageError, _parse_initial_peers
+
 DEFAULT_PORT = 8080
 DEFAULT_ADDR = "127.0.0.1"
 DEFAULT_TIMEOUT = 20.0
-
-
-class UsageError(ValueError):
-    """A command-line value that cannot work (one line, exit status 2)."""
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -87,13 +85,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> list[Any]:
     """The parsed initial peers; raises UsageError for a value that cannot work."""
-    from moshpit.cli.status_cmd import UsageError as StatusUsageError
-    from moshpit.cli.status_cmd import _parse_initial_peers
-
-    try:
-        initial_peers = _parse_initial_peers(args.initial_peers)
-    except StatusUsageError as e:
-        raise UsageError(str(e)) from None
+    initial_peers = _parse_initial_peers(args.initial_peers)
     if not args.prefix:
         raise UsageError("--run-id must not be empty")
     if not 0 <= args.port <= 65535:
