@@ -141,6 +141,11 @@ class GroupKeyManager:
         self.adaptive = adaptive
         self._estimates: deque[float] = deque(maxlen=ESTIMATE_WINDOW)
         self._since_resize = 0
+        # size of the last group we averaged in (None before the first), and rounds missed
+        # since: they say where a peer that missed one round finds a free place (see
+        # update_without_group)
+        self._last_group_size: int | None = None
+        self._missed = 0
 
     @property
     def key(self) -> str:
@@ -232,6 +237,7 @@ class GroupKeyManager:
         """
         members = list(members)
         position = group_position(group_id, len(members), members.index(me))
+        self._last_group_size, self._missed = len(members), 0
         if declared is not None:
             self.observe_declared(declared)
         self._shift_in(position)
@@ -240,10 +246,28 @@ class GroupKeyManager:
         return self.key
 
     def update_without_group(self, declared: int | None = None) -> str:
-        """No group formed: move to a random neighbouring key so lonely peers find company."""
+        """No group formed: move to the key where this peer's line leaves a free place.
+
+        The peers of our line that did form a group shift in positions ``0..n-2`` of a group
+        of ``n - 1``; position ``n - 1`` is the one nobody takes. On a full grid that is the
+        only key of the next round short of a peer, so moving there makes every group whole
+        again at once; a random key would be full (its group starts without us) with chance
+        ``(M - 1) / M``, round after round. ``n`` is the larger of our last group's size and
+        the peers seen under the key this round (``declared``, us included).
+
+        After a second miss in a row the line is not the explanation (an empty corner of the
+        grid, a full key): move to a random neighbouring key, so lonely peers find company.
+        """
         if declared is not None:
             self.observe_declared(declared)
-        self._shift_in(self._rng.randrange(1 << self.coord_bits))
+        self._missed += 1
+        line = max(self._last_group_size or 0, declared or 0)
+        if self._missed == 1 and line >= 1:
+            axis = max(2, min(self.target_group_size, 1 << self.coord_bits))
+            coordinate = min(line, axis) - 1
+        else:
+            coordinate = self._rng.randrange(1 << self.coord_bits)
+        self._shift_in(coordinate)
         if self.adaptive:
             self._resize(None)
         return self.key

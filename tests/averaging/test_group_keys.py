@@ -131,3 +131,56 @@ def test_update_without_group_keeps_length():
     keys = {m.update_without_group() for _ in range(20)}
     assert all(len(parse_group_key(k)[1]) == 4 for k in keys)
     assert len(keys) > 1
+
+
+def _grid_managers(side: int, dims: int, seed: int) -> list[GroupKeyManager]:
+    """A full ``side ** dims`` grid: every key holds exactly ``side`` peers."""
+    b = coordinate_bits(side)
+    managers = []
+    for i in range(side**dims):
+        coords = [(i // side**k) % side for k in range(1, dims)]
+        bits = "".join(format(c, f"0{b}b") for c in coords)
+        managers.append(GroupKeyManager("g", side, initial_group_bits=bits, rng=random.Random(seed + i)))
+    return managers
+
+
+def _one_round(managers: list[GroupKeyManager], missing: set[int], rng: random.Random) -> None:
+    """Everyone but ``missing`` averages in the group of its key; the missing peers get none."""
+    groups = defaultdict(list)
+    for i, m in enumerate(managers):
+        if i not in missing:
+            groups[m.key].append(i)
+    sizes = {i: len(groups[m.key]) + 1 for i, m in enumerate(managers) if i in missing}
+    for g in groups.values():
+        group_id = rng.randbytes(16)
+        for i in g:
+            managers[i].update_after_round(group_id, g, i)
+    for i in missing:
+        managers[i].update_without_group(declared=sizes[i])
+
+
+@pytest.mark.parametrize("side, dims", [(4, 2), (8, 2), (4, 3)])
+def test_a_peer_that_missed_a_round_moves_into_the_hole_its_line_leaves(side, dims):
+    # On a full grid the members of a line that lost one peer take positions 0..M-2, so one
+    # key of the next round lacks a peer. The peer that missed the round must land exactly
+    # there, or it sits alone beside full groups until chance puts it in the hole (~M rounds).
+    rng = random.Random(7)
+    for missing in range(0, side**dims, 3):
+        managers = _grid_managers(side, dims, seed=100 * missing)
+        _one_round(managers, set(), rng)  # a normal round first: the missing peer had a group
+        _one_round(managers, {missing}, rng)
+        counts = defaultdict(int)
+        for m in managers:
+            counts[m.key] += 1
+        assert sorted(counts.values()) == [side] * side ** (dims - 1), (missing, dict(counts))
+
+
+def test_a_peer_missing_round_after_round_wanders_at_random():
+    # the hole rule is for one missed round; a peer alone again and again (an empty line,
+    # a full key) must keep moving to random keys so that lonely peers find company
+    m = GroupKeyManager("p", 4, initial_group_bits="0101", rng=random.Random(3))
+    m.update_after_round(b"x" * 16, [0, 1, 2, 3], 0)
+    first = m.update_without_group(declared=4)
+    assert first.endswith("11")  # position 3 of a line of 4: the hole the other 3 leave
+    later = {m.update_without_group(declared=4)[-2:] for _ in range(30)}
+    assert len(later) > 1
