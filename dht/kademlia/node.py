@@ -263,6 +263,7 @@ class _SharedSearch:
     def __init__(self) -> None:
         self.done = trio.Event()
         self.result: LookupResult | None = None
+        self.lookup: Lookup | None = None  # set once it runs: impatient callers read it early
 
 
 class DHTNode:
@@ -1135,17 +1136,27 @@ class DHTNode:
         result = await self._lookup(target_id, beam_size=count or self.bucket_size, mode="nearest")
         return result.nearest
 
-    async def _lookup(self, target_id: int, beam_size: int, mode: str) -> LookupResult:
-        """Run (or join) the lookup of ``target_id``; concurrent identical lookups share one."""
+    async def _lookup(
+        self, target_id: int, beam_size: int, mode: str, patience: float | None = None
+    ) -> LookupResult:
+        """Run (or join) the lookup of ``target_id``; concurrent identical lookups share one.
+
+        ``patience``: return the responses so far after this many seconds; the lookup itself
+        goes on for the callers that wait for all of it.
+        """
         tag = (target_id, f"{mode}:{beam_size}")
         search = self._searches.get(tag)
         if search is None:
             search = self._searches[tag] = _SharedSearch()
             assert self._nursery is not None, "the node is not running"
             self._nursery.start_soon(self._run_search, tag, search, target_id, beam_size, mode)
-        await search.done.wait()
-        assert search.result is not None
-        return search.result
+        with trio.move_on_after(math.inf if patience is None else patience):
+            await search.done.wait()
+        if search.result is not None:
+            return search.result
+        if search.lookup is None:  # not started yet: nobody answered
+            return LookupResult(nearest=[])
+        return search.lookup.snapshot()
 
     async def _run_search(
         self, tag: Any, search: _SharedSearch, target_id: int, beam_size: int, mode: str
@@ -1172,6 +1183,7 @@ class DHTNode:
             is_banned=lambda peer: self.blacklist.is_banned(peer, get_dht_time()),
             stop_when=stop_when,
         )
+        search.lookup = lookup
         try:
             async with self._lookup_limiter:
                 with trio.move_on_after(self.lookup_timeout):
@@ -1258,7 +1270,15 @@ class DHTNode:
             return False, reason
         return self.storage.store(id_from_bytes(record.key), record, get_dht_time())
 
-    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+    async def store(
+        self,
+        key: Any,
+        value: Any,
+        expiration_time: float,
+        subkey: Any = None,
+        *,
+        patience: float | None = None,
+    ) -> bool:
         """Store ``value`` under ``key`` (or ``key[subkey]``) on the num_replicas nearest peers.
 
         Returns True if at least one replica accepted it. This node then republishes the record
@@ -1266,13 +1286,37 @@ class DHTNode:
         :class:`RecordRejectedError` if the record is invalid before it leaves this node (too
         large, expired, unsigned owner key, ...), and TypeError if it is not
         msgpack-serializable.
+
+        ``patience`` (seconds): store on the nearest peers that answered the lookup by then.
+        One peer on the way that stalls otherwise holds the store for ``rpc_timeout``, and a
+        caller with a shorter deadline of its own cancels it before any replica has it.
         """
         key_id, record = self._make_record(key, subkey, value, expiration_time)
         reason = self._check_record(record)
         if reason is not None:
             raise RecordRejectedError(reason)
-        results = await self._store_records({key_id: [((key, subkey), record)]})
+        results = await self._store_records({key_id: [((key, subkey), record)]}, patience)
         return results[(key, subkey)]
+
+    def store_in_background(
+        self, key: Any, value: Any, expiration_time: float, subkey: Any = None, *, timeout: float
+    ) -> bool:
+        """Start :meth:`store` without waiting for it; False if the node cannot take more
+        background work right now (or is not running).
+
+        For records whose loss costs little but whose delay would hold the caller up, such
+        as a matchmaking declaration withdrawn once its group formed: the caller goes on at
+        once. The store gives up after ``timeout`` seconds; its failure is only logged.
+        """
+
+        async def store() -> None:
+            with trio.move_on_after(timeout):
+                try:
+                    await self.store(key, value, expiration_time, subkey=subkey)
+                except (RecordRejectedError, TypeError) as e:
+                    logger.warning("background store of %r/%r failed: %s", key, subkey, e)
+
+        return self._spawn(store)
 
     async def store_many(self, items: Iterable[StoreItem]) -> dict[tuple[Any, Any], bool]:
         """Store many ``(key, subkey, value, expiration_time)`` items with batched RPCs.
@@ -1294,19 +1338,23 @@ class DHTNode:
         outcome.update(await self._store_records(by_key))
         return outcome
 
-    async def _store_records(self, by_key: dict[int, list[Named]]) -> dict[Any, bool]:
+    async def _store_records(
+        self, by_key: dict[int, list[Named]], patience: float | None = None
+    ) -> dict[Any, bool]:
         """Store records written by this node (their origin) and remember them to republish."""
         if self.republish_interval is not None:
             now = get_dht_time()
             for key_id, entries in by_key.items():
                 for _, record in entries:
                     self.owned.add(key_id, record, now)
-        tally = await self._place_records(by_key)
+        tally = await self._place_records(by_key, patience)
         if self.republish_interval is not None:
             self._forget_superseded(by_key, tally)
         return {name: counts[0] > 0 for name, counts in tally.items()}
 
-    async def _place_records(self, by_key: dict[int, list[Named]]) -> dict[Any, list[int]]:
+    async def _place_records(
+        self, by_key: dict[int, list[Named]], patience: float | None = None
+    ) -> dict[Any, list[int]]:
         """Place valid records on their replicas: one lookup per key, one batched RPC per peer.
 
         Returns ``{name: [replicas that accepted, replicas that called it outdated]}``.
@@ -1322,7 +1370,9 @@ class DHTNode:
                 tally[name][1] += 1
 
         async def place(key_id: int, entries: list[Named]) -> None:
-            result = await self._lookup(key_id, beam_size=self.beam_size, mode="nearest")
+            result = await self._lookup(
+                key_id, beam_size=self.beam_size, mode="nearest", patience=patience
+            )
             replicas = result.nearest[: self.num_replicas]
             if not self.client_mode:
                 worst = (
@@ -1362,12 +1412,18 @@ class DHTNode:
 
     # ------------------------------------------------------------------ get
 
-    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration | None:
+    async def get(
+        self, key: Any, latest: bool = False, *, patience: float | None = None
+    ) -> ValueWithExpiration | None:
         """Find the value of ``key``; None if no live record exists.
 
         ``latest=False`` returns as soon as any valid plain value is found; ``latest=True``
         asks every replica in the beam and returns the newest. Dictionary values are always
         merged across all replicas found (each subkey's newest record wins).
+
+        ``patience`` (seconds): merge what the replicas answered by then instead of waiting
+        for every one. One replica that stalls (no answer, no refusal) otherwise holds the
+        read for ``rpc_timeout``; a caller with a deadline of its own would get nothing.
         """
         key_bytes = serialize(key)
         key_id = id_from_bytes(key_bytes)
@@ -1377,7 +1433,7 @@ class DHTNode:
             if value is not None:
                 return value
         mode = "all-values" if latest else "first-value"
-        result = await self._lookup(key_id, beam_size=self.beam_size, mode=mode)
+        result = await self._lookup(key_id, beam_size=self.beam_size, mode=mode, patience=patience)
         entry_lists: list[tuple[Any, list[Any]]] = [
             (c, r.entries) for c, r in result.responses if r.entries
         ]

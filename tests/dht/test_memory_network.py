@@ -64,3 +64,36 @@ async def test_128_real_hosts_on_the_memory_network(autojump_clock, virtual_dht_
                 n.peer_id for n in sorted(nodes, key=lambda n: n.node_id ^ target) if n is not node
             ][:20]
             assert found == truth
+
+
+async def test_patient_get_returns_what_live_replicas_said_beside_a_stalled_one(
+    autojump_clock, virtual_dht_time
+):
+    # A replica whose links went down (a machine that froze, a cable pulled) answers nothing
+    # and refuses nothing: a latest-value read waited for it until the RPC timeout. A reader
+    # with a deadline of its own (matchmaking re-reads a key every 0.25 s and gives a read
+    # 3 s) then got nothing at all. With ``patience`` it gets what the others answered.
+    net = MemoryNetwork(latency=0.002)
+    async with open_swarm(16, memory_network=net, seed=5, rpc_timeout=3.0) as swarm:
+        nodes = swarm.nodes
+        expiration = get_dht_time() + 300
+        for i, node in enumerate(nodes[:4]):
+            assert await node.store("line", i, expiration, subkey=str(node.peer_id))
+        nearest = sorted(nodes, key=lambda n: n.node_id ^ key_id_of("line"))
+        stalled, patient, waiting = nearest[0], nearest[-1], nearest[-2]
+        others = [n.host.listen_addrs[0] for n in nodes if n is not stalled]
+        net.partition([stalled.host.listen_addrs[0]], others)
+        t0 = trio.current_time()
+        found = await patient.get("line", latest=True, patience=1.0)
+        assert trio.current_time() - t0 <= 1.0 + 1e-6
+        assert found is not None and len(found.value) == 4
+        # a patient store reaches the replicas that answer: a reader finds it
+        t0 = trio.current_time()
+        assert await patient.store("line", 4, expiration, subkey="late", patience=1.0)
+        assert trio.current_time() - t0 <= 1.0 + 0.1
+        found = await nearest[-3].get("line", latest=True, patience=1.0)
+        assert found is not None and len(found.value) == 5
+        # without patience (another reader: the first one learned the replica is down)
+        t0 = trio.current_time()
+        found = await waiting.get("line", latest=True)
+        assert trio.current_time() - t0 > 1.5 and len(found.value) == 5
