@@ -42,7 +42,7 @@ import random
 import resource
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,14 +152,17 @@ class Sim:
         xs = torch.stack([t.double() for t in self.values])
         return float(((xs - self.mean) ** 2).sum(1).mean()) / self.variance0
 
-    async def round(self, fail: float, fail_window: float, gap: float = 0.0) -> dict:
+    async def round(
+        self, fail: float, fail_window: float, gap: float = 0.0, cut: Sequence[int] = ()
+    ) -> dict:
         """One step() by every peer; each fails (is cut off mid-round) with probability fail.
 
         ``gap``: virtual seconds everyone waits first (local compute between rounds).
+        ``cut``: peers that fail this round for sure (tests).
         """
         await trio.sleep(gap)
         n = len(self.averagers)
-        failing = [i for i in range(n) if self.rng.random() < fail]
+        failing = [i for i in range(n) if self.rng.random() < fail or i in cut]
         results: list = [None] * n
         t0, w0, c0 = trio.current_time(), time.perf_counter(), time.process_time()
 

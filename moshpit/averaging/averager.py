@@ -692,6 +692,8 @@ class Averager:
         self._mm_backend.seen.clear()
         group = await self.matchmaker.look_for_group(key, matchmaking_deadline, gather)
         self.in_group = group is not None
+        if group is not None:
+            self.matchmaker.withdraw_declaration()  # in the background
         matchmaking_seconds = trio.current_time() - started
         declared = self._mm_backend.take_count(key)
         conflicts = self.matchmaker.last_schema_conflicts

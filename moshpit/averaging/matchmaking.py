@@ -76,6 +76,10 @@ MAX_KEY_CHARS = 512
 MAX_ADDRS = MAX_ADDRS_PER_MEMBER
 MAX_DEADLINE_SECONDS = 24 * 3600.0
 MAX_CANDIDATES = 1024  # declarations considered per lookup
+# a withdrawn declaration expires this long after the declaration it replaces (the later
+# expiration is what makes it win over the declaration in every replica and reader); the
+# next declaration under the same key must expire later still (see Matchmaker._search)
+WITHDRAWN_EXTRA_SECONDS = 0.01
 MAX_TRIES = 3  # join attempts per declaration that answered "busy"/timed out/redirected
 MAX_SCHEMA_BYTES = 64  # a tensor-schema hash (the averager sends 16 bytes)
 MAX_WHY_CHARS = 512  # a reject reason we keep from another peer
@@ -166,6 +170,9 @@ class Declaration:
     addrs: tuple[str, ...]
     mode: str
     schema: bytes | None = None  # hash of the declarer's tensor shapes (None: not declared)
+    # False: withdrawn, its round's group formed; kept until it expires so that it
+    # supersedes the declaration (and still counts for the swarm-size estimate)
+    looking: bool = True
 
 
 class MatchmakingBackend(Protocol):
@@ -183,6 +190,10 @@ class MatchmakingBackend(Protocol):
     ) -> bool:
         """Store our declaration; ``extra`` may hold ``schema`` (bytes) when we have one."""
         ...
+
+    def withdraw(
+        self, key: str, order: float, expiration: float, mode: str, schema: bytes | None = None
+    ) -> None: ...
 
     async def list_candidates(self, key: str) -> list[Declaration]: ...
 
@@ -422,6 +433,10 @@ class Matchmaker:
         self.start_when_all_joined = start_when_all_joined
         self.poll_interval = poll_interval or min(0.25, max(0.02, min_matchmaking_time / 10))
         self._round: _Round | None = None
+        # (key, order, expiration, mode) of the last declaration, until withdrawn
+        self._declared: tuple[str, float, float, str] | None = None
+        # (key, expiration) of the last withdrawal: a new declaration must outlive it
+        self._withdrawn: tuple[str, float] | None = None
         self._lock = trio.Lock()
         backend.register(prefix, self.handle_join)
 
@@ -442,6 +457,23 @@ class Matchmaker:
         if self._round is not None:
             self._round.finished = True
             self._round.lead.conclude({"t": "reject", "why": "peer is shutting down"})
+
+    def withdraw_declaration(self) -> None:
+        """Tell the key that we stopped looking; call once our group formed.
+
+        A declaration stays in the DHT until the round's matchmaking deadline. The next
+        round's peers under the same key would ask us first (earliest order) and get "not
+        looking", a round trip and a dial each, while their leaders' time ran out: on WAN
+        links back-to-back rounds formed partial groups and left peers alone. Nothing to do
+        after a round without a group: its declaration expires at that round's deadline.
+        """
+        if self._declared is None:
+            return
+        key, order, expiration, mode = self._declared
+        self._declared = None
+        if expiration > self.backend.dht_time():
+            self._withdrawn = (key, expiration + WITHDRAWN_EXTRA_SECONDS)
+            self.backend.withdraw(key, order, expiration, mode, schema=self.schema)
 
     # ---- ordering ----
 
@@ -493,7 +525,12 @@ class Matchmaker:
         # client-mode peers declare too (nobody dials them: they are never asked to lead),
         # so that a leader knows they are on the way and waits for them
         expiration = rnd.order + max(0.0, rnd.deadline - trio.current_time())
+        if self._withdrawn is not None and self._withdrawn[0] == rnd.key:
+            # per subkey the later expiration wins: a round that follows at once under the
+            # same key would otherwise read as withdrawn until our withdrawal expires
+            expiration = max(expiration, self._withdrawn[1] + WITHDRAWN_EXTRA_SECONDS)
         extra = {} if self.schema is None else {"schema": self.schema}
+        self._declared = (rnd.key, rnd.order, expiration, self.mode)
         with trio.move_on_after(self.request_timeout):
             await self.backend.declare(rnd.key, rnd.order, expiration, self.mode, **extra)
         attempts: dict[tuple[Any, float], int] = {}  # declaration -> tries (MAX_TRIES: done)
@@ -564,7 +601,7 @@ class Matchmaker:
         usable = []
         memory = self.schema_memory
         for c in found:
-            if c.peer == me or self.is_banned(c.peer):
+            if c.peer == me or not c.looking or self.is_banned(c.peer):
                 continue
             if len(rnd.declared_schemas) < MAX_CANDIDATES:
                 rnd.declared_schemas[c.peer] = c.schema
@@ -978,6 +1015,12 @@ def dispatcher_for_host(host: Any) -> MatchmakingDispatcher:
 class DHTMatchmakingBackend:
     """The real backend: declarations in a ``DHTNode``, join streams over its ``Host``."""
 
+    # reads and declarations use the peers that answered within this many seconds: one peer
+    # that stalls (no answer, no refusal) would otherwise hold every read and store of the
+    # key for the DHT's RPC timeout, as long as the matchmaker gives them, and its whole line
+    # would see nobody (not even itself) for the round
+    dht_patience = 1.5
+
     def __init__(self, node: Any):
         from dht.p2p.identity import PeerID
 
@@ -1012,12 +1055,27 @@ class DHTMatchmakingBackend:
         value: dict[str, Any] = {"x": order, "a": self.own_addrs(), "m": mode}
         if schema is not None:
             value["s"] = schema
+        subkey = self.local_peer.to_base58()
         return bool(
-            await self.node.store(key, value, expiration, subkey=self.local_peer.to_base58())
+            await self.node.store(key, value, expiration, subkey, patience=self.dht_patience)
         )
 
+    def withdraw(
+        self, key: str, order: float, expiration: float, mode: str, schema: bytes | None = None
+    ) -> None:
+        # per subkey the record that expires last wins, so the withdrawal outlives the
+        # declaration by a moment; stored in the background: the all-reduce does not wait
+        value: dict[str, Any] = {"x": order, "a": [], "m": mode, "w": True}
+        if schema is not None:
+            value["s"] = schema
+        timeout = max(1.0, expiration - self.dht_time())
+        self.node.store_in_background(
+            key, value, expiration + WITHDRAWN_EXTRA_SECONDS, self.local_peer.to_base58(),
+            timeout=timeout,
+        )  # fmt: skip
+
     async def list_candidates(self, key: str) -> list[Declaration]:
-        found = await self.node.get(key, latest=True)
+        found = await self.node.get(key, latest=True, patience=self.dht_patience)
         if found is None or not isinstance(found.value, Mapping):
             return []
         out = []
@@ -1027,6 +1085,9 @@ class DHTMatchmakingBackend:
                 value = item.value
                 if not isinstance(value, Mapping) or value.get("m") not in MODES:
                     raise MatchmakingError("declaration must be a map with a valid mode")
+                withdrawn = value.get("w", False)
+                if not isinstance(withdrawn, bool):
+                    raise MatchmakingError("declaration's 'w' must be a bool")
                 out.append(
                     Declaration(
                         peer,
@@ -1034,6 +1095,7 @@ class DHTMatchmakingBackend:
                         _addrs(value.get("a", [])),
                         value["m"],
                         _schema(value.get("s")),
+                        looking=not withdrawn,
                     )
                 )
             except Exception as e:  # a bad record from someone: ignore it, keep the rest

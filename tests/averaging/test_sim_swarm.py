@@ -10,6 +10,7 @@ same code the benchmark runs.
 from __future__ import annotations
 
 import pytest
+import trio
 
 from benchmarks.sim_swarm import MBIT, WanNetwork, grid_bits, open_sim
 from dht.kademlia.clock import dht_clock, trio_clock
@@ -59,8 +60,59 @@ async def test_transient_failures_on_wan_links_still_converge_geometrically(
             variances.append(row["variance"])
         assert failed >= 3  # the failure process did hit peers
         # cut peers come back for the next round; averaging never grows the variance
-        # (measured with seed 3: ratios 0.18, 0.17, 0.16, 0.43, 0.48, 0.40)
-        ratios = [b / a for a, b in zip(variances, variances[1:], strict=False)]
-        assert max(ratios) < 1.0, ratios
-        geometric_mean_ratio = (variances[-1] / variances[0]) ** (1 / (len(variances) - 1))
+        # (measured with seed 3: variance 0.18 after round 1, float32 rounding after round 2;
+        # before stale declarations were withdrawn: ratios 0.18, 0.17, 0.16, 0.43, 0.48, 0.40)
+        # (once a round lands every peer on the mean, the variance is float32 rounding,
+        # ~1e-15, and its ratios are noise: only rounds that start above that count)
+        ratios = [b / a for a, b in zip(variances, variances[1:], strict=False) if a > 1e-12]
+        assert ratios and max(ratios) < 1.0, variances
+        geometric_mean_ratio = (max(variances[-1], 1e-30) / variances[0]) ** (
+            1 / (len(variances) - 1)
+        )
         assert geometric_mean_ratio < 0.5, ratios
+
+
+async def test_a_peer_cut_off_for_one_round_rejoins_a_whole_line(autojump_clock, virtual_dht_time):
+    # 16 peers on a full 4 x 4 grid: one is cut off in round 2, so its line averages as 3.
+    # It must come back into the one key of round 3 that its line left short, so that rounds
+    # 3 and 4 are whole grid rounds again and every peer holds the exact mean after round 4.
+    # (Moving to a random key, it met a full group and stayed alone 3 times in 4.)
+    async with open_sim(16, seed=1, numel=64, grid=4) as sim:
+        first = await sim.round(fail=0.0, fail_window=3.0)
+        assert first["steps_failed"] == 0
+        # the peer cut is the last of its line in the matchmaking order, so not its leader:
+        # a leader cut off takes its waiting followers' round with it (measured separately)
+        line = [i for i, a in enumerate(sim.averagers) if a.keys.key == sim.averagers[0].keys.key]
+        last = max(line, key=lambda i: sim.swarm.nodes[i].host.peer_id.to_bytes())
+        cut = await sim.round(fail=0.0, fail_window=0.5, cut=[last], gap=10.0)
+        assert cut["failed_peers"] == 1 and cut["error"] > 1e-3
+        for _ in range(2):
+            # 10 s apart (local steps between rounds), so that stale declarations of the last
+            # round (their own fix, tested below) do not cost anyone its group
+            row = await sim.round(fail=0.0, fail_window=3.0, gap=10.0)
+            assert row["steps_failed"] == 0, row  # nobody alone: the lost peer found its place
+            assert row["mean_group_size"] == 4
+        assert row["error"] < 1e-6
+
+
+async def test_back_to_back_rounds_on_wan_links_keep_whole_groups(autojump_clock, virtual_dht_time):
+    # Round 2 uses the same keys as round 1. A finished peer's round-1 declaration stayed in
+    # the DHT until its matchmaking deadline and sorted first, so round-2 peers asked finished
+    # peers (a WAN round trip and a dial each) while their leaders' time ran out: groups of
+    # 2-3 and peers alone. Members now withdraw their declaration once their group formed.
+    async with open_sim(16, seed=2, numel=64, grid=4) as sim:
+        keys = {a.keys.key for a in sim.averagers}
+        first = await sim.round(fail=0.0, fail_window=3.0)
+        assert first["steps_failed"] == 0
+        await trio.sleep(0.5)  # the withdrawals are stored in the background
+        reader = sim.averagers[0]._mm_backend
+        for key in keys:  # every member of every group withdrew: nobody invites joins
+            declarations = await reader.list_candidates(key)
+            assert len(declarations) == 4
+            assert not any(d.looking for d in declarations), (key, declarations)
+        second = await sim.round(fail=0.0, fail_window=3.0)  # back to back, same keys
+        assert second["steps_failed"] == 0 and second["mean_group_size"] == 4, second
+        assert second["error"] < 1e-6  # a whole 4 x 4 grid is exact after 2 rounds
+        # no time lost on finished peers: round 2 is as quick as round 1 (virtual seconds;
+        # with the stale declarations it took 1.6-2x as long on seeds 0-3)
+        assert second["virtual_s"] < 1.4 * first["virtual_s"], (first, second)
