@@ -75,6 +75,12 @@ MAX_GATHER_BYTES = 64 * 1024
 MAX_KEY_CHARS = 512
 MAX_ADDRS = MAX_ADDRS_PER_MEMBER
 MAX_DEADLINE_SECONDS = 24 * 3600.0
+# a leader tells each accepted follower (that asked for it) "still here" this often, at most;
+# a follower that hears nothing for 3 intervals (at least its request timeout) stops waiting.
+# Over a stalled link (a VM paused or powered off, a cable pulled) nothing else arrives, not
+# even a close, and the followers of such a leader waited for its group until their deadline
+HEARTBEAT_SECONDS = 1.0
+MAX_HEARTBEAT_SECONDS = 60.0
 MAX_CANDIDATES = 1024  # declarations considered per lookup
 # a withdrawn declaration expires this long after the declaration it replaces (the later
 # expiration is what makes it win over the declaration in every replica and reader); the
@@ -256,6 +262,7 @@ class JoinRequest:
     addrs: tuple[str, ...] = ()
     schema: bytes | None = None
     bytes_per_value: float | None = None
+    heartbeats: bool = False  # the joiner understands "wait" messages while it follows
 
     def to_msg(self, prefix: str) -> dict[str, Any]:
         msg = {
@@ -273,6 +280,8 @@ class JoinRequest:
             msg["s"] = self.schema
         if self.bytes_per_value is not None:
             msg["bpv"] = self.bytes_per_value
+        if self.heartbeats:
+            msg["hb"] = True
         return msg
 
     @classmethod
@@ -298,6 +307,9 @@ class JoinRequest:
             raise MatchmakingError(
                 f"bytes per value must be a number in (0, {MAX_BYTES_PER_VALUE}]"
             )
+        heartbeats = msg.get("hb", False)
+        if not isinstance(heartbeats, bool):
+            raise MatchmakingError("'hb' must be a bool")
         return cls(
             key,
             order,
@@ -309,6 +321,7 @@ class JoinRequest:
             _addrs(msg.get("a", [])),
             _schema(msg.get("s")),
             None if bpv is None else float(bpv),
+            heartbeats,
         )
 
 
@@ -733,6 +746,7 @@ class Matchmaker:
             addrs=rnd.me.addrs,
             schema=self.schema,
             bytes_per_value=rnd.me.bytes_per_value,
+            heartbeats=True,
         )
         rnd.probing = True
         stream = None
@@ -763,13 +777,20 @@ class Matchmaker:
                     {"t": "redirect", "to": self.backend.peer_to_bytes(peer), "a": list(addrs)}
                 )
                 rnd.lead = _Lead()
-            # wait for the leader's decision until a little after our own deadline
+            # wait for the leader's decision until a little after our own deadline; a leader
+            # that promised heartbeats and goes quiet is gone (its group never comes)
+            silence = self._silence_limit(reply)
             with trio.move_on_at(rnd.deadline + self.request_timeout):
-                reply = await stream.receive_msg(max_size=MAX_RESPONSE_BYTES)
-                kind, value = self._parse_reply(reply, accepted_ok=False)
-                if kind == "group":
-                    return value
-                return value  # redirect target or None
+                while True:
+                    with trio.move_on_after(silence) as quiet:
+                        reply = await stream.receive_msg(max_size=MAX_RESPONSE_BYTES)
+                    if quiet.cancelled_caught:
+                        logger.debug("leader %s silent for %.1fs: looking on", peer, silence)
+                        return None
+                    if isinstance(reply, Mapping) and reply.get("t") == "wait":
+                        continue
+                    kind, value = self._parse_reply(reply, accepted_ok=False)
+                    return value  # a group, a redirect target or None
             logger.debug("leader %s did not send a group in time", peer)
             return None
         except (MatchmakingError, GroupInfoError) as e:
@@ -790,6 +811,17 @@ class Matchmaker:
                     except Exception as e:
                         if not _is_network_error(e):
                             raise
+
+    def _silence_limit(self, accepted: Mapping) -> float:
+        """How long a follower waits for a word from its leader (inf: it sends none)."""
+        interval = accepted.get("hb")
+        if interval is None:
+            return math.inf  # a leader without heartbeats: wait for the group as before
+        try:
+            interval = _finite(interval, "heartbeat interval", 1e-3, MAX_HEARTBEAT_SECONDS)
+        except MatchmakingError as e:
+            raise MatchmakingError(f"bad 'accepted' reply: {e}") from None
+        return max(3 * interval, self.request_timeout)
 
     def _parse_reply(self, reply: Any, accepted_ok: bool = True):
         if not isinstance(reply, Mapping):
@@ -859,9 +891,33 @@ class Matchmaker:
         rnd.joins += 1
         rnd.declared = None  # someone else may be on the way: read the key again first
         rnd.notify()
+        interval = min(HEARTBEAT_SECONDS, self.request_timeout / 3)
         try:
-            await stream.send_msg({"t": "accepted"})
+            accepted: dict[str, Any] = {"t": "accepted"}
+            if request.heartbeats:
+                accepted["hb"] = interval
+            await stream.send_msg(accepted)
             async with trio.open_nursery() as nursery:
+                if request.heartbeats:
+
+                    async def heartbeat() -> None:
+                        while lead.outcome is None:
+                            with trio.move_on_after(interval):
+                                await lead.outcome_event.wait()
+                            if lead.outcome is not None:
+                                return
+                            # shielded: a message cut in half would garble the group message
+                            # after it; a send that cannot finish means the follower is gone
+                            with trio.CancelScope(shield=True):
+                                with trio.move_on_after(self.request_timeout) as stalled:
+                                    await stream.send_msg({"t": "wait"})
+                            if stalled.cancelled_caught:
+                                lead.followers.pop(peer, None)
+                                rnd.notify()
+                                nursery.cancel_scope.cancel()
+                                return
+
+                    nursery.start_soon(heartbeat)
 
                 async def watch_follower() -> None:
                     # any message or EOF from an accepted follower means it left

@@ -39,6 +39,8 @@ class ChannelStream:
     async def send_msg(self, obj: Any) -> None:
         if self.owner in self.net.dead:
             raise trio.BrokenResourceError("peer is dead")
+        if self.net.frozen & {self.owner, self.remote_peer}:
+            await trio.sleep_forever()  # a stalled link: nothing arrives, nothing is refused
         await trio.sleep(self.net.latency)
         await self._send.send(msgpack.packb(obj, use_bin_type=True))
 
@@ -52,6 +54,8 @@ class ChannelStream:
         return msgpack.unpackb(data, raw=False)
 
     async def aclose(self) -> None:
+        if self.net.frozen & {self.owner, self.remote_peer}:
+            return  # over a stalled link not even the close arrives
         await self._send.aclose()
         await self._receive.aclose()
 
@@ -70,7 +74,12 @@ class LocalNet:
         )
         self.backends: dict[PeerID, LocalBackend] = {}
         self.dead: set[PeerID] = set()
+        self.frozen: set[PeerID] = set()
         self.streams_by_peer: dict[PeerID, list] = defaultdict(list)
+
+    def freeze(self, peer: PeerID) -> None:
+        """The peer's links stall (a VM paused or powered off, a cable pulled): no EOF."""
+        self.frozen.add(peer)
 
     def kill(self, peer: PeerID) -> None:
         self.dead.add(peer)
@@ -115,6 +124,8 @@ class LocalBackend:
         await trio.sleep(self.net.latency)
         if peer in self.net.dead or self.local_peer in self.net.dead:
             raise trio.BrokenResourceError("cannot reach peer")
+        if self.net.frozen & {peer, self.local_peer}:
+            await trio.sleep_forever()
         a_send, b_recv = trio.open_memory_channel(16)
         b_send, a_recv = trio.open_memory_channel(16)
         mine = ChannelStream(peer, a_send, a_recv, self.net, self.local_peer)
@@ -305,6 +316,36 @@ async def test_leader_dies_followers_do_not_hang(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def test_leader_that_stalls_loses_its_followers_who_regroup(autojump_clock):
+    # A leader whose links stall (no EOF, as for a VM that was paused or powered off) kept
+    # its followers waiting for a group message until their deadline: its whole line lost
+    # the round. Leaders now send followers a heartbeat; silence means the leader is gone.
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make(net, 4, target_group_size=8, min_matchmaking_time=3.0)
+        frozen = []
+
+        async def freezer():
+            await trio.sleep(1.0)
+            leader = next(m for m in mms if m._round is not None and m._round.followers)
+            assert len(leader._round.followers) == 3  # everyone follows it
+            frozen.append(leader)
+            net.freeze(leader.backend.local_peer)
+
+        nursery.start_soon(freezer)
+        results, finished = await run_all(mms, ["run.0b"] * 4, window=10.0)
+        (leader,) = frozen
+        survivors = [i for i, m in enumerate(mms) if m is not leader]
+        good = {i: results[i] for i in survivors}
+        assert all(g is not None for g in good.values()), good
+        groups = check_consistent(mms, good)
+        assert len(groups) == 1  # the three regrouped, without the stalled leader
+        (members,) = groups.values()
+        assert leader.backend.local_peer not in members[0][1].members
+        assert max(finished[i] for i in survivors) < 10.0  # well before their deadline
+        nursery.cancel_scope.cancel()
+
+
 async def test_banned_peers_are_avoided(autojump_clock):
     async with trio.open_nursery() as nursery:
         net = LocalNet(nursery)
@@ -368,7 +409,11 @@ def test_join_request_validation():
     assert JoinRequest.from_msg(ok.to_msg("p")) == ok
     dense = JoinRequest("k", 1.0, 2.0, "node", 5e6, None, 1, bytes_per_value=1.03)
     assert JoinRequest.from_msg(dense.to_msg("p")) == dense
+    beats = JoinRequest("k", 1.0, 2.0, "node", None, None, 1, heartbeats=True)
+    assert JoinRequest.from_msg(beats.to_msg("p")) == beats
     for field, value in [
+        ("hb", 1),
+        ("hb", "yes"),
         ("bpv", 0.0),
         ("bpv", 1e6),
         ("bpv", float("inf")),
@@ -387,6 +432,16 @@ def test_join_request_validation():
             JoinRequest.from_msg(msg)
     with pytest.raises(MatchmakingError):
         JoinRequest.from_msg({"key": "k"})
+
+
+def test_a_bad_heartbeat_interval_in_an_accepted_reply_is_a_clear_error():
+    mm = Matchmaker(LocalBackend(LocalNet(None)), "run", target_group_size=4)
+    assert mm._silence_limit({"t": "accepted"}) == math.inf  # a leader without heartbeats
+    assert mm._silence_limit({"t": "accepted", "hb": 0.5}) == mm.request_timeout
+    assert mm._silence_limit({"t": "accepted", "hb": 2.0}) == 6.0
+    for bad in (0.0, -1.0, float("nan"), 1e9, "1", True):
+        with pytest.raises(MatchmakingError, match="accepted"):
+            mm._silence_limit({"t": "accepted", "hb": bad})
 
 
 def test_invalid_configuration():
