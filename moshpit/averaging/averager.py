@@ -670,6 +670,12 @@ class Averager:
             False, key, reason="cancelled: the averager was shut down", next_group_key=key
         )
 
+    async def _count_declared(self, key: str, out: list[int]) -> None:
+        """Distinct peers of our schema declared under ``key`` (appended to ``out``)."""
+        with trio.move_on_after(self.request_timeout):
+            found = await DHTMatchmakingBackend.list_candidates(self._mm_backend, key)
+            out.append(len({c.peer for c in found if self.schema is None or c.schema == self.schema}))
+
     def _hard_step_bound(self) -> float:
         """The longest a step without ``timeout`` should take: its phases' timeouts. A step
         is abandoned ``HARD_STEP_SLACK`` seconds after this (or after its own ``timeout``),
@@ -690,12 +696,20 @@ class Averager:
         # the key length may have changed since the last round (adaptive grid)
         self.matchmaker.start_when_all_joined = self.keys.num_bits == 0
         self._mm_backend.seen.clear()
-        group = await self.matchmaker.look_for_group(key, matchmaking_deadline, gather)
+        longer_key = self.keys.longer_key()  # adaptive grids: is the swarm ahead of us?
+        longer_count: list[int] = []
+        async with trio.open_nursery() as probing:
+            if longer_key is not None:
+                probing.start_soon(self._count_declared, longer_key, longer_count)
+            group = await self.matchmaker.look_for_group(key, matchmaking_deadline, gather)
+            probing.cancel_scope.cancel()  # evidence only: never worth a wait
         self.in_group = group is not None
         if group is not None:
             self.matchmaker.withdraw_declaration()  # in the background
         matchmaking_seconds = trio.current_time() - started
         declared = self._mm_backend.take_count(key)
+        if longer_count:
+            self.keys.observe_longer(longer_count[0], declared)
         conflicts = self.matchmaker.last_schema_conflicts
         # a conflict is logged once (WARNING when it leaves us alone), then at DEBUG: the
         # peer stays under the key round after round, and nothing new is learned

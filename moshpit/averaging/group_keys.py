@@ -146,6 +146,8 @@ class GroupKeyManager:
         # update_without_group)
         self._last_group_size: int | None = None
         self._missed = 0
+        # peers were seen on a grid one dimension longer than ours (see observe_longer)
+        self._grid_grew_without_us = False
 
     @property
     def key(self) -> str:
@@ -191,9 +193,34 @@ class GroupKeyManager:
         max_dims = MAX_GROUP_BITS // self.coord_bits + 1
         return min(max_dims, max(1, round(level)))
 
+    def longer_key(self) -> str | None:
+        """A key one grid dimension longer than ours (ours plus a random coordinate), or None
+        (a fixed grid, or no room). The averager reads it every round: peers that grew their
+        grid before us sit under such keys, and we never meet them under ours."""
+        if not self.adaptive or self.num_bits + self.coord_bits > MAX_GROUP_BITS:
+            return None
+        coordinate = self._rng.randrange(max(2, min(self.target_group_size, 1 << self.coord_bits)))
+        return make_group_key(self.prefix, self.bits + format(coordinate, f"0{self.coord_bits}b"))
+
+    def observe_longer(self, count: int, own: int) -> None:
+        """``count`` distinct peers were under :meth:`longer_key` this round, ``own`` under
+        ours (us included). The longer grid has ``M`` times our number of keys, so it holds
+        about ``count * M`` peers for our ``own``: if that is more (and ``count >= 2``), most
+        of the swarm grew its grid without us (our estimates, from a crowded key read early,
+        stayed low), and the two parts would average apart for good, never meeting under one
+        key. We follow the larger part after this round."""
+        axis = max(2, min(self.target_group_size, 1 << self.coord_bits))
+        if self.adaptive and count >= 2 and count * axis > own:
+            self._grid_grew_without_us = True
+
     def _resize(self, first_coordinate: int | None) -> None:
         """Grow or shrink the key to the wanted number of dimensions after a round."""
         wanted = self._wanted_dimensions()
+        if self._grid_grew_without_us:
+            self._grid_grew_without_us = False
+            if wanted <= self.dimensions:
+                wanted = self.dimensions + 1
+                self._estimates.clear()  # they were why we stayed behind
         if wanted == self.dimensions:
             return
         old_key, old_dims = self.key, self.dimensions

@@ -184,3 +184,28 @@ def test_a_peer_missing_round_after_round_wanders_at_random():
     assert first.endswith("11")  # position 3 of a line of 4: the hole the other 3 leave
     later = {m.update_without_group(declared=4)[-2:] for _ in range(30)}
     assert len(later) > 1
+
+
+def test_a_peer_left_on_a_shorter_grid_follows_the_swarm_that_grew():
+    # 58 of 64 peers grew to a 2-d grid (3 bits) while 6 stayed on the shared key: their
+    # estimates, from early reads of a crowded key, were low. They then met only each other
+    # (a swarm of 6 that saw nothing to grow for) and never averaged with the others again.
+    m = GroupKeyManager("p", 8, rng=random.Random(4))
+    assert m.adaptive and m.num_bits == 0
+    for _ in range(3):  # low estimates: stays on the shared key
+        m.update_after_round(b"g" * 16, list(range(6)), 2, declared=6)
+    assert m.num_bits == 0
+    probe = m.longer_key()
+    assert probe is not None and len(parse_group_key(probe)[1]) == 3
+    m.observe_longer(1, own=6)  # one peer there is no evidence
+    m.update_after_round(b"g" * 16, list(range(6)), 2, declared=6)
+    assert m.num_bits == 0
+    m.observe_longer(7, own=6)  # ~56 peers on the longer grid against our 6
+    m.update_after_round(b"g" * 16, list(range(6)), 2, declared=6)
+    assert m.num_bits == 3
+    # and it stays there: the low estimates that kept it behind were dropped
+    for _ in range(4):
+        m.update_after_round(os.urandom(16), list(range(8)), 3, declared=7)
+    assert m.num_bits == 3
+    fixed = GroupKeyManager("p", 8, initial_group_bits="")
+    assert fixed.longer_key() is None  # a user's grid is never changed
