@@ -22,13 +22,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
 from .multiaddr import Multiaddr
+
+try:  # trio's run loop state: its deadline heap serves as our timer queue (see _Waiter)
+    from trio._core._run import GLOBAL_RUN_CONTEXT as _RUN_CONTEXT
+except ImportError:  # pragma: no cover - a trio without it: cancel scopes instead
+    _RUN_CONTEXT = None
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,120 @@ class LinkConfig:
     up: bool = True
 
 
+def _fast_timers_supported() -> bool:
+    """Whether trio's internals look as :class:`_Waiter` expects (checked once, at import)."""
+    if _RUN_CONTEXT is None:
+        return False
+    try:
+        from trio._core._run import Deadlines, Runner
+    except ImportError:  # pragma: no cover
+        return False
+    fields = getattr(Runner, "__attrs_attrs__", ())
+    return (
+        all(hasattr(Deadlines, name) for name in ("add", "remove", "expire", "next_deadline"))
+        and any(f.name == "deadlines" for f in fields)
+        and hasattr(trio.CancelScope(), "_registered_deadline")
+    )
+
+
+# Tests switch this off to run the fallback (a cancel scope per timed wait).
+_FAST_TIMERS = _fast_timers_supported()
+
+
+class _Waiter:
+    """A task parked until woken, cancelled, or trio's clock reaches a deadline.
+
+    Every chunk costs two timed waits (the sender's serialization, the reader's wait for the
+    arrival). With a cancel scope each (enter, the deadline fires, Cancelled is raised and
+    caught, exit) those waits cost more than the rest of the simulated network together. So a
+    deadline goes straight into trio's deadline heap, which the run loop (and MockClock's
+    autojump) reads, as an entry that reschedules the task when it expires; it is accounted
+    for exactly as a cancel scope's deadline is (``add``; ``remove`` once it is no longer
+    current). Where trio's internals differ from what this expects, ``_park`` falls back to
+    a cancel scope, with the same timing.
+    """
+
+    __slots__ = ("task", "group", "_registered_deadline", "_deadlines")
+
+    def __init__(self, task: trio.lowlevel.Task, group: list[_Waiter] | None) -> None:
+        self.task: trio.lowlevel.Task | None = task
+        self.group = group
+        # what trio's heap compares its entries with: inf = no (longer a) current deadline
+        self._registered_deadline = math.inf
+        self._deadlines: Any = None
+
+    def arm(self, deadlines: Any, deadline: float) -> None:
+        self._deadlines = deadlines
+        self._registered_deadline = deadline
+        deadlines.add(deadline, self)
+
+    def _disarm(self) -> None:
+        if self._registered_deadline != math.inf:
+            self._deadlines.remove(self._registered_deadline, self)
+            self._registered_deadline = math.inf
+
+    def _leave_group(self) -> None:
+        group = self.group
+        if group is not None:
+            try:
+                group.remove(self)
+            except ValueError:
+                pass
+
+    def wake(self) -> None:
+        task = self.task
+        if task is not None:
+            self.task = None
+            self._disarm()
+            trio.lowlevel.reschedule(task)
+
+    def _cancel(self, *_args: object) -> None:
+        """Called by trio's run loop when the deadline passed (a cancel scope's method name)."""
+        self._leave_group()
+        self.wake()
+
+    cancel = _cancel  # what older trio versions call on an expired deadline
+
+    def abort(self, _raise_cancel: object) -> trio.lowlevel.Abort:
+        self.task = None
+        self._disarm()
+        self._leave_group()
+        return trio.lowlevel.Abort.SUCCEEDED
+
+
+def _deadline_heap() -> Any:
+    """This run's deadline heap where _Waiter may use it, else None."""
+    if not _FAST_TIMERS:
+        return None
+    runner = getattr(_RUN_CONTEXT, "runner", None)
+    if runner is None or runner.is_guest:  # guest mode must be told of new deadlines
+        return None
+    return runner.deadlines
+
+
+async def _park(group: list[_Waiter] | None, deadline: float = math.inf) -> None:
+    """Sleep until woken through ``group`` (:func:`_wake_group`) or until ``deadline``."""
+    waiter = _Waiter(trio.lowlevel.current_task(), group)
+    if group is not None:
+        group.append(waiter)
+    if deadline == math.inf:
+        await trio.lowlevel.wait_task_rescheduled(waiter.abort)
+        return
+    deadlines = _deadline_heap()
+    if deadlines is not None:
+        waiter.arm(deadlines, deadline)
+        await trio.lowlevel.wait_task_rescheduled(waiter.abort)
+    else:
+        with trio.move_on_at(deadline):
+            await trio.lowlevel.wait_task_rescheduled(waiter.abort)
+
+
+def _wake_group(group: list[_Waiter]) -> None:
+    for waiter in group:
+        waiter.wake()
+    group.clear()
+
+
 def memory_port(addr: AddrLike) -> int:
     """The ``n`` of ``/memory/<n>`` (accepts a Multiaddr, its text, or the number)."""
     if isinstance(addr, int):
@@ -56,16 +177,21 @@ def memory_port(addr: AddrLike) -> int:
 class _Pipe:
     """One direction of a connection: timed, bounded, breakable."""
 
+    __slots__ = ("net", "src", "dst", "queue", "buffered", "eof", "broken", "closed_by_reader",
+                 "readers", "writers")  # fmt: skip
+
     def __init__(self, net: MemoryNetwork, src: int, dst: int) -> None:
         self.net = net
         self.src = src
         self.dst = dst
-        self.queue: deque[tuple[float, bytes]] = deque()
+        self.queue: deque[tuple[float, bytes]] = deque()  # (arrival time, chunk), in order
         self.buffered = 0
         self.eof = False
         self.broken = False
         self.closed_by_reader = False
-        self.lot = trio.lowlevel.ParkingLot()
+        # tasks waiting for data (or EOF, or a state change) / for buffer space
+        self.readers: list[_Waiter] = []
+        self.writers: list[_Waiter] = []
 
     def capacity(self, link: LinkConfig) -> int:
         cap = self.net.buffer_size
@@ -74,7 +200,11 @@ class _Pipe:
         return cap
 
     def wake(self) -> None:
-        self.lot.unpark_all()
+        """Wake every task waiting on this direction: its state (or its link) changed."""
+        if self.readers:
+            _wake_group(self.readers)
+        if self.writers:
+            _wake_group(self.writers)
 
 
 class MemoryStream(trio.abc.HalfCloseableStream):
@@ -109,31 +239,41 @@ class MemoryStream(trio.abc.HalfCloseableStream):
         if pipe.eof:
             raise trio.ClosedResourceError("send_eof() was already called")
         view = memoryview(data).cast("B")
-        offset = 0
-        if not view.nbytes:
+        total = view.nbytes
+        if not total:
             self._check_broken(pipe)
             await trio.lowlevel.checkpoint()
             return
-        while offset < view.nbytes:
+        net = self._net
+        offset = 0
+        waited = False  # a wait is a checkpoint: no second one at the end
+        while offset < total:
             self._check_broken(pipe)
-            link = self._net._link(pipe.src, pipe.dst)
-            if pipe.buffered >= pipe.capacity(link):
-                await pipe.lot.park()
+            link = net._link(pipe.src, pipe.dst)
+            room = pipe.capacity(link) - pipe.buffered
+            if room <= 0:
+                await _park(pipe.writers)
+                waited = True
                 continue
-            n = min(_CHUNK, view.nbytes - offset, pipe.capacity(link) - pipe.buffered)
+            n = min(_CHUNK, total - offset, room)
             chunk = bytes(view[offset : offset + n])
             offset += n
             pipe.buffered += n
-            depart = trio.current_time()
+            now = depart = trio.current_time()
             if link.bandwidth is not None:
                 key = (pipe.src, pipe.dst)
-                depart = max(depart, self._net._link_free_at.get(key, 0.0)) + n / link.bandwidth
-                self._net._link_free_at[key] = depart
-            pipe.queue.append((depart + link.latency, chunk))
-            pipe.wake()
-            if depart > trio.current_time():
-                await trio.sleep_until(depart)
-        await trio.lowlevel.checkpoint()
+                depart = max(now, net._link_free_at.get(key, 0.0)) + n / link.bandwidth
+                net._link_free_at[key] = depart
+            queue = pipe.queue
+            queue.append((depart + link.latency, chunk))
+            # a reader already waiting for an earlier chunk is not woken: this one is behind it
+            if len(queue) == 1 and pipe.readers:
+                _wake_group(pipe.readers)
+            if depart > now:
+                await _park(None, depart)  # the link serializes the chunk
+                waited = True
+        if not waited:
+            await trio.lowlevel.checkpoint()
 
     def _check_broken(self, pipe: _Pipe) -> None:
         if pipe.broken:
@@ -148,7 +288,7 @@ class MemoryStream(trio.abc.HalfCloseableStream):
         while not pipe.broken and pipe.buffered >= pipe.capacity(
             self._net._link(pipe.src, pipe.dst)
         ):
-            await pipe.lot.park()
+            await _park(pipe.writers)
         await trio.lowlevel.checkpoint()
 
     async def send_eof(self) -> None:
@@ -160,35 +300,44 @@ class MemoryStream(trio.abc.HalfCloseableStream):
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         pipe = self._in
+        waited = False  # a wait is a checkpoint: none is needed after it
         while True:
             if self._closed:
                 raise trio.ClosedResourceError("stream is closed")
             if pipe.broken:
                 raise trio.BrokenResourceError("in-memory connection was broken (address killed)")
-            if pipe.queue:
-                arrival, chunk = pipe.queue[0]
-                link = self._net._link(pipe.src, pipe.dst)
-                now = trio.current_time()
-                if not link.up:
-                    await pipe.lot.park()  # woken by heal()/set_link()
+            queue = pipe.queue
+            if queue:
+                arrival, chunk = queue[0]
+                if not self._net._link(pipe.src, pipe.dst).up:
+                    await _park(pipe.readers)  # woken by heal()/set_link()
+                    waited = True
                     continue
-                if arrival > now:
-                    with trio.move_on_at(arrival):
-                        await pipe.lot.park()  # also woken by kill()
+                if arrival > trio.current_time():
+                    await _park(pipe.readers, arrival)  # also woken by kill(), link changes
+                    waited = True
                     continue
+                if not waited:
+                    # take the chunk only once no Cancelled can come: a cancelled read
+                    # loses nothing
+                    await trio.lowlevel.checkpoint()
+                    waited = True
+                    continue  # the world may have changed meanwhile: look again
                 if max_bytes is not None and max_bytes < len(chunk):
-                    pipe.queue[0] = (arrival, chunk[max_bytes:])
+                    queue[0] = (arrival, chunk[max_bytes:])
                     chunk = chunk[:max_bytes]
                 else:
-                    pipe.queue.popleft()
+                    queue.popleft()
                 pipe.buffered -= len(chunk)
-                pipe.wake()
-                await trio.lowlevel.checkpoint()
+                if pipe.writers:
+                    _wake_group(pipe.writers)
                 return chunk
             if pipe.eof:
-                await trio.lowlevel.checkpoint()
+                if not waited:
+                    await trio.lowlevel.checkpoint()
                 return b""
-            await pipe.lot.park()
+            await _park(pipe.readers)
+            waited = True
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -296,7 +445,7 @@ class MemoryTransport:
             raise ConnectionRefusedError(f"link /memory/{src} <-> /memory/{port} is down")
         if link.latency:
             # TCP's SYN/SYN-ACK: the connection exists one round trip after we asked.
-            await trio.sleep(2 * link.latency)
+            await _park(None, trio.current_time() + 2 * link.latency)
         a_to_b = _Pipe(net, src, port)
         b_to_a = _Pipe(net, port, src)
         ours = MemoryStream(net, a_to_b, b_to_a)

@@ -5,7 +5,19 @@ from __future__ import annotations
 import pytest
 import trio
 
+from dht.p2p import memory
 from dht.p2p.memory import MemoryNetwork
+
+
+@pytest.fixture(autouse=True, params=["fast-timers", "cancel-scopes"])
+def timers(request, monkeypatch):
+    """Every test runs with both ways of timing a wait: trio's deadline heap directly (the
+    default where trio's internals allow it) and the cancel-scope fallback."""
+    if request.param == "fast-timers":
+        assert memory._FAST_TIMERS, "this trio's internals no longer fit memory._Waiter"
+    else:
+        monkeypatch.setattr(memory, "_FAST_TIMERS", False)
+    return request.param
 
 
 async def connected_pair(net: MemoryNetwork):
@@ -132,3 +144,53 @@ async def test_dial_nobody_listening():
     net = MemoryNetwork()
     with pytest.raises(ConnectionRefusedError):
         await net.transport().dial("/memory/12345")
+
+
+async def test_cancelled_receive_loses_nothing(autojump_clock):
+    net = MemoryNetwork(latency=0.1)
+    _, _, a, b = await connected_pair(net)
+    await a.send_all(b"first")
+    await trio.sleep(1)  # it has arrived
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await b.receive_some()
+    assert scope.cancelled_caught
+    assert await b.receive_some() == b"first"
+
+
+async def test_many_abandoned_timed_waits_keep_timing_exact(autojump_clock):
+    """Reads given up long before their chunk arrives leave stale deadlines behind (thousands
+    of them make trio prune its heap): the wait that is kept still ends exactly on time."""
+    net = MemoryNetwork(latency=1000.0)
+    _, _, a, b = await connected_pair(net)
+    start = trio.current_time()
+    await a.send_all(b"late")
+    for _ in range(3000):
+        with trio.move_on_after(0.01):
+            await b.receive_some()
+    assert await b.receive_some() == b"late"
+    assert trio.current_time() - start == pytest.approx(1000.0, abs=1e-6)
+
+
+async def test_many_readers_each_wake_at_their_arrival(autojump_clock):
+    """Chunks in flight on many links at once are each delivered at their own time."""
+    net = MemoryNetwork()
+    pairs = []
+    for i in range(20):
+        la, lb, a, b = await connected_pair(net)
+        net.set_link(la.multiaddr, lb.multiaddr, latency=0.01 * (20 - i), bandwidth=1000.0)
+        pairs.append((a, b, 0.01 * (20 - i)))
+    start = trio.current_time()
+    arrived: dict[int, float] = {}
+
+    async def read(i: int, b) -> None:
+        assert await b.receive_some() == b"y" * 10
+        arrived[i] = trio.current_time() - start
+
+    async with trio.open_nursery() as nursery:
+        for i, (a, b, _) in enumerate(pairs):
+            nursery.start_soon(read, i, b)
+            nursery.start_soon(a.send_all, b"y" * 10)
+    for i, (_, _, latency) in enumerate(pairs):
+        # 10 bytes at 1000 B/s serialize in 10 ms, then the link's latency
+        assert arrived[i] == pytest.approx(0.01 + latency, abs=1e-9)
