@@ -8,6 +8,7 @@ large simulations. Every transport failure surfaces as :class:`PeerUnreachableEr
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import socket
@@ -289,6 +290,9 @@ def _address_scope(raw: bytes) -> str | None:
     return None
 
 
+# Asked for every connection to an informant on every address it tells us about: the same
+# few texts over and over, and parsing one (a failing parse above all) is the expensive part.
+@functools.lru_cache(maxsize=4096)
 def _address_scope_of_text(remote: str, local_ips: frozenset[str] = frozenset()) -> str | None:
     """The scope of a connection's remote address: ``ip:port``, ``[ip6]:port`` (accepted)
     or a multiaddr text (dialed). A remote IP that is one of ours (``local_ips``) is this
