@@ -147,6 +147,18 @@ class Sim:
         xs = torch.stack([t.double() for t in self.values])
         return float((xs - self.mean).abs().max()) / self.scale
 
+    def consensus_error(self) -> float:
+        """max |x_i - mean of the x_i now|, relative: how far the peers are from agreeing."""
+        xs = torch.stack([t.double() for t in self.values])
+        return float((xs - xs.mean(0)).abs().max()) / self.scale
+
+    def drift(self) -> float:
+        """max |mean now - mean at the start|, relative. A round that fails halfway moves the
+        mean: a member that sent its part but missed the result keeps its old value while the
+        others take the average, so the sum is not kept."""
+        xs = torch.stack([t.double() for t in self.values])
+        return float((xs.mean(0) - self.mean).abs().max()) / self.scale
+
     def variance(self) -> float:
         """Mean over peers of ||x_i - mean||^2, relative to its starting value."""
         xs = torch.stack([t.double() for t in self.values])
@@ -186,6 +198,8 @@ class Sim:
             "peers": n,
             "round": len(self.history) + 1,
             "error": self.error(),
+            "consensus_error": self.consensus_error(),
+            "drift": self.drift(),
             "variance": self.variance(),
             "failed_peers": len(failing),
             "steps_failed": n - len(sizes),
@@ -257,7 +271,13 @@ def peak_rss_bytes() -> int:
 async def run_one(args: argparse.Namespace, seed: int) -> dict:
     w0, c0 = time.perf_counter(), time.process_time()
     with dht_clock(trio_clock):
-        async with open_sim(args.peers, seed=seed, numel=args.numel, grid=args.grid) as sim:
+        async with open_sim(
+            args.peers,
+            seed=seed,
+            numel=args.numel,
+            grid=args.grid,
+            target_group_size=args.group_size,
+        ) as sim:
             setup_wall = time.perf_counter() - w0
             setup_virtual = trio.current_time()
             setup_cpu = time.process_time() - c0
@@ -271,14 +291,16 @@ async def run_one(args: argparse.Namespace, seed: int) -> dict:
                 print(json.dumps(row), flush=True)
                 if row["error"] <= args.tolerance and reached is None:
                     reached = r
-                    if not args.keep_going:
-                        break
+                # once the peers agree, later rounds cannot undo a drift of the mean
+                if row["consensus_error"] <= args.tolerance and not args.keep_going:
+                    break
             total_wall = time.perf_counter() - w0
             total_cpu = time.process_time() - c0
             return {
                 "kind": "result",
                 "peers": args.peers,
                 "grid": f"{args.grid}x{args.grid}" if args.grid else "default",
+                "group_size": args.group_size or args.grid or 32,
                 "fail": args.fail,
                 "gap": args.gap,
                 "seed": seed,
@@ -286,6 +308,12 @@ async def run_one(args: argparse.Namespace, seed: int) -> dict:
                 "tolerance": args.tolerance,
                 "rounds_to_tolerance": reached,
                 "errors": [h["error"] for h in sim.history],
+                "consensus_errors": [h["consensus_error"] for h in sim.history],
+                "rounds_to_consensus": next(
+                    (h["round"] for h in sim.history if h["consensus_error"] <= args.tolerance),
+                    None,
+                ),
+                "drift": sim.history[-1]["drift"] if sim.history else 0.0,
                 "setup_wall_s": round(setup_wall, 2),
                 "setup_virtual_s": round(setup_virtual, 2),
                 "wall_s": round(total_wall, 2),
@@ -302,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--peers", type=int, default=256)
     p.add_argument("--grid", type=int, default=None, help="side of a d=2 grid (default: none)")
+    p.add_argument(
+        "--group-size", type=int, default=None,
+        help="target_group_size (default: the grid's side, or the averager's 32)",
+    )  # fmt: skip
     p.add_argument("--fail", type=float, default=0.01, help="per peer per round")
     p.add_argument("--fail-window", type=float, default=5.0, help="s of a round failures hit")
     p.add_argument("--gap", type=float, default=0.0, help="virtual s between rounds")

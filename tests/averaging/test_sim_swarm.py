@@ -113,6 +113,7 @@ async def test_back_to_back_rounds_on_wan_links_keep_whole_groups(autojump_clock
         second = await sim.round(fail=0.0, fail_window=3.0)  # back to back, same keys
         assert second["steps_failed"] == 0 and second["mean_group_size"] == 4, second
         assert second["error"] < 1e-6  # a whole 4 x 4 grid is exact after 2 rounds
+        assert second["consensus_error"] < 1e-6 and second["drift"] < 1e-7  # nothing failed
         # no time lost on finished peers: round 2 is as quick as round 1 (virtual seconds;
         # with the stale declarations it took 1.6-2x as long on seeds 0-3)
         assert second["virtual_s"] < 1.4 * first["virtual_s"], (first, second)
