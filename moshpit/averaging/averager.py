@@ -45,6 +45,8 @@ from moshpit.averaging.partition import empty_like_all
 from moshpit.critical import critical_section
 
 logger = logging.getLogger(__name__)
+# the longest a step waits, after matchmaking, for its look at the longer grid
+PROBE_WAIT_SECONDS = 1.0
 HARD_STEP_SLACK = 30.0  # s past a step's bound before it is abandoned (a safety net)
 
 __all__ = ["Averager", "AveragerLockError", "StepResult", "tensor_schema"]
@@ -702,7 +704,8 @@ class Averager:
             if longer_key is not None:
                 probing.start_soon(self._count_declared, longer_key, longer_count)
             group = await self.matchmaker.look_for_group(key, matchmaking_deadline, gather)
-            probing.cancel_scope.cancel()  # evidence only: never worth a wait
+            # evidence only: worth a short wait at most (one round in PROBE_EVERY)
+            probing.cancel_scope.deadline = trio.current_time() + PROBE_WAIT_SECONDS
         self.in_group = group is not None
         if group is not None:
             self.matchmaker.withdraw_declaration()  # in the background

@@ -47,6 +47,9 @@ MIN_ESTIMATES = 2  # estimates needed before the grid first changes
 # (e.g. 64 peers, M = 4) from flapping between d and d + 1, and leaves swarms up to M**1.75
 # (11 peers for M = 4) on one shared key, where random groups of M average them fine
 DIMENSION_MARGIN = 0.75
+# rounds between two looks at the grid one dimension longer (GroupKeyManager.longer_key):
+# a split heals within this many rounds, and the other rounds cost no extra DHT read
+PROBE_EVERY = 4
 
 
 def coordinate_bits(target_group_size: int) -> int:
@@ -148,6 +151,7 @@ class GroupKeyManager:
         self._missed = 0
         # peers were seen on a grid one dimension longer than ours (see observe_longer)
         self._grid_grew_without_us = False
+        self._rounds_to_probe = PROBE_EVERY
 
     @property
     def key(self) -> str:
@@ -199,6 +203,10 @@ class GroupKeyManager:
         grid before us sit under such keys, and we never meet them under ours."""
         if not self.adaptive or self.num_bits + self.coord_bits > MAX_GROUP_BITS:
             return None
+        self._rounds_to_probe -= 1
+        if self._rounds_to_probe > 0:
+            return None
+        self._rounds_to_probe = PROBE_EVERY
         coordinate = self._rng.randrange(max(2, min(self.target_group_size, 1 << self.coord_bits)))
         return make_group_key(self.prefix, self.bits + format(coordinate, f"0{self.coord_bits}b"))
 

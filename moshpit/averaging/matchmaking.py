@@ -614,7 +614,7 @@ class Matchmaker:
         usable = []
         memory = self.schema_memory
         for c in found:
-            if c.peer == me or not c.looking or self.is_banned(c.peer):
+            if c.peer == me or self.is_banned(c.peer):
                 continue
             if len(rnd.declared_schemas) < MAX_CANDIDATES:
                 rnd.declared_schemas[c.peer] = c.schema
@@ -635,10 +635,14 @@ class Matchmaker:
                 continue
             usable.append(c)
         if complete and rnd.joins == joins_before:
+            # a withdrawn peer counts as one that may still come: on the shared key the
+            # peers of the last round come back under the same key, and a leader that
+            # started without waiting for them left them alone
             rnd.declared = frozenset(c.peer for c in usable)
         elif rnd.joins == joins_before:
             rnd.declared = None  # untrusted read (timed out or missing records): keep waiting
-        return [c for c in usable if c.mode != MODE_CLIENT]
+        # ... but nobody asks a withdrawn peer to lead: it is not looking
+        return [c for c in usable if c.looking and c.mode != MODE_CLIENT]
 
     def _everyone_joined(self, rnd: _Round) -> bool:
         """Every peer declared under our key (by a trusted read after the newest join)
