@@ -154,6 +154,11 @@ class GroupKeyManager:
         self._rounds_to_probe = PROBE_EVERY
 
     @property
+    def axis(self) -> int:
+        """Coordinates in use per grid axis: group positions (< M) that fit in the bits."""
+        return max(2, min(self.target_group_size, 1 << self.coord_bits))
+
+    @property
     def key(self) -> str:
         return make_group_key(self.prefix, self.bits)
 
@@ -176,8 +181,7 @@ class GroupKeyManager:
 
     def _keys_in_use(self) -> int:
         # coordinates are positions in groups of <= M (or random below 2**coord_bits)
-        per_axis = max(2, min(self.target_group_size, 1 << self.coord_bits))
-        return per_axis ** (self.dimensions - 1)
+        return self.axis ** (self.dimensions - 1)
 
     def observe_declared(self, count: int) -> None:
         """Record that ``count`` distinct peers (us included) were declared under our key."""
@@ -199,15 +203,16 @@ class GroupKeyManager:
 
     def longer_key(self) -> str | None:
         """A key one grid dimension longer than ours (ours plus a random coordinate), or None
-        (a fixed grid, or no room). The averager reads it every round: peers that grew their
-        grid before us sit under such keys, and we never meet them under ours."""
+        (a fixed grid, no room, or not this round: one call in ``PROBE_EVERY`` gives a key).
+        The averager reads it: peers that grew their grid before us sit under such keys, and
+        we never meet them under ours."""
         if not self.adaptive or self.num_bits + self.coord_bits > MAX_GROUP_BITS:
             return None
         self._rounds_to_probe -= 1
         if self._rounds_to_probe > 0:
             return None
         self._rounds_to_probe = PROBE_EVERY
-        coordinate = self._rng.randrange(max(2, min(self.target_group_size, 1 << self.coord_bits)))
+        coordinate = self._rng.randrange(self.axis)
         return make_group_key(self.prefix, self.bits + format(coordinate, f"0{self.coord_bits}b"))
 
     def observe_longer(self, count: int, own: int) -> None:
@@ -217,8 +222,7 @@ class GroupKeyManager:
         of the swarm grew its grid without us (our estimates, from a crowded key read early,
         stayed low), and the two parts would average apart for good, never meeting under one
         key. We follow the larger part after this round."""
-        axis = max(2, min(self.target_group_size, 1 << self.coord_bits))
-        if self.adaptive and count >= 2 and count * axis > own:
+        if self.adaptive and count >= 2 and count * self.axis > own:
             self._grid_grew_without_us = True
 
     def _resize(self, first_coordinate: int | None) -> None:
@@ -233,7 +237,7 @@ class GroupKeyManager:
             return
         old_key, old_dims = self.key, self.dimensions
         if wanted > self.dimensions:
-            axis = max(2, min(self.target_group_size, 1 << self.coord_bits))
+            axis = self.axis
             coords = []
             for k in range(wanted - self.dimensions):
                 # the first new coordinate is the position in the group we just averaged in
@@ -298,8 +302,7 @@ class GroupKeyManager:
         self._missed += 1
         line = max(self._last_group_size or 0, declared or 0)
         if self._missed == 1 and line >= 1:
-            axis = max(2, min(self.target_group_size, 1 << self.coord_bits))
-            coordinate = min(line, axis) - 1
+            coordinate = min(line, self.axis) - 1
         else:
             coordinate = self._rng.randrange(1 << self.coord_bits)
         self._shift_in(coordinate)
