@@ -707,8 +707,6 @@ class Averager:
             # evidence only: worth a short wait at most (one round in PROBE_EVERY)
             probing.cancel_scope.deadline = trio.current_time() + PROBE_WAIT_SECONDS
         self.in_group = group is not None
-        if group is not None:
-            self.matchmaker.withdraw_declaration()  # in the background
         matchmaking_seconds = trio.current_time() - started
         declared = self._mm_backend.take_count(key)
         if longer_count:

@@ -472,7 +472,7 @@ class Matchmaker:
             self._round.lead.conclude({"t": "reject", "why": "peer is shutting down"})
 
     def withdraw_declaration(self) -> None:
-        """Tell the key that we stopped looking; call once our group formed.
+        """Tell the key that we stopped looking (``look_for_group`` does once a group formed).
 
         A declaration stays in the DHT until the round's matchmaking deadline. The next
         round's peers under the same key would ask us first (earliest order) and get "not
@@ -525,7 +525,10 @@ class Matchmaker:
             self._round = rnd
             self.last_schema_conflicts = {}
             try:
-                return await self._search(rnd)
+                group = await self._search(rnd)
+                if group is not None:
+                    self.withdraw_declaration()  # in the background
+                return group
             finally:
                 rnd.finished = True
                 rnd.lead.conclude({"t": "reject", "why": "leader stopped looking"})

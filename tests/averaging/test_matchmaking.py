@@ -115,6 +115,13 @@ class LocalBackend:
         )
         return True
 
+    def withdraw(self, key, order, expiration, mode, schema=None) -> None:
+        entry = self.net.directory[key].get(self.local_peer)
+        if entry is not None:
+            d = entry[0]
+            withdrawn = Declaration(d.peer, d.order, (), d.mode, d.schema, looking=False)
+            self.net.directory[key][self.local_peer] = (withdrawn, expiration + 0.01, entry[2])
+
     async def list_candidates(self, key):
         await trio.sleep(self.net.latency)
         now = trio.current_time()
@@ -577,3 +584,17 @@ def test_schema_memory_is_bounded_and_forgets_a_peer_that_changed_schema():
     assert memory.first_warning(["p2", "p5"]) == []  # warned once
     memory.note("p5", SCHEMA_B, "another schema now")
     assert memory.first_warning(["p5"]) == ["p5"]  # a new conflict is worth a new warning
+
+
+async def test_members_withdraw_their_declarations_once_the_group_formed(autojump_clock):
+    # a declaration left until its deadline invites the next round's peers to ask a peer
+    # that is not looking any more; peers without a group keep theirs (it expires anyway)
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = make(net, 3, target_group_size=2, min_matchmaking_time=1.0)
+        results, _ = await run_all(mms, ["run.0b"] * 3, window=3.0)
+        grouped = {mms[i].backend.local_peer for i, g in results.items() if g is not None}
+        assert len(grouped) == 2
+        for peer, (declaration, _, _) in net.directory["run.0b"].items():
+            assert declaration.looking == (peer not in grouped)
+        nursery.cancel_scope.cancel()
