@@ -675,7 +675,7 @@ class Averager:
     async def _count_declared(self, key: str, out: list[int]) -> None:
         """Distinct peers of our schema declared under ``key`` (appended to ``out``)."""
         with trio.move_on_after(self.request_timeout):
-            found = await DHTMatchmakingBackend.list_candidates(self._mm_backend, key)
+            found = await self._mm_backend.list_candidates(key)  # not counted: other key
             out.append(len({c.peer for c in found if self.schema is None or c.schema == self.schema}))
 
     def _hard_step_bound(self) -> float:
