@@ -109,10 +109,12 @@ def free_port() -> int:
 def make_bin(directory: Path) -> Path:
     """``python`` and ``moshpit`` commands that run this interpreter and this checkout."""
     directory.mkdir()
-    (directory / "python").symlink_to(sys.executable)
-    moshpit = directory / "moshpit"
-    moshpit.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m moshpit "$@"\n')
-    moshpit.chmod(0o755)
+    # Scripts, not symlinks: an interpreter started through a symlink in another directory
+    # does not find the virtual environment it belongs to (no pyvenv.cfg beside the link).
+    for name, command in (("python", ""), ("moshpit", " -m moshpit")):
+        script = directory / name
+        script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)}{command} "$@"\n')
+        script.chmod(0o755)
     return directory
 
 
