@@ -68,7 +68,10 @@ MAX_IGNORED_REASONS = 64  # cap on GlobalProgress.ignored (a flood of junk subke
 MAX_LOSS = 1e12  # a published loss is clamped to +-this (a number, not a verdict)
 MAX_CHECKPOINT_FAILURES = 2**31
 MAX_SCHEMA_BYTES = 64  # a model-schema hash (trainers send 16 bytes)
-EWMA_DECAY = 0.9  # per report: weight kept by the older samples/seconds sums
+# samples/s averages the reports of about this many seconds of training (exponential weights by
+# time, not by report: a peer reporting 600 steps/s would otherwise be judged on its last 16 ms,
+# and a GC pause or a scheduler tick swung its published rate from 2k to 60k samples/s)
+RATE_WINDOW = 5.0
 MAX_NAME_CHARS = 32  # a volunteer's display name (ProgressTracker(name=...))
 
 
@@ -570,8 +573,10 @@ class ProgressTracker:
                 # the first estimate thousands of samples/s)
                 pass
             elif samples >= self._samples and now > self._report_time:
-                self._ewma_samples = EWMA_DECAY * self._ewma_samples + (samples - self._samples)
-                self._ewma_seconds = EWMA_DECAY * self._ewma_seconds + (now - self._report_time)
+                elapsed = now - self._report_time
+                kept = math.exp(-elapsed / RATE_WINDOW)
+                self._ewma_samples = kept * self._ewma_samples + (samples - self._samples)
+                self._ewma_seconds = kept * self._ewma_seconds + elapsed
             changed = self._withdrawn or epoch != self._epoch or samples != self._samples
             self._epoch, self._samples, self._report_time = epoch, samples, now
             self._reports += 1

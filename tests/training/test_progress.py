@@ -6,6 +6,7 @@ reading virtual time, so expirations and rates are exact and nothing depends on 
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import statistics
@@ -222,6 +223,71 @@ def test_report_validates_its_arguments():
         ProgressTracker(object(), PREFIX, target_batch_size=0, start=False)
     with pytest.raises(ValueError):
         ProgressTracker(object(), PREFIX, ttl=math.inf, start=False)
+
+
+class ManualClock:
+    """A DHT clock the test moves by hand: every report lands at a time the test chose."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def play_steps(step_seconds, window: float = 10.0, skip: float = 20.0):
+    """Report 32-sample steps lasting ``step_seconds(elapsed)`` each, and yield ``(elapsed,
+    estimate, true rate over the last `window` s)`` every ~0.5 s after the first ``skip`` s."""
+    clock = ManualClock()
+    with dht_clock(clock):
+        tracker = ProgressTracker(object(), PREFIX, start=False)
+        tracker.report(0, 0)
+        history = [(clock.now, 0)]
+        start, samples, next_check = clock.now, 0, clock.now + skip
+        while clock.now - start < 90.0:
+            clock.now += step_seconds(clock.now - start)
+            samples += 32
+            tracker.report(0, samples)
+            history.append((clock.now, samples))
+            if clock.now >= next_check:
+                next_check = clock.now + 0.5
+                then, before = history[bisect.bisect_left(history, (clock.now - window, -1))]
+                true_rate = (samples - before) / (clock.now - then)
+                yield clock.now - start, tracker.samples_per_second, true_rate
+
+
+def test_samples_per_second_of_a_fast_peer_reads_its_rate_not_its_last_steps():
+    """~20k samples/s in 1.6 ms steps, with the stalls a busy machine adds (a GC pass or a
+    scheduler tick of 10-40 ms every ~150 steps): every read within 10% of the true rate.
+    An average over the last few reports (16 ms here) reads anything from 2k to 25k."""
+    rng = random.Random(0)
+
+    def step(_elapsed: float) -> float:
+        stall = rng.uniform(0.01, 0.04) if rng.random() < 1 / 150 else 0.0
+        return 0.0016 * rng.uniform(0.5, 1.5) + stall
+
+    reads = list(play_steps(step))
+    assert len(reads) > 100
+    worst = max(abs(estimate / true - 1) for _, estimate, true in reads)
+    assert worst < 0.10, worst
+
+
+def test_samples_per_second_of_uneven_steps_follows_a_rate_change():
+    """Steps of 0.1 to 0.3 s (a 3x spread), and the peer slows down 4x at 45 s: within 15%
+    of the rate over the last 10 s (after the change that window holds only ~12 steps, so
+    it is itself this noisy), except in the 25 s after the change; by the end the estimate
+    has moved to the new rate."""
+    rng = random.Random(1)
+
+    def step(elapsed: float) -> float:
+        return rng.uniform(0.1, 0.3) * (4.0 if elapsed > 45.0 else 1.0)
+
+    reads = list(play_steps(step))
+    steady = [(estimate, true) for elapsed, estimate, true in reads if not 45 < elapsed < 70]
+    assert len(steady) > 50
+    worst = max(abs(estimate / true - 1) for estimate, true in steady)
+    assert worst < 0.15, worst
+    assert reads[-1][1] == pytest.approx(32 / 0.2 / 4, rel=0.15)
 
 
 # ---------------------------------------------------------------------------- swarm tests
