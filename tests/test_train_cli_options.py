@@ -1,4 +1,4 @@
-"""The options of `moshpit train` (and examples/volunteer.py, the same program) and the examples
+"""The options of `moshpit train` and the examples
 of `moshpit --help`, checked on the parsers themselves: no swarm, no training."""
 
 from __future__ import annotations

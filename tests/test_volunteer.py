@@ -1,4 +1,4 @@
-"""The volunteer script (`examples/volunteer.py`, also `moshpit train`) with real processes:
+"""The volunteer program (`moshpit train`) with real processes:
 it joins, trains, averages, checkpoints, leaves with exit 0 on SIGTERM and resumes as the same
 peer from its checkpoint when restarted."""
 
@@ -20,7 +20,6 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-VOLUNTEER = ROOT / "examples" / "volunteer.py"
 ENV = {
     **os.environ,
     "OMP_NUM_THREADS": "1",
@@ -74,13 +73,13 @@ class Volunteer:
             self.proc.wait()
 
 
-def volunteer(tmp: Path, name: str, *extra: str, script: bool = True) -> Volunteer:
-    head = (
-        [sys.executable, str(VOLUNTEER)] if script else [sys.executable, "-m", "moshpit", "train"]
-    )
+def volunteer(tmp: Path, name: str, *extra: str) -> Volunteer:
     return Volunteer(
         [
-            *head,
+            sys.executable,
+            "-m",
+            "moshpit",
+            "train",
             "--json",
             "--host-maddrs",
             "/ip4/127.0.0.1/tcp/0",
@@ -123,7 +122,7 @@ def test_volunteer_joins_trains_checkpoints_leaves_on_sigterm_and_resumes(tmp_pa
         assert any((tmp_path / "bb").iterdir()), "no checkpoint was written"
         # restarted with the same identity and checkpoint dir (as `moshpit train`): same
         # PeerID, resumes from the checkpoint it wrote on its way out
-        again = volunteer(tmp_path, "bb", "--initial-peers", addr, script=False)
+        again = volunteer(tmp_path, "bb", "--initial-peers", addr)
         peers.append(again)
         assert again.wait_for(lambda e: e["event"] == "joined")["peer"] == joined["peer"]
         started = again.wait_for(lambda e: e["event"] == "started")
@@ -168,22 +167,8 @@ def test_uncapped_volunteers_with_slow_rounds_never_go_nan(tmp_path: Path):
             peer.kill()
 
 
-def test_volunteer_without_arguments_trains_a_short_standalone_session():
-    proc = subprocess.run(
-        [sys.executable, str(VOLUNTEER)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=ENV,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "done: 150 steps, 4800 samples" in proc.stdout
-    assert not (ROOT / "moshpit-checkpoint").exists()  # its checkpoints went to a temp dir
-
-
 def test_volunteer_stops_after_max_steps_with_a_final_report(tmp_path: Path):
-    proc = volunteer(tmp_path, "c", "--max-steps", "40", script=False)
+    proc = volunteer(tmp_path, "c", "--max-steps", "40")
     try:
         final = proc.wait_for(lambda e: e["event"] == "final")
         assert proc.proc.wait(timeout=60) == 0

@@ -14,7 +14,6 @@ Torch gets all cores but one, in every thread (``--threads``), and the pace is u
 
 Progress goes to the terminal (a live row: epoch, loss, test accuracy, samples/s, peers), or,
 with ``--json``, one JSON object per line on stdout (what ``moshpit demo`` reads from its peers).
-``examples/volunteer.py`` is the same code as a standalone script.
 """
 
 from __future__ import annotations

@@ -60,7 +60,9 @@ class Optimizer:
       with ``step(batch_size=...)``).
     :param target_batch_size: ``sync``: samples the whole swarm accumulates per optimizer step
       (must be >= ``batch_size_per_step``).
-    :param mode: ``"sync"``, ``"local"`` or ``"diloco"``.
+    :param mode: ``"local"``, ``"sync"`` or ``"diloco"``. Unset: ``"local"`` (the mode that
+      never waits for the network: where to start), or ``"sync"`` when ``target_batch_size``
+      is given, whose meaning is sync's (as before ``local`` became the default).
     :param checkpoint_dir: where checkpoints go (and what this peer serves to joiners); a
       restarted peer given the same directory resumes from its newest intact checkpoint.
     :param checkpoint_every_seconds: also write a checkpoint this often (None: at the mode's
@@ -90,7 +92,7 @@ class Optimizer:
         run_id: str,
         batch_size_per_step: int,
         target_batch_size: int | None = None,
-        mode: str = "sync",
+        mode: str | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every_seconds: float | None = None,
         extra_tensors: Iterable[torch.Tensor] = (),
@@ -101,6 +103,8 @@ class Optimizer:
         name: str | None = None,
         **mode_options: Any,
     ) -> None:
+        if mode is None:
+            mode = "sync" if target_batch_size is not None else "local"
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}; got {mode!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -519,6 +519,7 @@ class ProgressTracker:
         # no replica acknowledged (timed out) may still have landed, and a withdrawal must beat it
         self._last_expiration = -math.inf
         self._withdrawn = False
+        self._read_soon = False
         self._epoch_started_at: dict[int, float] = {}
         self._global = GlobalProgress(0, 0, target_batch_size, 0, 0.0, None, [], {}, 0.0)
         # health, published with the next record (a change of it alone does not force one)
@@ -562,6 +563,9 @@ class ProgressTracker:
             raise RuntimeError("the progress tracker was shut down")
         now = get_dht_time()
         with self._lock:
+            # the first report: read the swarm at once, so that the view holds this peer
+            # from its first steps (a lone peer saw "0 peers" until the next periodic read)
+            self._read_soon = self._read_soon or self._epoch is None
             if self._epoch is None or epoch != self._epoch:
                 # a new epoch: the time since the last report went to averaging/loading,
                 # not to producing these samples, so it does not enter samples/s
@@ -723,7 +727,9 @@ class ProgressTracker:
                 ):
                     last_publish = now
                     await self._guarded(self._apublish)
-                if now >= next_read:
+                with self._lock:
+                    read_soon, self._read_soon = self._read_soon, False
+                if now >= next_read or read_soon:
                     await self._guarded(self._aread)
                     next_read = trio.current_time() + self._read_period()
                 deadline = next_read

@@ -59,6 +59,20 @@ def test_errors_a_user_can_act_on(dhts, kwargs, error, match):
         _opt(dhts[0], torch.nn.Linear(2, 1), **kwargs)
 
 
+def test_without_a_mode_it_trains_locally_or_in_sync_when_given_a_target_batch(dhts):
+    """The docs say to start with `local`: it is the default. A target batch without a mode
+    keeps meaning sync, as it did when sync was the default."""
+    opts = [
+        _opt(dhts[0], torch.nn.Linear(2, 1)),
+        _opt(dhts[1], torch.nn.Linear(2, 1), target_batch_size=64),
+    ]
+    try:
+        assert [opt.mode_name for opt in opts] == ["local", "sync"]
+    finally:
+        for opt in opts:
+            opt.shutdown()
+
+
 def test_non_finite_gradients_are_dropped_not_applied(dhts):
     model = torch.nn.Linear(2, 1)
     before = [p.detach().clone() for p in model.parameters()]

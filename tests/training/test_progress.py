@@ -446,6 +446,23 @@ async def test_dead_peer_expires_live_peers_stay(autojump_clock, virtual_dht_tim
             assert (await reader.arefresh()).num_peers == 1
 
 
+async def test_the_first_report_is_in_the_peers_own_view_at_once(autojump_clock, virtual_dht_time):
+    """A peer sees itself from its first steps: its first report triggers a read, instead of
+    waiting for the next periodic one (max_refresh_period later; a lone tutorial peer printed
+    "peers 0" for its first seconds)."""
+    async with open_swarm(3, seed=4) as swarm:
+        async with ProgressTracker(swarm.nodes[0], PREFIX, max_refresh_period=5.0) as tracker:
+            await trio.sleep(0.5)  # the loop's first read found nobody
+            assert tracker.global_progress.num_peers == 0
+            tracker.report(0, 0)
+            await trio.sleep(0.2)
+            assert tracker.global_progress.num_peers == 1
+            started = trio.current_time()
+            tracker.report(0, 64)  # later reports do not read: the period does
+            await trio.sleep(0.2)
+            assert tracker.global_progress.time < started
+
+
 async def test_withdraw_removes_a_peer_at_once_and_report_brings_it_back(
     autojump_clock, virtual_dht_time
 ):
