@@ -155,6 +155,35 @@ def test_an_address_this_machine_does_not_have_is_one_line_and_exit_status_1():
     ]
 
 
+def test_a_port_in_use_says_another_process_holds_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = moshpit("dht", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"moshpit dht: cannot listen on /ip4/127.0.0.1/tcp/{port}: another process is using "
+        "that port: stop it or pick another port"
+    ]
+
+
+@pytest.mark.parametrize("command", ["status", "train"])
+def test_a_port_where_nothing_listens_is_an_error_in_seconds(command, tmp_path):
+    """A mistyped port is refused at once: the command ends in seconds (it waited 20-36 s)
+    with one line that names the address, after a warning printed at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}"
+    extra = ["--run-id", "x"] if command == "status" else ["--checkpoint-dir", str(tmp_path)]
+    done = moshpit(command, "--initial-peers", dead, *extra, timeout=20)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(f"moshpit {command}: ") and f"nothing listens at {dead}" in last
+    assert "Check the port in the address" in last
+
+
 # ------------------------------------------------------------------ copyable output, join message
 
 

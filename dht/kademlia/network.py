@@ -29,9 +29,11 @@ RPCHandler = Callable[[Any, Any], Awaitable[Any]]
 class PeerUnreachableError(DHTError):
     """A DHT RPC to a peer failed (dial, timeout, reset, or the peer replied with an error)."""
 
-    def __init__(self, message: str, *, answered: bool = False):
+    def __init__(self, message: str, *, answered: bool = False, refused: bool = False):
         super().__init__(message)
         self.answered = answered  # True when the peer is alive but refused/failed the request
+        # True when every address refused the connection: nothing listens there (yet)
+        self.refused = refused
 
 
 class RPCNetwork(Protocol):
@@ -107,7 +109,7 @@ class HostNetwork:
             raise PeerUnreachableError(f"DHT RPC to {peer_id} failed: {e!r}") from e
 
     async def connect(self, address: Any, time_limit: float) -> tuple[Any, tuple[bytes, ...]]:
-        from dht.p2p import P2PError
+        from dht.p2p import DialRefusedError, P2PError
 
         maddr = address if isinstance(address, self._Multiaddr) else self._Multiaddr(str(address))
         try:
@@ -115,6 +117,8 @@ class HostNetwork:
                 peer_id = await self.host.connect(
                     [maddr], peer_id=maddr.peer_id, timeout=time_limit
                 )
+        except DialRefusedError as e:
+            raise PeerUnreachableError(f"cannot reach initial peer {maddr}: {e}", refused=True) from e
         except (P2PError, OSError, trio.TooSlowError) as e:
             raise PeerUnreachableError(f"cannot reach initial peer {maddr}: {e!r}") from e
         addrs = (maddr.without_peer_id().to_bytes(),)

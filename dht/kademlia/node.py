@@ -62,6 +62,10 @@ DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 # under load or a bootstrap node busy with a connection flood is worth another try.
 BOOTSTRAP_RETRY_FIRST = 0.25  # seconds before the second attempt, doubling up to the next
 BOOTSTRAP_RETRY_MAX = 2.0
+# ... but when every initial peer refuses the connection (its host says nothing listens on that
+# port: a mistyped port, or a peer that is not running), only this long: enough for a peer that
+# is binding its port right now, not the 30 s a volunteer would otherwise wait for a typo
+BOOTSTRAP_REFUSED_GRACE = 5.0
 SIGNATURES_ON_LOOP = 16  # default: more signed records than this are verified in a worker thread
 StoreItem = tuple[Any, Any, Any, float]  # (key, subkey or None, value, expiration_time)
 Named = tuple[Any, DHTRecord]  # (caller's name for a record, the record)
@@ -775,17 +779,22 @@ class DHTNode:
             return
         joined: list[Any] = []
         errors: dict[str, str] = {}  # the last failure of each initial peer
+        refused: set[str] = set()  # initial peers whose last attempt was refused
         own = f"/p2p/{self.peer_id}"
         pending = [a for a in initial_peers if a != self.peer_id and not str(a).endswith(own)]
         deadline = trio.current_time() + time_limit
+        refused_since: float | None = None  # since when every initial peer refuses
 
         async def try_peer(address: Any) -> None:
+            refused.discard(str(address))
             try:
                 peer_id, addrs = await self.network.connect(
                     address, max(0.0, deadline - trio.current_time())
                 )
             except PeerUnreachableError as e:
                 errors[str(address)] = str(e)
+                if e.refused:
+                    refused.add(str(address))
                 return
             if peer_id == self.peer_id:
                 pending.remove(address)  # ourselves: nothing to retry
@@ -803,6 +812,22 @@ class DHTNode:
             remaining = deadline - trio.current_time()
             if joined or not pending or remaining < 2 * BOOTSTRAP_RETRY_FIRST:
                 break
+            if len(refused) < len(pending):
+                refused_since = None
+            elif refused_since is None:
+                refused_since = trio.current_time()
+                logger.warning(
+                    "every initial peer refused the connection (%s): nothing listens there; "
+                    "retrying for %gs in case it is starting",
+                    ", ".join(sorted(refused)[:3]),
+                    BOOTSTRAP_REFUSED_GRACE,
+                )
+            elif trio.current_time() - refused_since >= BOOTSTRAP_REFUSED_GRACE:
+                raise BootstrapError(
+                    f"could not join the DHT: nothing listens at {', '.join(sorted(refused)[:3])} "
+                    f"(every initial peer refused the connection for {BOOTSTRAP_REFUSED_GRACE:g}s)"
+                    ". Check the port in the address, and that the peer is running"
+                )
             # jitter, so that joiners do not retry in step; the last try keeps some time
             wait = min(delay * random.uniform(0.75, 1.25), remaining - BOOTSTRAP_RETRY_FIRST)
             logger.info(

@@ -3,6 +3,7 @@
 from .dcutr import HolePunchConfig, HolePuncher
 from .errors import (
     DialError,
+    DialRefusedError,
     HandshakeError,
     IdentityError,
     IdentityInUseError,
@@ -28,6 +29,7 @@ from .transport import TCPTransport
 
 __all__ = [
     "DialError",
+    "DialRefusedError",
     "HandshakeError",
     "HolePunchConfig",
     "HolePuncher",

@@ -31,6 +31,11 @@ class DialError(P2PError):
     """Could not open a connection to a peer at any of its known addresses."""
 
 
+class DialRefusedError(DialError):
+    """Every address of the peer refused the connection: its host answered, but nothing
+    listens on that port (a mistyped port, or the peer is not running)."""
+
+
 class HandshakeError(P2PError):
     """The security handshake (Noise) failed: bad frames, bad signature, timeout, ..."""
 

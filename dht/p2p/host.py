@@ -33,6 +33,7 @@ from . import identify, multistream
 from .autonat import ObservedAddrs, Reachability
 from .errors import (
     DialError,
+    DialRefusedError,
     HandshakeError,
     MessageTooLargeError,
     P2PError,
@@ -1023,6 +1024,7 @@ class Host:
         black-holed address costs at most DIAL_STAGGER, not a whole handshake timeout.
         """
         failures: list[str] = []
+        refusals: list[str] = []
         mismatches: list[PeerIDMismatchError] = []
         targets = list(dict.fromkeys(a.without_peer_id() for a in addrs))[:MAX_DIAL_ADDRS]
         failed = [trio.Event() for _ in targets]
@@ -1043,6 +1045,8 @@ class Host:
                 return
             except (P2PError, trio.TooSlowError, trio.BrokenResourceError, OSError) as e:
                 failures.append(f"{target}: {_reason(e)}")
+                if isinstance(e, ConnectionRefusedError):
+                    refusals.append(str(target))
                 failed[i].set()
                 return
             except Exception as e:  # a bug reachable from a remote must not kill the host
@@ -1064,6 +1068,11 @@ class Host:
         if mismatches:
             raise PeerIDMismatchError(f"{mismatches[0]} (all addresses: {'; '.join(failures)})")
         who = expected.short() if expected is not None else "peer"
+        if refusals and len(refusals) == len(failures):
+            raise DialRefusedError(
+                f"could not connect to {who}: connection refused at {', '.join(refusals)} "
+                "(nothing listens on that port)"
+            )
         raise DialError(f"could not connect to {who}: " + "; ".join(failures or ["no addresses"]))
 
     async def _dial_one(self, expected: PeerID | None, target: Multiaddr) -> _Connection:

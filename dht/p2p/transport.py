@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import socket
 import struct
+import sys
 from typing import Any
 
 import trio
@@ -28,10 +29,24 @@ import trio
 from .errors import P2PTimeoutError
 from .multiaddr import Multiaddr
 
+if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
+
 logger = logging.getLogger(__name__)
 
 _FAMILIES = {"dns4": socket.AF_INET, "dns6": socket.AF_INET6, "dns": socket.AF_UNSPEC}
 MAX_RESOLVED_ADDRESSES = 8  # a DNS answer is untrusted too: try only the first few
+
+
+def _is_refusal(error: BaseException) -> bool:
+    """Did the peer's host refuse the connection (RST: no listener on that port)? trio
+    reports a failed connect as an OSError caused by a group of per-address errors."""
+    if isinstance(error, ConnectionRefusedError):
+        return True
+    cause = error.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        return all(_is_refusal(e) for e in cause.exceptions)
+    return isinstance(cause, ConnectionRefusedError)
 
 
 def _set_nodelay(stream: trio.SocketStream) -> None:
@@ -410,6 +425,7 @@ class TCPTransport:
             raise OSError("this transport does not share ports (reuse_port is off)")
         with trio.move_on_after(timeout) as scope:
             errors: list[str] = []
+            refused = True
             for host, port in await self._resolve(maddr):
                 try:
                     if local_port is None:
@@ -417,11 +433,16 @@ class TCPTransport:
                     else:
                         stream = await connect_from_port(host, port, local_port)
                 except OSError as e:
-                    errors.append(f"{host}:{port}: {e}")
+                    if _is_refusal(e):
+                        errors.append(f"{host}:{port}: connection refused")
+                    else:
+                        errors.append(f"{host}:{port}: {e}")
+                        refused = False
                     continue
                 _set_nodelay(stream)
                 return stream
-            raise OSError("; ".join(errors))
+            # refused: the host answered at once that nothing listens on that port
+            raise (ConnectionRefusedError if refused and errors else OSError)("; ".join(errors))
         assert scope.cancelled_caught
         raise P2PTimeoutError(f"TCP connect to {maddr} timed out after {timeout:.1f}s")
 

@@ -23,6 +23,7 @@ from dht.p2p.multiaddr import (
     MultiaddrError,
     parse_multiaddr_list,
 )
+from moshpit.cli.preflight import listen_failure
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ async def _main(
                 except OSError as e:  # e.g. the port is taken or the address is not on this machine
                     where = " ".join(map(str, host_maddrs or ()))
                     what = f"cannot listen on {where}" if where else "network error"
-                    print(f"moshpit dht: {what}: {e.strerror or e}", file=sys.stderr)
+                    print(f"moshpit dht: {what}: {listen_failure(e)}", file=sys.stderr)
                     status = 1
                 nursery.cancel_scope.cancel()
         return status

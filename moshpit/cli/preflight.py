@@ -79,6 +79,13 @@ def check_identity_path(path: str | os.PathLike[str] | None) -> None:
         ) from None
 
 
+def listen_failure(error: OSError) -> str:
+    """Why listening failed, in words a user can act on."""
+    if error.errno == errno.EADDRINUSE:
+        return "another process is using that port: stop it or pick another port"
+    return error.strerror or str(error)
+
+
 def check_ports_free(maddrs: Iterable[Any]) -> None:
     """Every ``/ip4|ip6/<addr>/tcp/<port>`` with a fixed port can be bound now."""
     for maddr in maddrs:
@@ -98,9 +105,4 @@ def check_ports_free(maddrs: Iterable[Any]) -> None:
             try:
                 probe.bind((parts[1], port))
             except OSError as e:
-                why = (
-                    "another process is using that port: stop it or pick another port"
-                    if e.errno == errno.EADDRINUSE
-                    else e.strerror or str(e)
-                )
-                raise PreflightError(f"cannot listen on {text}: {why}") from None
+                raise PreflightError(f"cannot listen on {text}: {listen_failure(e)}") from None

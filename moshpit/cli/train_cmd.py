@@ -29,6 +29,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from moshpit.cli.preflight import listen_failure
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_RUN_ID = "digits"
@@ -487,7 +489,7 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
         return 1
     except OSError as e:  # the port was taken since the check, or a network error
         where = " ".join(args.host_maddrs)
-        print(f"moshpit train: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
+        print(f"moshpit train: cannot listen on {where}: {listen_failure(e)}", file=sys.stderr)
         return 1
     addrs = [str(a) for a in dht.get_visible_maddrs()]
     reporter.event(
