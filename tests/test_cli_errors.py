@@ -171,7 +171,7 @@ def test_a_port_in_use_says_another_process_holds_it():
 @pytest.mark.parametrize("command", ["status", "train"])
 def test_a_port_where_nothing_listens_is_an_error_in_seconds(command, tmp_path):
     """A mistyped port is refused at once: the command ends in seconds (it waited 20-36 s)
-    with one line that names the address, after a warning printed at once."""
+    with one line that names the address."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -179,9 +179,34 @@ def test_a_port_where_nothing_listens_is_an_error_in_seconds(command, tmp_path):
     extra = ["--run-id", "x"] if command == "status" else ["--checkpoint-dir", str(tmp_path)]
     done = moshpit(command, "--initial-peers", dead, *extra, timeout=20)
     assert done.returncode == 1, done.stderr
-    last = done.stderr.splitlines()[-1]
-    assert last.startswith(f"moshpit {command}: ") and f"nothing listens at {dead}" in last
-    assert "Check the port in the address" in last
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"moshpit {command}: ") and f"nothing listens at {dead}" in line
+    assert "Check the port in the address" in line
+
+
+def test_a_second_volunteer_in_a_used_checkpoint_directory_is_one_line_and_exit_status_1(
+    tmp_path,
+):
+    """Two `moshpit train` in one folder shared ./moshpit-checkpoint and printed 51 warnings."""
+    first = Running(
+        "train", "--json", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        "--checkpoint-dir", str(tmp_path / "ckpt"), "--duration", "60",
+    )  # fmt: skip
+    try:
+        first.wait_for('{"event": "joined"')
+        done = moshpit(
+            "train", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--duration", "5",
+        )  # fmt: skip
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert done.stderr.splitlines() == [
+            f"moshpit train: checkpoint directory {tmp_path / 'ckpt'} is in use by another "
+            f"running process (pid {first.proc.pid}): stop it, or give this peer a directory "
+            "of its own (--checkpoint-dir / checkpoint_dir): two peers in one directory "
+            "overwrite each other's state"
+        ]
+    finally:
+        first.kill()
 
 
 # ------------------------------------------------------------------ copyable output, join message

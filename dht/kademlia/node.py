@@ -816,7 +816,7 @@ class DHTNode:
                 refused_since = None
             elif refused_since is None:
                 refused_since = trio.current_time()
-                logger.warning(
+                logger.info(
                     "every initial peer refused the connection (%s): nothing listens there; "
                     "retrying for %gs in case it is starting",
                     ", ".join(sorted(refused)[:3]),

@@ -11,26 +11,21 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import errno
 import hashlib
 import logging
 import os
 import stat
 import tempfile
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-try:
-    import fcntl
-except ImportError:  # Windows: no flock; the key file is then used unlocked
-    fcntl = None  # type: ignore[assignment]
-
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from dht.filelock import ExclusiveFileLock
 
 from ._proto import (
     WIRE_LEN,
@@ -538,119 +533,19 @@ class Identity:
 # ---------------------------------------------------------------------------------------------
 # One key file, one live peer
 
-_held_locks: weakref.WeakSet[IdentityLock] = weakref.WeakSet()
-
-
-class IdentityLock:
-    """An exclusive advisory lock (``flock``) on a key file while this process uses the key.
+class IdentityLock(ExclusiveFileLock):
+    """An exclusive lock on a key file while this process uses the key (see
+    :mod:`dht.filelock`).
 
     Two live peers with one key file share one PeerID, and the DHT then routes to whichever
     answers: both misbehave with no error anywhere. The lock is on the key file itself, so it
-    also works where only the key can be read (a read-only secret mount), and the kernel drops
-    it when its holder exits however it dies, so a SIGKILLed peer never blocks its restart.
-    The holder writes its pid to ``<key>.pid`` (best effort) so a refused process can name it;
-    a stale pid file from a dead holder is ignored and overwritten.
-    Forked children close their copy of the descriptor, so they never keep the lock alive
-    after their parent is gone. Without ``fcntl`` (Windows) the lock is a no-op.
+    also works where only the key can be read (a read-only secret mount).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.pid_path = self.path.with_name(self.path.name + ".pid")
-        self._fd: int | None = None
-        self._owner_pid: int | None = None
-        self._wrote_pid = False
+    def open_error(self, error: OSError) -> Exception:
+        return IdentityError(f"cannot open identity file {self.path}: {error.strerror or error}")
 
-    def acquire(self) -> None:
-        """Lock the key file; IdentityInUseError if another open description already holds it."""
-        if self._fd is not None:
-            raise RuntimeError(f"identity lock on {self.path} is already held")
-        if fcntl is None:
-            logger.debug("no fcntl on this platform: identity file %s is not locked", self.path)
-            return
-        fd = self._open()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise self._in_use_error() from None
-        except OSError as e:  # e.g. ENOLCK on a network filesystem without locking
-            os.close(fd)
-            logger.warning(
-                "cannot lock identity file %s (%s): make sure no other running peer uses it",
-                self.path,
-                e.strerror or e,
-            )
-            return
-        self._fd, self._owner_pid = fd, os.getpid()
-        _held_locks.add(self)
-        self._write_pid()
-
-    def release(self) -> None:
-        """Unlock (idempotent); removes the pid file this process wrote."""
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        _held_locks.discard(self)
-        if self._owner_pid != os.getpid():  # a child forked without the fork hook: hands off
-            return
-        if self._wrote_pid:  # before unlocking: the next holder's pid file must survive
-            with contextlib.suppress(OSError):
-                self.pid_path.unlink()
-            self._wrote_pid = False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)  # even if some child still shares the descriptor
-        finally:
-            os.close(fd)
-
-    def __enter__(self) -> IdentityLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
-
-    def _open(self) -> int:
-        try:  # read-write: flock emulated over NFS needs it for an exclusive lock
-            return os.open(self.path, os.O_RDWR)
-        except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise IdentityError(
-                    f"cannot open identity file {self.path}: {e.strerror or e}"
-                ) from None
-        try:  # a read-only key (mode 0400, a read-only mount): flock works on this too
-            return os.open(self.path, os.O_RDONLY)
-        except OSError as e:
-            raise IdentityError(
-                f"cannot open identity file {self.path}: {e.strerror or e}"
-            ) from None
-
-    def _write_pid(self) -> None:
-        try:
-            self.pid_path.write_text(f"{os.getpid()}\n")
-        except OSError as e:  # a read-only directory: the lock still works, unnamed
-            logger.debug("cannot write %s (%s): skipping the pid file", self.pid_path, e)
-            return
-        self._wrote_pid = True
-
-    def _holder_pid(self) -> int | None:
-        """The pid in the pid file, if that process is alive (else the file is stale)."""
-        try:
-            pid = int(self.pid_path.read_text().strip())
-        except (OSError, ValueError):
-            return None
-        if pid <= 0:
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:  # alive, another user's
-            pass
-        return pid
-
-    def _in_use_error(self) -> IdentityInUseError:
-        pid = self._holder_pid()
+    def in_use_error(self, pid: int | None) -> Exception:
         advice = (
             "two peers must not share one PeerID; {} or use a different key file "
             "(--identity / identity_path)"
@@ -667,18 +562,3 @@ class IdentityLock:
                 + advice.format("stop that process")
             )
         return IdentityInUseError(message, path=self.path, pid=pid)
-
-
-def _forget_locks_in_child() -> None:
-    """After fork: close the child's copies, so only the parent's death releases the lock."""
-    for lock in list(_held_locks):
-        fd, lock._fd = lock._fd, None
-        lock._wrote_pid = False
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)  # not LOCK_UN: that would unlock the parent's lock too
-    _held_locks.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_locks_in_child)

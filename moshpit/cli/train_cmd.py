@@ -436,6 +436,15 @@ def run(args: argparse.Namespace) -> int:
     except PreflightError as e:
         print(f"moshpit train: {e}", file=sys.stderr)
         return 2
+    from moshpit.training.dirlock import CheckpointDirLock
+    from moshpit.training.errors import CheckpointError
+
+    try:  # another running peer in this directory: say so before joining (the peer locks it)
+        with CheckpointDirLock(args.checkpoint_dir):
+            pass
+    except CheckpointError as e:
+        print(f"moshpit train: {e}", file=sys.stderr)
+        return 1
     from moshpit.cli.dht_cmd import start_metrics
 
     metrics, status = start_metrics(args, "moshpit train")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointCorruptError",
+    "CheckpointDirInUseError",
     "CheckpointError",
     "CheckpointFormatError",
     "ManifestError",
@@ -33,6 +34,17 @@ class ManifestError(StateError, ValueError):
 
 class CheckpointError(StateError):
     """A checkpoint directory cannot be read or written."""
+
+
+class CheckpointDirInUseError(CheckpointError):
+    """Another running peer uses this checkpoint directory: two peers writing one directory
+    overwrite each other's state. ``path`` is the directory, ``pid`` the holder's process id
+    (None if unknown)."""
+
+    def __init__(self, message: str, *, path: object = None, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.pid = pid
 
 
 class NoCheckpointError(CheckpointError, FileNotFoundError):

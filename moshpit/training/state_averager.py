@@ -157,16 +157,36 @@ class TrainingStateAverager:
         )
         if not self._averaged:
             raise ValueError("nothing to average: enable parameters, statistics or extras")
+        # one peer per checkpoint directory: a second one fails here, before it joins a round
+        # or touches the files
+        self._store = None
+        self._dir_lock = None
+        if checkpoint_dir is not None:
+            from moshpit.training.dirlock import CheckpointDirLock
+            from moshpit.training.store import StateStore
+
+            self._dir_lock = CheckpointDirLock(checkpoint_dir)
+            self._dir_lock.acquire()
+            try:
+                self._store = StateStore(checkpoint_dir, keep=keep_checkpoints)
+            except BaseException:
+                self._dir_lock.release()
+                raise
         # CPU buffers the inner Averager owns, and the snapshot each round starts from
         pin = torch.cuda.is_available() and any(t.is_cuda for t in self._averaged_live())
         self._buffers = [
             torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self._averaged_live()
         ]
         self._snapshot = [torch.empty_like(b) for b in self._buffers]
-        self.averager = Averager(
-            self._buffers, dht=dht, prefix=prefix, target_group_size=target_group_size,
-            **averager_options,
-        )  # fmt: skip
+        try:
+            self.averager = Averager(
+                self._buffers, dht=dht, prefix=prefix, target_group_size=target_group_size,
+                **averager_options,
+            )  # fmt: skip
+        except BaseException:
+            if self._dir_lock is not None:
+                self._dir_lock.release()
+            raise
         self._pending: AveragingRound | None = None
         self.last_round_deviation: float | None = None  # ||averaged - ours|| / ||ours||
         # sqrt(the group's variance) / ||the group's mean||: the same for every member
@@ -188,16 +208,15 @@ class TrainingStateAverager:
         self._failure_log = RateLimitedLogger(logger, 60.0)
         self.recoveries = 0  # times a non-finite state was replaced by a good one
         self._recovered_at: list[float] = []
-        self._store = None
         self._sharing = None
         self._sharing_service: concurrent.futures.Future | None = None
-        if checkpoint_dir is not None:
-            from moshpit.training.store import StateStore
-
-            self._store = StateStore(checkpoint_dir, keep=keep_checkpoints)
-        self._start_sharing()
-        if self._store is not None and restore_checkpoint:
-            self._restore_if_present()
+        try:
+            self._start_sharing()
+            if self._store is not None and restore_checkpoint:
+                self._restore_if_present()
+        except BaseException:  # nothing half-open stays behind: round, server, directory lock
+            self.shutdown()
+            raise
         live_state_averagers.add(self)
 
     # ------------------------------------------------------------------ the state's tensors
@@ -796,6 +815,8 @@ class TrainingStateAverager:
                 self._sharing_service.exception(timeout=10)
             except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
                 pass
+        if self._dir_lock is not None:
+            self._dir_lock.release()
 
     def __enter__(self) -> TrainingStateAverager:
         return self

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -10,7 +13,12 @@ import torch
 
 import moshpit
 from dht import DHT
-from moshpit.training.errors import NoCheckpointError, StateDownloadError, StateMismatchError
+from moshpit.training.errors import (
+    CheckpointDirInUseError,
+    NoCheckpointError,
+    StateDownloadError,
+    StateMismatchError,
+)
 from moshpit.training.state_averager import AveragingRound, TrainingStateAverager
 
 FAST = dict(
@@ -162,6 +170,37 @@ def test_checkpoint_roundtrip_and_restore_on_start(dhts, tmp_path):
         assert all(torch.equal(p, torch.full_like(p, 0.75)) for p in model2.parameters())
     finally:
         restored.shutdown()
+
+
+def test_one_checkpoint_directory_serves_one_peer_at_a_time(dhts, tmp_path):
+    """Two peers writing one directory would overwrite each other's state: the second one is
+    refused with one clear error naming the holder, in this process and from another one;
+    the directory is free again once the first shuts down (or dies: the kernel drops the lock)."""
+    first = _state(dhts[0], _model(1.0), checkpoint_dir=tmp_path)
+    try:
+        with pytest.raises(CheckpointDirInUseError) as info:
+            _state(dhts[1], _model(2.0), checkpoint_dir=tmp_path)
+        assert str(info.value).startswith(
+            f"checkpoint directory {tmp_path} is in use by a peer in this process (pid "
+            f"{os.getpid()}): shut it down first, or give this peer a directory of its own"
+        )
+        assert info.value.pid == os.getpid() and info.value.path == tmp_path
+        other = subprocess.run(
+            [sys.executable, "-c",
+             "import sys\nfrom moshpit.training.dirlock import CheckpointDirLock\n"
+             "from moshpit.training.errors import CheckpointDirInUseError\n"
+             f"try:\n    CheckpointDirLock({str(tmp_path)!r}).acquire()\n"
+             "except CheckpointDirInUseError as e:\n    sys.exit(str(e))\n"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert other.stderr.strip().startswith(
+            f"checkpoint directory {tmp_path} is in use by another running process (pid "
+            f"{os.getpid()}): stop it, or give this peer"
+        ), other.stderr
+    finally:
+        first.shutdown()
+    second = _state(dhts[1], _model(2.0), checkpoint_dir=tmp_path)  # free again
+    second.shutdown()
 
 
 def test_checkpoint_of_another_model_is_refused_by_name(dhts, tmp_path):
