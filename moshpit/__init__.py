@@ -23,6 +23,18 @@ _LAZY = {
     "handle_preemption": "moshpit.training.preemption",
     "Preempted": "moshpit.training.preemption",
     "serve_metrics": "moshpit.metrics",
+    # the errors a training script may want to catch, with one import
+    "StateError": "moshpit.training.errors",
+    "StateMismatchError": "moshpit.training.errors",
+    "CheckpointError": "moshpit.training.errors",
+    "CheckpointDirInUseError": "moshpit.training.errors",
+    "NoDonorError": "moshpit.training.errors",
+    "StateDownloadError": "moshpit.training.errors",
+    "NonFiniteStateError": "moshpit.training.health",
+    "AveragerLockError": "moshpit.averaging.averager",
+    "BootstrapError": "dht.kademlia.errors",
+    "IdentityInUseError": "dht.p2p.errors",
+    "MultiaddrError": "dht.p2p.errors",
 }
 
 __all__ = ["__version__", *_LAZY]
