@@ -139,7 +139,11 @@ def health_verdict(snapshot: Snapshot, stall_after: float) -> tuple[bool, str]:
     """
     view = snapshot.progress
     if not view.peers:
-        return False, f"no peers report progress under prefix {snapshot.prefix!r}"
+        return False, (
+            f"no peers report progress under run id {snapshot.prefix!r}: check the run id (the "
+            "run_id the peers give moshpit.Optimizer, or --run-id of moshpit train); run ids "
+            "are matched whole, not as a prefix"
+        )
     quiet = snapshot.now - max(p.time for p in view.peers)
     if quiet > stall_after:
         return False, f"stalled: no progress for {quiet:.0f} s ({len(view.peers)} peers listed)"
@@ -241,7 +245,7 @@ def print_table(snapshot: Snapshot, verdict: str) -> None:
     for name, justify in (
         ("peer", "left"),
         ("epoch", "right"),
-        ("samples", "right"),
+        ("samples this epoch", "right"),
         ("samples/s", "right"),
         ("loss", "right"),
         ("updated", "right"),

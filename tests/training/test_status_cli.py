@@ -165,7 +165,9 @@ def test_status_of_a_stalled_run(swarm):
 def test_status_of_an_unknown_prefix(swarm):
     code, report = status_json(swarm, "nobody")
     assert code == 1 and report["num_peers"] == 0
-    assert report["verdict"] == "no peers report progress under prefix 'nobody'"
+    assert report["verdict"].startswith(
+        "no peers report progress under run id 'nobody': check the run id"
+    )
 
 
 def test_status_does_not_import_torch(swarm):
@@ -209,7 +211,9 @@ def snapshot(peers, donors=(), now=100.0):
 def test_verdicts():
     fresh = [PeerProgress(n, 4, 10, 1.0, 95.0) for n in "ab"]
     serving = Donor("c", 4, 1, True, "00" * 32)
-    assert health_verdict(snapshot([]), 60) == (False, "no peers report progress under prefix 'p'")
+    healthy, verdict = health_verdict(snapshot([]), 60)
+    assert not healthy and verdict.startswith("no peers report progress under run id 'p': ")
+    assert "run ids are matched whole, not as a prefix" in verdict
     healthy, line = health_verdict(snapshot(fresh, [serving]), 60)
     assert healthy and line == "healthy: 2 peers at epoch 4, 1 donors serve epoch 4"
     healthy, line = health_verdict(snapshot(fresh, [serving], now=200.0), 60)
