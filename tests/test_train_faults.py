@@ -130,8 +130,12 @@ def test_a_damaged_checkpoint_falls_back_and_the_peer_trains_on(two_checkpoints,
     started = next(e for e in events(done) if e["event"] == "started")
     final = events(done)[-1]
     if damage.startswith("latest"):
-        # LATEST is only a pointer: manifests/ still holds both intact states
+        # LATEST is only a pointer: manifests/ still holds both intact states; the log says
+        # the newest one was restored (it said "the older checkpoint of epoch 5 instead of
+        # newer ones", though 5 is the newest)
         assert started["restored_epoch"] == 5
+        assert "restored the newest intact checkpoint, of epoch 5" in done.stderr, done.stderr
+        assert "older" not in done.stderr
     else:
         assert started["restored_epoch"] == older
         assert f"restored the older checkpoint of epoch {older}" in done.stderr, done.stderr

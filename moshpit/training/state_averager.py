@@ -468,7 +468,16 @@ class TrainingStateAverager:
                 "(damaged files, if any, were moved to %s)",
                 epoch,
                 self._store.directory,
-                "; ".join(restored.passed_over),
+                "; ".join(restored.passed_over + restored.notes),
+                self._store.damaged_dir,
+            )
+        elif restored.notes:
+            logger.warning(
+                "restored the newest intact checkpoint, of epoch %d, from %s; also found: %s "
+                "(damaged files, if any, were moved to %s)",
+                epoch,
+                self._store.directory,
+                "; ".join(restored.notes),
                 self._store.damaged_dir,
             )
         else:

@@ -1274,6 +1274,9 @@ class RestoredState:
     manifest: Manifest
     tensors: list[torch.Tensor]
     passed_over: list[str]  # one line per damaged or refused state that is newer
+    # what else was damaged, though no newer state was lost to it: a damaged LATEST (the
+    # newest manifest was found by scanning manifests/), or a manifest that does not parse
+    notes: list[str] = field(default_factory=list)
 
 
 def load_newest_intact(
@@ -1289,16 +1292,17 @@ def load_newest_intact(
     state at all, :class:`CheckpointFormatError` when every state is of a newer format, and
     :class:`CheckpointCorruptError` listing every problem when none could be used.
     """
-    problems: list[str] = []
+    notes: list[str] = []
+    problems: list[str] = []  # the roots tried and passed over, newest first
     try:
         roots = store._read_latest()
     except NoCheckpointError:
         roots = []
     except CheckpointCorruptError as e:
         roots = []
-        problems.append(str(e))
-    roots = roots + store._intact_manifests(exclude=roots, problems=problems)
-    if not roots and not problems:
+        notes.append(str(e))
+    roots = roots + store._intact_manifests(exclude=roots, problems=notes)
+    if not roots and not notes:
         raise NoCheckpointError(f"no checkpoint in {store.directory} yet")
     format_errors: list[CheckpointFormatError] = []
     for root in roots:
@@ -1319,9 +1323,10 @@ def load_newest_intact(
         if refused is not None:
             problems.append(f"the checkpoint of epoch {manifest.epoch}: {refused}")
             continue
-        return RestoredState(manifest, tensors, problems)
+        return RestoredState(manifest, tensors, problems, notes)
     if format_errors and len(format_errors) == len(roots):
         raise format_errors[0]
+    problems = notes + problems
     raise CheckpointCorruptError(
         f"no usable checkpoint in {store.directory}: " + "; ".join(problems)
         if problems

@@ -93,6 +93,8 @@ def test_a_damaged_latest_still_restores_the_newest_intact_state(tmp_path, damag
     damage(tmp_path / "LATEST")
     restored = load_newest_intact(StateStore(tmp_path))
     assert restored.manifest.root == new.root  # manifests/ still names it
+    assert restored.passed_over == []  # no newer state was lost ...
+    assert bool(restored.notes) == set_aside  # ... but a damaged LATEST is worth a line
     assert equal(small_state(2), restored.tensors)
     # the next commit keeps the older intact states instead of collecting them
     third = save_state(StateStore(tmp_path), small_state(3), 3, chunk_bytes=4096)
