@@ -266,11 +266,12 @@ def test_a_full_disk_is_reported_and_sigterm_still_leaves(tmp_path):
             for line in proc.stdout:  # training: the first checkpoints went through
                 if '"event": "progress"' in line and json.loads(line)["steps"] > 50:
                     break
-            with open(disk / "filler", "wb") as filler:  # now the disk fills up
-                with contextlib.suppress(OSError):
-                    while True:
-                        filler.write(b"\0" * 65536)
-                        filler.flush()
+            # now the disk fills up (opening the filler may already fail: the peer's own
+            # checkpoints can fill 3 MiB first)
+            with contextlib.suppress(OSError), open(disk / "filler", "wb") as filler:
+                while True:
+                    filler.write(b"\0" * 65536)
+                    filler.flush()
             time.sleep(3.0)  # several background checkpoints fail meanwhile
             proc.send_signal(signal.SIGTERM)
             out, err = proc.communicate(timeout=60)
@@ -285,9 +286,12 @@ def test_a_full_disk_is_reported_and_sigterm_still_leaves(tmp_path):
     assert len(failures) == 1, err  # at once, then rate-limited (one line per minute)
     assert "No space left on device" in failures[0] and "MiB free" in failures[0]
     assert proc.returncode == 1, err
-    assert err.splitlines()[-1].startswith(
-        "moshpit train: could not write the last checkpoint into"
-    ), err
+    # the failure once (it was printed three times), no promise of exit 0 on the way
+    assert err.count("could not write the last checkpoint into") == 1, err
+    assert "exit 0" not in err, err
+    [preempted] = [json.loads(line) for line in out.splitlines() if '"preempted"' in line]
+    assert preempted["clean"] is False and preempted["steps"] > 50
+    assert preempted["failures"][0].startswith("could not write the last checkpoint into")
     assert "left the swarm in" not in out  # (logged, not printed)
     assert "withdraw" not in err.lower() or "could not withdraw" not in err.lower()
 

@@ -589,15 +589,26 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
     except moshpit.Preempted as e:
         preempted = True
         reporter.stop_live()
+        signame = signal.Signals(e.signum).name
         if e.failures:  # left, withdrew and shut down, but e.g. the last save failed
-            for failure in e.failures:
-                print(f"moshpit train: {failure}", file=sys.stderr)
+            # the failures were logged once (stderr) as they happened: not repeated here
+            reporter.event(
+                "preempted",
+                f"{signame}: left the swarm at epoch {opt.epoch} after {steps} steps, but not "
+                "cleanly (the error above); exit status 1",
+                clean=False,
+                failures=list(e.failures),
+                epoch=opt.epoch,
+                steps=steps,
+                samples=samples,
+            )
             return 1
         reporter.event(
             "preempted",
-            f"{signal.Signals(e.signum).name}: left the swarm cleanly at epoch {opt.epoch} after "
+            f"{signame}: left the swarm cleanly at epoch {opt.epoch} after "
             f"{steps} steps; checkpoint in {args.checkpoint_dir}; restart with the same "
             "--identity and --checkpoint-dir to resume",
+            clean=True,
             epoch=opt.epoch,
             steps=steps,
             samples=samples,

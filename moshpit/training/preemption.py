@@ -118,7 +118,7 @@ class PreemptionHandler:
             except Exception:  # monitoring must never keep a peer from leaving
                 logger.exception("preemption observer failed")
         logger.warning(
-            "received %s: leaving the swarm within %.0f s (checkpoint, withdraw, exit 0)",
+            "received %s: leaving the swarm within %.0f s (round, checkpoint, withdraw)",
             signal.Signals(signum).name,
             self.deadline,
         )
@@ -173,8 +173,11 @@ class PreemptionHandler:
                 logger.exception("while %r was leaving", component)
                 failures.append(f"{type(e).__name__}: {e}")
         self.uninstall()
-        if failures:
-            logger.warning("left the swarm, but not cleanly: %s", "; ".join(failures))
+        if failures:  # each one was logged above: said once, not again here
+            logger.warning(
+                "left the swarm, but not cleanly (%d problem(s), above); exit status 1",
+                len(failures),
+            )
         else:
             logger.warning("left the swarm cleanly; exiting")
         raise Preempted(getattr(self, "_signum", signal.SIGTERM), tuple(failures))
