@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -31,7 +32,11 @@ WRITER = pathlib.Path(__file__).with_name("checkpoint_writer.py")
 MIN_KILLS = 50
 MIN_MID_WRITE_KILLS = 10  # kills after which a tmp file was left: the writer died mid-write
 MAX_KILLS = 300
-MAX_DELAY = 0.25  # seconds; a save of the ~12 MiB states takes some tens of ms
+# A kill lands within this many save times of the child's start: a save of the ~12 MiB states
+# takes some tens of ms on an idle machine and several times that beside other work, so the
+# save time is measured (not assumed) before the kills and again every CALIBRATE_EVERY kills.
+DELAY_IN_SAVES = 1.5
+CALIBRATE_EVERY = 50
 
 
 class Writer:
@@ -64,6 +69,18 @@ class Writer:
             assert self.proc.stderr is not None
             pytest.fail(f"the checkpoint writer exited: {self.proc.stderr.read().decode()}")
         return line
+
+    def seconds_per_save(self) -> float:
+        """Fork a child, time three saves, kill it: the longest save, in seconds."""
+        pid = self.start()
+        stamps = []
+        while len(stamps) < 4:
+            line = self.next_line()
+            if line.startswith("commit "):
+                stamps.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+        self.wait_exit(pid)
+        return max(b - a for a, b in zip(stamps, stamps[1:]))
 
     def start(self) -> int:
         assert self.proc.stdin is not None
@@ -117,14 +134,18 @@ def test_kill_9_at_random_moments_restores_old_or_new_state(tmp_path: pathlib.Pa
     kills = mid_write = 0
     ever_committed = False
     restored = {"A": 0, "B": 0}
+    max_delay = 0.0
     try:
         while kills < MIN_KILLS or mid_write < MIN_MID_WRITE_KILLS or 0 in restored.values():
             assert kills < MAX_KILLS, (
                 f"after {kills} kills: {mid_write} mid-write, restored {restored}; the kills "
-                "do not reach the interesting moments"
+                f"do not reach the interesting moments (kills within {max_delay:.3f} s)"
             )
+            if kills % CALIBRATE_EVERY == 0:
+                max_delay = DELAY_IN_SAVES * writer.seconds_per_save()
+                ever_committed = True  # the timed saves committed
             pid = writer.start()
-            threading.Event().wait(rng.uniform(0, MAX_DELAY))
+            threading.Event().wait(rng.uniform(0, max_delay))
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # it died on its own: wait_exit says how

@@ -154,15 +154,22 @@ def test_a_joiner_refuses_a_non_finite_state_and_bans_its_donor(dhts, tmp_path):
 
 def test_a_joiner_with_only_a_poisoned_donor_loads_nothing(dhts, tmp_path):
     _, bad = _state(dhts[0], 1.0, checkpoint_dir=tmp_path / "bad", sync_on_start=False)
+    _, probe = _state(dhts[2], 3.0, sync_on_start=False)
     joiner_model, joiner = _state(dhts[1], 7.0, sync_on_start=False)
     try:
+        # how long finding and loading this donor's state takes on this machine right now (a
+        # fixed 4 s was too short beside other work): the poisoned download gets a multiple
+        _publish_raw(bad, 4, poison=False)
+        started = time.monotonic()
+        assert probe.load_state_from_peers(timeout=60) == 4
+        patience = max(4.0, 8 * (time.monotonic() - started))
         _publish_raw(bad, 5, poison=True)
         with pytest.raises(NoDonorError, match="banned"):
-            joiner.load_state_from_peers(timeout=4)
+            joiner.load_state_from_peers(timeout=patience)
         assert all(torch.equal(p, torch.full_like(p, 7.0)) for p in joiner_model.parameters())
     finally:
-        joiner.shutdown()
-        bad.shutdown()
+        for state in (joiner, probe, bad):
+            state.shutdown()
 
 
 def test_recover_loads_the_swarms_state(dhts, tmp_path, caplog):
