@@ -80,7 +80,7 @@ class Writer:
                 stamps.append(time.monotonic())
         os.kill(pid, signal.SIGKILL)
         self.wait_exit(pid)
-        return max(b - a for a, b in zip(stamps, stamps[1:]))
+        return max(b - a for a, b in zip(stamps, stamps[1:], strict=False))
 
     def start(self) -> int:
         assert self.proc.stdin is not None
