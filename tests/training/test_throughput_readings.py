@@ -99,14 +99,20 @@ def test_published_samples_per_second_matches_each_peers_own_count(tmp_path: Pat
             peer.wait_joined()
         time.sleep(2 * WINDOW)  # the published rates average ~5 s of steps
         checked = []
-        for _ in range(READS):
+        reads = 0
+        for _ in range(3 * READS):  # a read on a loaded machine may miss a record: read again
             rates = status_rates(first.addr)
+            if len(rates) < len(peers):
+                continue
+            reads += 1
             for peer in peers:
-                assert peer.peer_id in rates, (rates, peer.peer_id)
                 published, at = rates[peer.peer_id]
                 own = peer.own_rate(at)
                 checked.append((peer.peer_id[-6:], round(published), round(own)))
                 assert abs(published / own - 1) < TOLERANCE, checked
+            if reads == READS:
+                break
+        assert reads == READS, f"only {reads} reads listed all {len(peers)} peers: {rates}"
         capped = [own for name, _, own in checked if name == peers[2].peer_id[-6:]]
         uncapped = [own for name, _, own in checked if name != peers[2].peer_id[-6:]]
         assert max(capped) < 900 and min(uncapped) > 2000, checked  # the rates really differ
