@@ -56,7 +56,14 @@ if TYPE_CHECKING:
     from dht.p2p.identity import PeerID
     from moshpit.training.sharing import StateSharing
 
-__all__ = ["ChunkSink", "Download", "DownloadResult", "DownloadRun", "describe", "update_have"]
+__all__ = [
+    "ChunkSink",
+    "Download",
+    "DownloadResult",
+    "DownloadRun",
+    "describe",
+    "update_have",
+]
 
 logger = logging.getLogger("moshpit.training.sharing")  # one logger for state sharing
 

@@ -43,6 +43,7 @@ __all__ = [
     "AdvertisedState",
     "DownloadPlan",
     "Holder",
+    "Peer",
     "advertised_states",
     "fits",
     "note_answer",

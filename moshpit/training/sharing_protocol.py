@@ -31,20 +31,57 @@ import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moshpit.training.errors import ManifestError
 from moshpit.training.manifest import DIGEST_BYTES, Manifest
 
+if TYPE_CHECKING:
+    from dht.p2p.identity import PeerID
+
 __all__ = [
+    "KEEP_STREAM_SECONDS",
+    "MAX_ADDRS",
+    "MAX_ADDR_CHARS",
+    "MAX_DIGESTS_PER_REQUEST",
+    "MAX_ERROR_CHARS",
+    "MAX_PREFIX_CHARS",
+    "MAX_RECORDS",
     "MAX_RECORD_NUMBER",
+    "MAX_REQUEST_BYTES",
+    "MAX_RESPONSE_BYTES",
+    "REQUEST_BYTES",
+    "REUSE_STREAM_SECONDS",
     "STATE_PROTOCOL",
     "BadReply",
     "BadRequest",
     "ChunksAnswer",
+    "ChunksRequest",
+    "HaveRequest",
+    "ManifestRequest",
     "Record",
+    "Request",
     "ServedState",
+    "announcement",
+    "answer_length",
+    "bitmap",
+    "busy_reply",
+    "check_digest",
+    "chunks_reply",
+    "chunks_request",
+    "error_reply",
+    "from_bitmap",
+    "have_reply",
+    "have_request",
+    "manifest_reply",
+    "manifest_request",
     "parse_record",
+    "parse_request",
+    "read_chunks_reply",
+    "read_have_reply",
+    "read_manifest_reply",
+    "refusal",
+    "request_prefix",
     "state_schema_digest",
 ]
 
@@ -81,7 +118,7 @@ class BadReply(ValueError):
 class Record:
     """One peer's announcement, as parsed from the DHT."""
 
-    peer: Any  # a PeerID (whatever ``peer_from_base58`` makes of the subkey)
+    peer: PeerID  # the record's owner, from its subkey
     root: bytes
     epoch: int
     nbytes: int
@@ -127,7 +164,7 @@ def check_digest(value: Any, what: str) -> bytes:
     return value
 
 
-def parse_record(subkey: Any, value: Any, peer_from_base58: Callable[[str], Any]) -> Record:
+def parse_record(subkey: Any, value: Any, peer_from_base58: Callable[[str], PeerID]) -> Record:
     """One DHT entry under ``{prefix}.state`` as a :class:`Record` (ValueError if invalid;
     ``peer_from_base58`` may raise its own error for a subkey that names no valid peer)."""
     match = _OWNER_SUBKEY.match(subkey) if isinstance(subkey, str) else None

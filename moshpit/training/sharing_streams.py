@@ -30,7 +30,13 @@ if TYPE_CHECKING:
     from dht.p2p.host import Host, P2PStream
     from dht.p2p.messages import MessageReader
 
-__all__ = ["Channel", "IdleTimeout", "PrefixHandler", "StateService", "service_for"]
+__all__ = [
+    "Channel",
+    "IdleTimeout",
+    "PrefixHandler",
+    "StateService",
+    "service_for",
+]
 
 logger = logging.getLogger("moshpit.training.sharing")  # one logger for state sharing
 
