@@ -65,6 +65,7 @@ from moshpit.averaging.group_info import (
     GroupInfoError,
     valid_bytes_per_value,
 )
+from moshpit.netutil import is_network_error, short
 
 logger = logging.getLogger(__name__)
 
@@ -603,10 +604,10 @@ class Matchmaker:
         logger.debug(
             "under %s (me %s, order %.3f): %d declared: %s",
             rnd.key,
-            _short(me),
+            short(me),
             rnd.order,
             len(found),
-            ", ".join(f"{_short(c.peer)}@{c.order:.3f}" for c in found[:8]),
+            ", ".join(f"{short(c.peer)}@{c.order:.3f}" for c in found[:8]),
         )
         seen = {c.peer for c in found}
         complete = (
@@ -625,7 +626,7 @@ class Matchmaker:
                 # the declaration says it all: skipped without a request, every round
                 theirs = c.schema.hex()[:12] if c.schema is not None else "none"
                 why = (
-                    f"{SCHEMA_MISMATCH}: {_short(c.peer)} declared schema {theirs}, "
+                    f"{SCHEMA_MISMATCH}: {short(c.peer)} declared schema {theirs}, "
                     f"ours is {self.schema.hex()[:12]}"
                 )
                 rnd.note_schema_conflict(c.peer, why)
@@ -769,7 +770,7 @@ class Matchmaker:
                 return RETRY
             why = reply.get("why") if isinstance(reply, Mapping) else None
             if isinstance(why, str) and why.startswith(SCHEMA_MISMATCH):
-                why = f"{_short(peer)} refused us: {why}"
+                why = f"{short(peer)} refused us: {why}"
                 rnd.note_schema_conflict(peer, why)
                 # remembered with what it declares: not asked again while that stays the same
                 self.schema_memory.note(peer, rnd.declared_schemas.get(peer), why)
@@ -804,7 +805,7 @@ class Matchmaker:
             logger.warning("bad matchmaking reply from %s: %s", peer, e)
             return None
         except Exception as e:  # network failures: try someone else
-            if not _is_network_error(e):
+            if not is_network_error(e):
                 raise
             logger.debug("join request to %s failed: %r", peer, e)
             return None
@@ -816,7 +817,7 @@ class Matchmaker:
                     try:
                         await stream.aclose()
                     except Exception as e:
-                        if not _is_network_error(e):
+                        if not is_network_error(e):
                             raise
 
     def _silence_limit(self, accepted: Mapping) -> float:
@@ -931,7 +932,7 @@ class Matchmaker:
                     try:
                         await stream.receive_msg(max_size=1024)
                     except Exception as e:
-                        if not _is_network_error(e):
+                        if not is_network_error(e):
                             raise
                     if lead.outcome is None:
                         lead.followers.pop(peer, None)
@@ -946,7 +947,7 @@ class Matchmaker:
                 with trio.move_on_after(self.request_timeout):
                     await stream.send_msg(lead.outcome)
         except Exception as e:
-            if not _is_network_error(e):
+            if not is_network_error(e):
                 raise
             logger.debug("lost follower %s: %r", peer, e)
         finally:
@@ -992,11 +993,6 @@ class Matchmaker:
         return None
 
 
-def _short(peer: Any) -> str:
-    short = getattr(peer, "short", None)
-    return short() if callable(short) else str(peer)[-6:]
-
-
 def _packed_size(obj: Any) -> int:
     import msgpack
 
@@ -1004,17 +1000,6 @@ def _packed_size(obj: Any) -> int:
         return len(msgpack.packb(obj, use_bin_type=True))
     except (TypeError, ValueError, OverflowError):
         return MAX_GATHER_BYTES + 1
-
-
-def _is_network_error(e: BaseException) -> bool:
-    """Errors caused by the other peer or the network (as opposed to bugs here)."""
-    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, OSError, EOFError)):
-        return True
-    try:
-        from dht.p2p.errors import P2PError
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(e, P2PError)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1051,7 +1036,7 @@ class MatchmakingDispatcher:
                 return
             await handler(stream, msg)
         except Exception as e:
-            if not _is_network_error(e):
+            if not is_network_error(e):
                 raise
             logger.debug("matchmaking stream from %s failed: %r", stream.remote_peer, e)
         finally:
@@ -1059,7 +1044,7 @@ class MatchmakingDispatcher:
                 try:
                     await stream.aclose()
                 except Exception as e:
-                    if not _is_network_error(e):
+                    if not is_network_error(e):
                         raise
 
 

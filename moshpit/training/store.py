@@ -1,24 +1,15 @@
 """Checkpoints: a directory of content-addressed chunks plus manifests, committed atomically.
 
-Layout (format version 1, documented in docs/training-state.md, "Checkpoint format")::
+The directory's layout and file formats are ``store_format``'s (chunks named by their
+SHA-256, small ones in packs, manifests named by their root, a checksummed ``LATEST``); this
+module writes them durably and reads them back verified.
 
-    <dir>/LATEST                    which manifests are committed, newest first (text, checksummed)
-    <dir>/manifests/<root hex>      a manifest's canonical msgpack bytes (SHA-256 = root)
-    <dir>/chunks/<2 hex>/<64 hex>   a chunk's raw bytes, named by their SHA-256
-    <dir>/packs/<64 hex>            many small chunks in one file (header: digest, offset, size)
-
-Why this shape: a chunk is written once however many checkpoints share it, so saving a state
-whose tensors barely changed writes little, and the same directory is what a donor serves
-chunks from (by digest). A commit is a chain of write-new, fsync, rename steps: chunks, then
-the manifest, then ``LATEST``; a crash (or ``kill -9``) at any point leaves ``LATEST`` naming
-either the previous or the new manifest, and everything that manifest names is already on
-disk. Old chunks are garbage-collected only after the new ``LATEST`` is durable.
-
-Small chunks (small tensors, the tails of big ones) go into pack files when a save has many of
-them: a file per 16 KiB tensor would cost a create, a rename and a directory entry each, and a
-model with thousands of small tensors would checkpoint far slower than ``torch.save``. Packs are
-invisible through the API (:meth:`StateStore.read_chunk` etc. work by digest). On Linux a save
-flushes everything with one ``syncfs`` instead of an fsync per file.
+A commit is a chain of write-new, fsync, rename steps: chunks, then the manifest, then
+``LATEST``; a crash (or ``kill -9``) at any point leaves ``LATEST`` naming either the previous
+or the new manifest, and everything that manifest names is already on disk. Old chunks are
+garbage-collected only after the new ``LATEST`` is durable. Packs are invisible through the
+API (:meth:`StateStore.read_chunk` etc. work by digest). On Linux a save flushes everything
+with one ``syncfs`` instead of an fsync per file.
 
 Everything read back is verified against its hash, so a damaged disk gives
 :class:`CheckpointCorruptError` naming the tensor, never a silently wrong model.
@@ -35,16 +26,14 @@ import logging
 import os
 import pathlib
 import secrets
-import struct
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-import msgpack
 import torch
 
 from moshpit.critical import CriticalLock
@@ -59,13 +48,8 @@ from moshpit.training.manifest import (
     DEFAULT_CHUNK_BYTES,
     DIGEST_BYTES,
     DTYPES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     MAX_CHUNK_BYTES,
-    MAX_DIMS,
     MAX_MANIFEST_BYTES,
-    MAX_NAME_CHARS,
-    MAX_TENSORS,
     ChunkRef,
     Manifest,
     TensorSpec,
@@ -73,8 +57,36 @@ from moshpit.training.manifest import (
     dtype_name,
     tensor_bytes,
 )
+from moshpit.training.store_format import (
+    DAMAGED_DIR,
+    PACK_COUNT,
+    PACK_ENTRY,
+    PACK_MAGIC,
+    PACK_MIN_CHUNKS,
+    STORE_FORMAT_VERSION,
+    TMP_PREFIX,
+    CheckpointLayout,
+    DamagedPack,
+    PackEntry,
+    check_digest,
+    check_state_layout,
+    chunk_sizes,
+    format_latest,
+    manifest_file_intact,
+    pack_entries,
+    pack_groups,
+    pack_header,
+    packable,
+    read_latest,
+    read_manifest,
+    read_pack_header,
+    tmp_writer_pid,
+)
 
 __all__ = [
+    "PACK_COUNT",  # the pack format, for tests that take packs apart
+    "PACK_ENTRY",
+    "PACK_MAGIC",
     "STORE_FORMAT_VERSION",
     "RestoredState",
     "StateStore",
@@ -85,21 +97,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STORE_FORMAT_VERSION = 1
-LATEST_MAGIC = "moshpit-checkpoint"
-DAMAGED_DIR = "damaged"  # damaged files are moved here for inspection, never deleted
-MAX_LATEST_BYTES = 64 << 10
-TMP_PREFIX = ".tmp-"
+T = TypeVar("T")
+
 # Work is cut into batches of about this many bytes (and at most this many files), so that many
 # small tensors do not cost one thread hand-off each while big states still spread over threads.
 BATCH_BYTES = 4 << 20
 BATCH_FILES = 64
-PACK_MAGIC = b"moshpit-pack v1\n"
-PACK_COUNT = struct.Struct("<I")
-PACK_ENTRY = struct.Struct("<32sQQ")  # digest, offset in the file, size
-PACK_CHUNK_MAX = 256 << 10  # a chunk shorter than a full chunk and at most this is packed...
-PACK_MIN_CHUNKS = 8  # ...when a save has at least this many new ones (else written loose)
-PACK_MAX_BYTES = 64 << 20
 IOV_MAX = 1024
 
 _pool_lock = CriticalLock()
@@ -130,7 +133,7 @@ class _Shared:
     # the pack index: file names seen in packs/ (valid or not), entries of the valid ones,
     # digest -> (pack, offset, size), and packed copies that failed verification
     pack_names: frozenset[str] = frozenset()
-    packs: dict[str, tuple[tuple[bytes, int, int], ...]] = field(default_factory=dict)
+    packs: dict[str, tuple[PackEntry, ...]] = field(default_factory=dict)
     where: dict[bytes, tuple[str, int, int]] = field(default_factory=dict)
     bad: set[tuple[str, bytes]] = field(default_factory=set)
 
@@ -170,11 +173,6 @@ def _reset_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-def _check_digest(digest: bytes) -> None:
-    if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
-        raise ValueError(f"a chunk digest is {DIGEST_BYTES} bytes, got {digest!r:.80}")
 
 
 def _fsync_dir(path: str | os.PathLike) -> None:
@@ -272,9 +270,8 @@ def _stale_tmp(path: str) -> bool:
     """A tmp file is stale when its writer is gone: another, dead process, or an earlier
     process that had our pid (containers restart as pid 1) and is not in our in-flight set."""
     name = os.path.basename(path)
-    try:
-        pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
-    except ValueError:
+    pid = tmp_writer_pid(name)
+    if pid is None:
         return True
     if pid == os.getpid():
         with _in_flight_lock:
@@ -296,7 +293,7 @@ def _batches(sizes: Sequence[int]) -> list[range]:
     return out
 
 
-def _results(futures: Iterable[Future]) -> Iterator[Any]:
+def _results(futures: Iterable[Future[T]]) -> Iterator[T]:
     """Results in order; on an error, wait for the rest before raising (no stray writers)."""
     futures = list(futures)
     error: BaseException | None = None
@@ -332,11 +329,11 @@ class StateStore:
         self.directory = pathlib.Path(directory)
         self.keep = keep
         self.durable = durable
-        self._chunks = self.directory / "chunks"
-        self._chunks_str = str(self._chunks)
-        self._packs = self.directory / "packs"
-        self._manifests = self.directory / "manifests"
-        self._latest = self.directory / "LATEST"
+        self.layout = CheckpointLayout(self.directory)
+        self._chunks = self.layout.chunks
+        self._packs = self.layout.packs
+        self._manifests = self.layout.manifests
+        self._latest = self.layout.latest
         try:
             self._create_dirs()
         except OSError as e:
@@ -390,35 +387,24 @@ class StateStore:
             shared.pack_names = names
             shared.rebuild_where()
 
-    def _read_pack_header(self, name: str) -> tuple[tuple[bytes, int, int], ...] | None:
+    def _read_pack_header(self, name: str) -> tuple[PackEntry, ...] | None:
         """A pack's entries, or None (logged) if its header is damaged: its chunks are then
         missing, which loading reports per tensor and a download repairs."""
         path = self._packs / name
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                head = f.read(len(PACK_MAGIC) + PACK_COUNT.size)
-                if len(head) < len(PACK_MAGIC) + PACK_COUNT.size or not head.startswith(PACK_MAGIC):
-                    raise ValueError("not a moshpit pack of this version")
-                (count,) = PACK_COUNT.unpack_from(head, len(PACK_MAGIC))
-                if count * PACK_ENTRY.size > size:
-                    raise ValueError("entry count past the end of the file")
-                table = f.read(count * PACK_ENTRY.size)
+                header = read_pack_header(f, size)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
             logger.warning("pack %s in %s is unusable: %s", name[:16], self.directory, e)
             return None
-        header = head + table
-        if len(table) != count * PACK_ENTRY.size or hashlib.sha256(header).hexdigest() != name:
-            logger.warning("pack %s in %s has a damaged header: ignored", name[:16], self.directory)
+        try:
+            return pack_entries(header, name, size)
+        except DamagedPack as e:
+            logger.warning("pack %s in %s %s: ignored", name[:16], self.directory, e)
             return None
-        entries = tuple(PACK_ENTRY.iter_unpack(table))
-        for _, offset, length in entries:
-            if offset < len(header) or offset + length > size or length > MAX_CHUNK_BYTES:
-                logger.warning("pack %s in %s has a bad entry: ignored", name[:16], self.directory)
-                return None
-        return entries
 
     def _packed(self, digest: bytes) -> tuple[str, int, int] | None:
         with self._shared.lock:
@@ -441,11 +427,10 @@ class StateStore:
     # ------------------------------------------------------------------ chunks
 
     def _chunk_path(self, digest: bytes) -> str:
-        hexd = digest.hex()  # a str, not a Path: this runs for every chunk of every save
-        return f"{self._chunks_str}/{hexd[:2]}/{hexd}"
+        return self.layout.chunk_path(digest)
 
     def has_chunk(self, digest: bytes) -> bool:
-        _check_digest(digest)
+        check_digest(digest)
         if os.path.isfile(self._chunk_path(digest)):
             return True
         self._refresh_packs()
@@ -455,7 +440,7 @@ class StateStore:
         """A chunk's bytes, or None if absent. A chunk whose bytes do not match its digest is
         moved aside, or forgotten if it is in a pack (and None returned): the network path must
         never serve corrupt bytes."""
-        _check_digest(digest)
+        check_digest(digest)
         path = self._chunk_path(digest)
         try:
             with open(path, "rb", buffering=0) as f:
@@ -537,7 +522,7 @@ class StateStore:
     @property
     def damaged_dir(self) -> pathlib.Path:
         """Where damaged files go (kept for inspection; delete them by hand when done)."""
-        return self.directory / DAMAGED_DIR
+        return self.layout.damaged
 
     def _set_aside(self, path: str | os.PathLike, label: str) -> None:
         """Move a damaged file out of the checkpoint's way into :attr:`damaged_dir` (a rename:
@@ -561,7 +546,7 @@ class StateStore:
         The chunk is protected from garbage collection until a manifest referencing it is
         committed (or this process ends).
         """
-        _check_digest(digest)
+        check_digest(digest)
         if hashlib.sha256(data).digest() != digest:
             raise ValueError(f"chunk bytes do not hash to {digest.hex()}")
         with self._shared.lock:  # before the existence check: see _collect_garbage
@@ -583,34 +568,16 @@ class StateStore:
                 self._shared.dirty_dirs.add(os.path.dirname(path))
 
     def _write_packs(self, items: Sequence[tuple[bytes, Buffer]], sync: bool) -> None:
-        """Write small chunks as pack files of at most PACK_MAX_BYTES and index them."""
-        start = 0
-        while start < len(items):
-            end, total = start, 0
-            while end < len(items) and (
-                end == start or total + len(items[end][1]) <= PACK_MAX_BYTES
-            ):
-                total += len(items[end][1])
-                end += 1
-            group = items[start:end]
-            start = end
-            offset = len(PACK_MAGIC) + PACK_COUNT.size + len(group) * PACK_ENTRY.size
-            entries = []
-            for digest, data in group:
-                entries.append((digest, offset, len(data)))
-                offset += len(data)
-            header = (
-                PACK_MAGIC
-                + PACK_COUNT.pack(len(entries))
-                + b"".join(PACK_ENTRY.pack(*e) for e in entries)
-            )
-            name = hashlib.sha256(header).hexdigest()
+        """Write small chunks as pack files (store_format.pack_groups) and index them."""
+        for indices in pack_groups([len(data) for _, data in items]):
+            group = items[indices.start : indices.stop]
+            header, name, entries = pack_header([(digest, len(data)) for digest, data in group])
             try:
                 _write_atomic(self._packs / name, [header, *(d for _, d in group)], sync)
             except OSError as e:
                 raise CheckpointError(f"cannot write a pack into {self.directory}: {e}") from e
             with self._shared.lock:
-                self._shared.packs[name] = tuple(entries)
+                self._shared.packs[name] = entries
                 self._shared.pack_names = self._shared.pack_names | {name}
                 for digest, off, size in entries:
                     self._shared.where.setdefault(digest, (name, off, size))
@@ -641,9 +608,6 @@ class StateStore:
         batch_sync = self.durable and _SYNCFS is not None
         sync_each = self.durable and not batch_sync
 
-        def packable(size: int) -> bool:
-            return size < full_chunk and size <= PACK_CHUNK_MAX
-
         def work(batch: range) -> list[bytes]:
             out = []
             for i in batch:
@@ -654,7 +618,7 @@ class StateStore:
                         f"chunk {expected[i][0].hex()} given to save() does not match its "
                         "digest or size: was a tensor modified while it was being saved?"
                     )
-                if not packable(len(piece)) and not self._present(digest, len(piece)):
+                if not packable(len(piece), full_chunk) and not self._present(digest, len(piece)):
                     self._write_loose(digest, piece, sync_each)
                 out.append(digest)
             return out
@@ -667,7 +631,7 @@ class StateStore:
         small: dict[bytes, Buffer] = {}
         for digest, piece in zip(digests, pieces, strict=True):
             if (
-                packable(len(piece))
+                packable(len(piece), full_chunk)
                 and digest not in small
                 and not self._present(digest, len(piece))
             ):
@@ -755,7 +719,7 @@ class StateStore:
                 _fsync_dir(self._manifests)
             history = [root] + [r for r in history if r != root]
             history = history[: self.keep]
-            _write_atomic(self._latest, _format_latest(history), self.durable)
+            _write_atomic(self._latest, format_latest(history), self.durable)
             if self.durable:
                 _fsync_dir(self.directory)
         except OSError as e:
@@ -776,7 +740,7 @@ class StateStore:
         if _SYNCFS is not None:
             _syncfs(self.directory)
         else:  # files were fsynced before their rename; their directories may not have been
-            dirs = [str(self._packs)] + [f"{self._chunks_str}/{i:02x}" for i in range(256)]
+            dirs = [str(self._packs), *self.layout.chunk_dirs()]
             for _ in _results([_executor().submit(_fsync_dir, d) for d in dirs]):
                 pass
         self._shared.flushed_once = True
@@ -848,7 +812,7 @@ class StateStore:
             if entry.name.startswith(TMP_PREFIX):
                 removed_other += self._remove_if_stale_tmp(entry.path)
             elif entry.name not in keep_names:
-                if self._manifest_intact(entry.path, entry.name):
+                if manifest_file_intact(entry.path, entry.name):
                     os.unlink(entry.path)
                 else:
                     self._set_aside(entry.path, f"manifest-{entry.name}")
@@ -886,16 +850,6 @@ class StateStore:
                 removed_other,
                 self.directory,
             )
-
-    @staticmethod
-    def _manifest_intact(path: str, name: str) -> bool:
-        """Do the file's bytes hash to its name (an unreadable file counts as damaged)?"""
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_MANIFEST_BYTES + 1)
-        except OSError:
-            return False
-        return hashlib.sha256(data).hexdigest() == name
 
     def _collect_packs(self, live: set[bytes]) -> int:
         """Delete packs without a live chunk; copy the live chunks of packs that are less than
@@ -966,14 +920,7 @@ class StateStore:
     # ------------------------------------------------------------------ reading
 
     def _read_latest(self) -> list[bytes]:
-        try:
-            with open(self._latest, "rb") as f:
-                data = f.read(MAX_LATEST_BYTES + 1)
-        except FileNotFoundError:
-            raise NoCheckpointError(f"no checkpoint in {self.directory} yet") from None
-        except OSError as e:
-            raise CheckpointError(f"cannot read {self._latest}: {e}") from None
-        return _parse_latest(data, self._latest)
+        return read_latest(self.layout)
 
     def committed_roots(self) -> list[bytes]:
         """The roots of the committed states, newest first (at most ``keep``)."""
@@ -991,26 +938,7 @@ class StateStore:
 
     def load_manifest(self, root: bytes) -> Manifest:
         """A committed manifest by its root, verified against it."""
-        if not isinstance(root, bytes) or len(root) != DIGEST_BYTES:
-            raise ValueError(f"a state root is {DIGEST_BYTES} bytes")
-        path = self._manifests / root.hex()
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
-            raise NoCheckpointError(f"no manifest {root.hex()} in {self.directory}") from None
-        except OSError as e:
-            raise CheckpointError(f"cannot read manifest {path}: {e}") from None
-        if hashlib.sha256(data).digest() != root:
-            raise CheckpointCorruptError(
-                f"manifest {path} is truncated or damaged (its bytes do not hash to its name); "
-                "restore this checkpoint from a backup or download the state from peers"
-            )
-        try:
-            return Manifest.from_bytes(data)
-        except ManifestError as e:
-            _check_manifest_version(data, path)  # an authentic manifest of another version?
-            raise CheckpointCorruptError(f"manifest {path} is not a valid manifest: {e}") from None
+        return read_manifest(self.layout, root)
 
     def load_tensors(self, manifest: Manifest) -> list[torch.Tensor]:
         """Every tensor of ``manifest``, in order, each chunk verified against its digest.
@@ -1112,70 +1040,6 @@ class StateStore:
         return None if packed_problem is None else packed_problem
 
 
-# ---------------------------------------------------------------------- LATEST and versions
-
-
-def _format_latest(history: Sequence[bytes]) -> bytes:
-    body = f"{LATEST_MAGIC} {STORE_FORMAT_VERSION}\n" + "".join(f"{r.hex()}\n" for r in history)
-    check = hashlib.sha256(body.encode()).hexdigest()
-    return (body + f"sha256 {check}\n").encode()
-
-
-def _parse_latest(data: bytes, path: pathlib.Path) -> list[bytes]:
-    """Parse LATEST strictly: a newer format is CheckpointFormatError, anything else that is
-    not exactly what _format_latest writes is CheckpointCorruptError."""
-    corrupt = CheckpointCorruptError(
-        f"{path} is damaged (not a moshpit checkpoint pointer); the manifests/ directory still "
-        "holds the committed states, or download the state from peers"
-    )
-    if len(data) > MAX_LATEST_BYTES:
-        raise corrupt
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError:
-        raise corrupt from None
-    lines = text.split("\n")
-    header = lines[0].split(" ")
-    if len(header) != 2 or header[0] != LATEST_MAGIC or not header[1].isdigit():
-        raise corrupt
-    if int(header[1]) != STORE_FORMAT_VERSION:
-        raise CheckpointFormatError(
-            f"checkpoint directory {path.parent} uses store format version {header[1]}; this "
-            f"moshpit reads version {STORE_FORMAT_VERSION}: upgrade moshpit to load it"
-        )
-    # lines: header, roots..., "sha256 <hex>", "" (after the final newline)
-    if len(lines) < 4 or lines[-1] != "" or not lines[-2].startswith("sha256 "):
-        raise corrupt
-    body = "\n".join(lines[:-2]) + "\n"
-    if hashlib.sha256(body.encode()).hexdigest() != lines[-2][len("sha256 ") :]:
-        raise corrupt
-    roots = []
-    for line in lines[1:-2]:
-        if len(line) != 2 * DIGEST_BYTES:
-            raise corrupt
-        try:
-            roots.append(bytes.fromhex(line))
-        except ValueError:
-            raise corrupt from None
-    return roots
-
-
-def _check_manifest_version(data: bytes, path: pathlib.Path) -> None:
-    """An authentic manifest of another format version is a format error, not corruption."""
-    try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception:  # msgpack raises several unrelated types; from_bytes reports it
-        return
-    if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
-        return
-    version = obj.get("version")
-    if version != FORMAT_VERSION:
-        raise CheckpointFormatError(
-            f"checkpoint manifest {path} has state format version {version!r}; this moshpit "
-            f"reads version {FORMAT_VERSION}: upgrade moshpit to load it"
-        )
-
-
 # ---------------------------------------------------------------------- convenience
 
 
@@ -1196,14 +1060,14 @@ def save_state(
     named = list(named_tensors)
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}]")
-    _check_layout(named)
+    check_state_layout(named)
     # metadata is validated by build_manifest on no tensors (cheap), keeping one rule set
     empty, _ = build_manifest([], epoch, metadata, chunk_bytes)
     pieces: list[memoryview] = []
     layout: list[tuple[str, str, tuple[int, ...], int]] = []  # name, dtype, shape, n chunks
     for name, tensor in named:
         data = tensor_bytes(tensor)
-        sizes = _chunk_sizes(len(data), chunk_bytes)
+        sizes = chunk_sizes(len(data), chunk_bytes)
         offset = 0
         for size in sizes:
             pieces.append(data[offset : offset + size])
@@ -1224,40 +1088,6 @@ def save_state(
         manifest = Manifest(empty.epoch, tuple(specs), chunk_bytes, empty.metadata)
         store._commit_locked(manifest, history, checked=True)
     return manifest
-
-
-def _check_layout(named: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """What Manifest.from_bytes would refuse in a state built from real tensors, checked
-    before anything is written (cheaper than parsing the manifest back)."""
-    if len(named) > MAX_TENSORS:
-        raise CheckpointError(
-            f"this state cannot be checkpointed: {len(named)} tensors, the limit is {MAX_TENSORS}"
-        )
-    seen: set[str] = set()
-    for name, tensor in named:
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
-            raise CheckpointError(
-                f"this state cannot be checkpointed: tensor name {name!r:.80} must be a string "
-                f"of 1..{MAX_NAME_CHARS} characters"
-            )
-        if name in seen:
-            raise CheckpointError(
-                f"this state cannot be checkpointed: tensor name {name!r} appears twice"
-            )
-        seen.add(name)
-        if tensor.dim() > MAX_DIMS:
-            raise CheckpointError(
-                f"this state cannot be checkpointed: tensor {name!r} has {tensor.dim()} "
-                f"dimensions, the limit is {MAX_DIMS}"
-            )
-
-
-def _chunk_sizes(nbytes: int, chunk_bytes: int) -> list[int]:
-    """The same cut as build_manifest: full chunks, the remainder, one empty chunk for 0 bytes."""
-    if nbytes == 0:
-        return [0]
-    full, rest = divmod(nbytes, chunk_bytes)
-    return [chunk_bytes] * full + ([rest] if rest else [])
 
 
 def load_state(store: StateStore) -> tuple[Manifest, list[torch.Tensor]]:

@@ -52,16 +52,13 @@ from moshpit.cli.status_cmd import parse_donor_records
 from moshpit.training.errors import ManifestError
 from moshpit.training.manifest import DIGEST_BYTES, Manifest, build_manifest
 from moshpit.training.progress import aggregate, owner_subkey, parse_progress_records
-from moshpit.training.sharing import (
-    MAX_RECORD_NUMBER,
-    StateSharing,
-    _BadRequest,
-    _Download,
-    _Holder,
-    _parse_record,
-    _Served,
-    _StateService,
-)
+from moshpit.training.sharing import MAX_RECORD_NUMBER, StateSharing
+from moshpit.training.sharing_download import Download as _Download
+from moshpit.training.sharing_plan import Holder as _Holder
+from moshpit.training.sharing_protocol import BadRequest as _BadRequest
+from moshpit.training.sharing_protocol import ServedState as _Served
+from moshpit.training.sharing_protocol import parse_record as _parse_record
+from moshpit.training.sharing_streams import StateService as _StateService
 
 from ._harness import (
     ScriptedStream,

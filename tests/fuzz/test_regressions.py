@@ -20,7 +20,7 @@ from dht.p2p.varint import encode_uvarint
 from moshpit.averaging.group_keys import make_group_key, parse_group_key
 from moshpit.training.errors import ManifestError
 from moshpit.training.manifest import Manifest
-from moshpit.training.sharing import _parse_record
+from moshpit.training.sharing_protocol import parse_record as _parse_record
 
 from ._harness import CORPUS_DIR, ScriptedStream, load_all
 from .targets_p2p import ALICE, BOB, SEED_ADDRS
