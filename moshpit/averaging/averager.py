@@ -74,6 +74,16 @@ def _notify(event: str, averager: Any, detail: Any) -> None:
             logger.exception("averaging observer failed")
 
 
+DEFAULT_MIN_MATCHMAKING_TIME = 5.0
+DEFAULT_REQUEST_TIMEOUT = 3.0
+
+
+def default_matchmaking_timeout(min_matchmaking_time: float, request_timeout: float) -> float:
+    """How long a step looks for a group unless told otherwise: long enough for a leader
+    to wait ``min_matchmaking_time`` and then hear from its members."""
+    return max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)
+
+
 class AveragerLockError(RuntimeError):
     """A call would wait for the tensor lock that this same thread holds (a certain deadlock),
     or would block the DHT's event loop, which the running step needs to finish."""
@@ -260,8 +270,8 @@ class Averager:
         prefix: str,
         target_group_size: int,
         min_group_size: int = 2,
-        min_matchmaking_time: float = 5.0,
-        request_timeout: float = 3.0,
+        min_matchmaking_time: float = DEFAULT_MIN_MATCHMAKING_TIME,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         allreduce_timeout: float = 60.0,
         compression: Any = None,
         bandwidth: float | None = None,
@@ -313,7 +323,7 @@ class Averager:
         self.matchmaking_timeout = float(
             matchmaking_timeout
             if matchmaking_timeout is not None
-            else max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)
+            else default_matchmaking_timeout(min_matchmaking_time, request_timeout)
         )
         if not (math.isfinite(self.matchmaking_timeout) and self.matchmaking_timeout > 0):
             raise ValueError("matchmaking_timeout must be a positive number of seconds")

@@ -227,6 +227,8 @@ class Optimizer:
         if not self._started:
             self._started = True
             self.mode.on_start()
+            # this first batch was computed before the start (which reported 0 samples)
+            self.tracker.discard_next_interval()
         if loss is not None:
             self._note_loss(loss)
         if not self._gradients_finite():

@@ -73,6 +73,7 @@ MAX_SCHEMA_BYTES = 64  # a model-schema hash (trainers send 16 bytes)
 # and a GC pause or a scheduler tick swung its published rate from 2k to 60k samples/s)
 RATE_WINDOW = 5.0
 MAX_NAME_CHARS = 32  # a volunteer's display name (ProgressTracker(name=...))
+MAX_STEP_SECONDS = 86400.0  # a step time beyond a day is not a training step
 
 
 def check_name(name: Any) -> str | None:
@@ -146,6 +147,9 @@ class PeerProgress:
     schema: bytes | None = None
     name: str | None = None
     client: bool | None = None
+    # seconds between its reports (one per step), averaged like samples/s; None when the
+    # peer does not say: how long a round must wait for this peer's current step to end
+    step_seconds: float | None = None
 
     @property
     def problem(self) -> str | None:
@@ -243,6 +247,11 @@ def parse_progress_record(
     ):
         return None, f"schema is not 1..{MAX_SCHEMA_BYTES} bytes"
     client = value.get("client")
+    step = value.get("spt")
+    if step is not None and not (
+        _is_number(step) and math.isfinite(step) and 0 < step <= MAX_STEP_SECONDS
+    ):
+        return None, f"spt {step!r} is not a number of seconds in (0, {MAX_STEP_SECONDS:g}]"
     record = PeerProgress(
         peer_id,
         int(epoch),
@@ -255,6 +264,7 @@ def parse_progress_record(
         schema,
         valid_name(value.get("name")),
         client if isinstance(client, bool) else None,
+        float(step) if step is not None else None,
     )
     return record, None
 
@@ -512,6 +522,7 @@ class ProgressTracker:
         self._report_time = 0.0
         self._ewma_samples = 0.0
         self._ewma_seconds = 0.0
+        self._ewma_reports = 0.0  # the reports behind those sums: seconds per step
         self._reports = 0
         self._version = 0  # bumped by every report that changed what we would publish
         self._published_version = -1
@@ -520,6 +531,7 @@ class ProgressTracker:
         self._last_expiration = -math.inf
         self._withdrawn = False
         self._read_soon = False
+        self._discard_next = False
         self._epoch_started_at: dict[int, float] = {}
         self._global = GlobalProgress(0, 0, target_batch_size, 0, 0.0, None, [], {}, 0.0)
         # health, published with the next record (a change of it alone does not force one)
@@ -571,17 +583,19 @@ class ProgressTracker:
                 # not to producing these samples, so it does not enter samples/s
                 if self._epoch is not None and epoch > self._epoch:
                     self._epoch_started_at.setdefault(epoch, now)  # we saw it begin
-            elif self._samples == 0 and self._reports == 1:
+            elif (self._samples == 0 and self._reports == 1) or self._discard_next:
                 # the first interval ever: a trainer reports 0 when it starts, right after
                 # computing its first batch, so this interval holds no compute time (it made
-                # the first estimate thousands of samples/s)
+                # the first estimate thousands of samples/s); or the caller said so
                 pass
             elif samples >= self._samples and now > self._report_time:
                 elapsed = now - self._report_time
                 kept = math.exp(-elapsed / RATE_WINDOW)
                 self._ewma_samples = kept * self._ewma_samples + (samples - self._samples)
                 self._ewma_seconds = kept * self._ewma_seconds + elapsed
+                self._ewma_reports = kept * self._ewma_reports + 1.0
             changed = self._withdrawn or epoch != self._epoch or samples != self._samples
+            self._discard_next = False
             self._epoch, self._samples, self._report_time = epoch, samples, now
             self._reports += 1
             self._withdrawn = False
@@ -589,6 +603,14 @@ class ProgressTracker:
                 self._version += 1
         if changed:
             self._wake()
+
+    def discard_next_interval(self) -> None:
+        """The samples of the next report were made before now (the batch a training loop
+        computed before its first ``step()``, which reports 0 first): count them toward the
+        epoch, not toward samples/s. Otherwise that interval holds no compute time, and 8
+        samples in a millisecond read as 10,000 samples/s for the next seconds."""
+        with self._lock:
+            self._discard_next = True
 
     def mark_idle(self) -> None:
         """The time since the last report was not spent producing samples (waiting for a
@@ -658,9 +680,17 @@ class ProgressTracker:
         with self._lock:
             return self._ewma_samples / self._ewma_seconds if self._ewma_seconds > 0 else 0.0
 
+    @property
+    def step_seconds(self) -> float | None:
+        """Seconds between this peer's reports while training (one per step); None before
+        two reports."""
+        with self._lock:
+            return self._ewma_seconds / self._ewma_reports if self._ewma_reports > 0 else None
+
     def local_progress(self) -> PeerProgress | None:
         """What this peer publishes (None before the first report)."""
         sps = self.samples_per_second
+        step = self.step_seconds
         with self._lock:
             if self._epoch is None or self._withdrawn:
                 return None
@@ -677,6 +707,7 @@ class ProgressTracker:
                 self._checkpoint_failures,
                 self._schema,
                 self._name,
+                step_seconds=step,
             )
 
     @property
@@ -868,6 +899,8 @@ class ProgressTracker:
                 value["s"] = mine.schema
             if mine.name is not None:
                 value["name"] = mine.name
+            if mine.step_seconds is not None:
+                value["spt"] = min(mine.step_seconds, MAX_STEP_SECONDS)
             node = self._get_node()
             client = getattr(node, "client_mode", None)
             if isinstance(client, bool):

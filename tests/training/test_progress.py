@@ -151,6 +151,10 @@ def test_eta_and_readiness():
         ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "s": "text"}, "schema"),
         ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "s": b""}, "schema"),
         ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "s": b"x" * 65}, "schema"),
+        ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "spt": 0}, "spt"),
+        ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "spt": math.inf}, "spt"),
+        ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "spt": "1"}, "spt"),
+        ({"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "spt": 1e9}, "spt"),
     ],
 )
 def test_absurd_or_malformed_records_are_ignored_with_a_reason(value, reason):
@@ -270,6 +274,52 @@ def test_samples_per_second_of_a_fast_peer_reads_its_rate_not_its_last_steps():
     assert len(reads) > 100
     worst = max(abs(estimate / true - 1) for _, estimate, true in reads)
     assert worst < 0.10, worst
+
+
+def test_a_batch_computed_before_the_start_does_not_count_toward_samples_per_second():
+    """Optimizer's first step(): the batch was computed, then the start reports 0 samples,
+    then the step reports 8, a millisecond later. Counted, that interval read 10,000
+    samples/s for seconds (the swarm then projected its target reached at once)."""
+    clock = ManualClock()
+    with dht_clock(clock):
+        tracker = ProgressTracker(object(), PREFIX, start=False)
+        tracker.report(0, 0)  # a script announcing itself before it trains
+        clock.now += 5.0
+        tracker.report(0, 0)  # the Optimizer's start, after the first batch's compute
+        tracker.discard_next_interval()
+        clock.now += 0.001
+        tracker.report(0, 8)
+        assert tracker.samples_per_second == 0.0  # nothing measured yet
+        for i in range(2, 12):
+            clock.now += 0.16
+            tracker.report(0, 8 * i)
+        assert tracker.samples_per_second == pytest.approx(50.0)
+
+
+def test_step_seconds_is_published_with_the_record():
+    """Seconds per step: how long a round waiting for this peer may wait for its current
+    step (a 30 s step is a peer on its way, not a peer gone)."""
+    clock = ManualClock()
+    node = type("Node", (), {"peer_id": "me"})()  # a "DHTNode" that is never used
+    with dht_clock(clock):
+        tracker = ProgressTracker(node, PREFIX, start=False)
+        assert tracker.step_seconds is None
+        tracker.report(0, 0)
+        for i in range(1, 20):
+            clock.now += 3.0 if i % 2 else 5.0  # 4 s per step on average
+            tracker.report(0, 32 * i)
+        assert tracker.step_seconds == pytest.approx(4.0, rel=0.1)
+        assert tracker.local_progress().step_seconds == tracker.step_seconds
+    value = {"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "spt": 4.0}
+    record, why = parse_progress_record(
+        "p", value, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
+    )
+    assert why is None and record.step_seconds == 4.0
+    del value["spt"]  # older peers do not send it
+    record, why = parse_progress_record(
+        "p", value, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
+    )
+    assert why is None and record.step_seconds is None
 
 
 def test_samples_per_second_of_uneven_steps_follows_a_rate_change():

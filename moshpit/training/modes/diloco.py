@@ -56,12 +56,22 @@ from compression import (
     Uniform8Bit,
 )
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
-from moshpit.averaging.averager import Averager, StepResult
+from moshpit.averaging.averager import (
+    DEFAULT_MIN_MATCHMAKING_TIME,
+    DEFAULT_REQUEST_TIMEOUT,
+    Averager,
+    StepResult,
+    default_matchmaking_timeout,
+)
 from moshpit.averaging.matchmaking import SchemaMemory
 from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.health import first_non_finite
 from moshpit.training.modes.base import TrainingMode, params_of
-from moshpit.training.modes.epoch_rounds import EpochRounds, wait_unless_left_behind
+from moshpit.training.modes.epoch_rounds import (
+    RECENT_STEPS,
+    EpochRounds,
+    wait_unless_left_behind,
+)
 from moshpit.training.modes.streaming import FragmentRound, split_fragments
 
 logger = logging.getLogger(__name__)
@@ -69,6 +79,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DiLoCoMode", "outer_prefix"]
 
 COMPRESSION_NAMES = ("none", "fp16", "8bit", "4bit", "topk")
+DEFAULT_INNER_STEPS = 500
 
 
 def outer_prefix(run_id: str, epoch: int) -> str:
@@ -134,7 +145,8 @@ def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC
 
 
 class DiLoCoMode(TrainingMode):
-    """Knobs: ``inner_steps`` (H, default 500), ``outer_lr`` (0.7), ``outer_momentum`` (0.9),
+    """Knobs: ``inner_steps`` (H, default 500) or the Optimizer's ``target_batch_size``
+    (swarm-wide epochs, see below), ``outer_lr`` (0.7), ``outer_momentum`` (0.9),
     ``nesterov`` (True), ``compression`` (None, ``"fp16"``, ``"8bit"``, ``"4bit"``, ``"topk"``, a codec, a
     ``TwoWayCompression`` or a ``GraVAC``), ``topk_density`` (0.01), ``round_timeout`` (s,
     default: the averager's own timeouts), ``refresh_period`` (s between reads of the swarm's
@@ -148,7 +160,7 @@ class DiLoCoMode(TrainingMode):
         self,
         optimizer: Any,
         *,
-        inner_steps: int = 500,
+        inner_steps: int | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
@@ -161,6 +173,16 @@ class DiLoCoMode(TrainingMode):
         overlap_steps: int = 0,
     ) -> None:
         super().__init__(optimizer)
+        # swarm-wide epochs: an outer step per target_batch_size samples of the whole swarm
+        self.target: int | None = optimizer.target_batch_size
+        if self.target is not None and inner_steps is not None:
+            raise ValueError(
+                "mode='diloco' takes target_batch_size (an outer step whenever the whole "
+                "swarm processed that many samples; peers of any speed) or inner_steps (an "
+                "outer step after that many inner steps of every peer), not both"
+            )
+        if inner_steps is None:
+            inner_steps = DEFAULT_INNER_STEPS
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be a positive integer, got {inner_steps!r}")
         if not outer_lr > 0:
@@ -185,6 +207,12 @@ class DiLoCoMode(TrainingMode):
         # streaming: one fragment's round every inner_steps / fragments steps, in the background
         self.streaming = len(self.fragments) > 1 or overlap_steps > 0
         self.period = max(1, inner_steps // len(self.fragments)) if self.streaming else inner_steps
+        # swarm-wide: a (fragment's) round every round_target samples of the swarm, always in
+        # the background (a peer that is ready early trains on while the slower ones arrive)
+        self.swarm_wide = self.target is not None
+        self.round_target = (
+            max(1, self.target // len(self.fragments)) if self.target is not None else 0
+        )
         self.in_flight: FragmentRound | None = None
         # θ: the shared parameters, float32 on the CPU whatever the model's device and dtype
         self.theta = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
@@ -301,10 +329,21 @@ class DiLoCoMode(TrainingMode):
         self.local_steps += 1
         self.samples += batch_size
         self.report_progress(self.samples)
-        if self.streaming:
+        if self.swarm_wide:
+            self._swarm_step()
+        elif self.streaming:
             self._stream_step()
         elif self.local_steps >= self.inner_steps:
             self._outer_round()
+
+    def report_progress(self, samples: int) -> None:
+        """While a swarm-wide round is in flight we are still at its epoch: report the samples
+        behind its Δ too, so that a slower peer's projection of the epoch still counts them
+        (it has not joined the round yet and must not think the swarm went backwards)."""
+        rnd = self.in_flight
+        if self.swarm_wide and rnd is not None:
+            samples += rnd.samples
+        self.opt.tracker.report(self.state.epoch, samples)
 
     def _may_start_round(self, view: Any, epoch: int) -> bool:
         """False when peers are past ``epoch`` (then load their state instead, at most every
@@ -369,17 +408,30 @@ class DiLoCoMode(TrainingMode):
                 delta.sub_(p.detach().to("cpu", torch.float32))
 
     def _start_round(
-        self, epoch: int, expected: int, tensors: list[torch.Tensor]
+        self,
+        epoch: int,
+        expected: int,
+        tensors: list[torch.Tensor],
+        weight: int,
+        slowest_step: float = 0.0,
     ) -> tuple[Averager, concurrent.futures.Future, bytes]:
         """Start averaging ``tensors`` with the peers of outer epoch ``epoch`` (background);
         the group waits for the ``expected`` peers this one knows at the epoch (see
-        ``epoch_rounds.py``)."""
+        ``epoch_rounds.py``), for at least ``slowest_step`` seconds more than usual (the
+        longest step among them: the last may reach the round only when its step ends).
+        ``weight``: the samples behind the pseudo-gradient."""
         options = dict(self.averager_options)
         if self.compression is not None:
             options["compression"] = self.compression
         options["min_group_size"] = max(
             options.get("min_group_size", 2), min(expected, self.opt.target_group_size)
         )
+        if slowest_step > 0:
+            window = options.get("matchmaking_timeout") or default_matchmaking_timeout(
+                options.get("min_matchmaking_time", DEFAULT_MIN_MATCHMAKING_TIME),
+                options.get("request_timeout", DEFAULT_REQUEST_TIMEOUT),
+            )
+            options["matchmaking_timeout"] = window + RECENT_STEPS * slowest_step
         averager = Averager(
             tensors,
             dht=self.opt.dht,
@@ -390,10 +442,9 @@ class DiLoCoMode(TrainingMode):
         )
         digest = self._theta_digest()
         try:
-            weight = float(min(max(self.samples, 1), MAX_WEIGHT))
             future = averager.step(
-                weight=weight,
-                gather={"theta": digest, "peers": expected},
+                weight=float(min(max(weight, 1), MAX_WEIGHT)),
+                gather={"theta": digest, "peers": expected, "samples": int(weight)},
                 timeout=self.round_timeout,
                 wait=False,
             )
@@ -405,7 +456,7 @@ class DiLoCoMode(TrainingMode):
     def _average(self, epoch: int, expected: int) -> StepResult:
         """Average Δ with the peers of this outer epoch, waiting for the round; abandoned when
         the swarm moves past the epoch meanwhile."""
-        averager, future, digest = self._start_round(epoch, expected, self.deltas)
+        averager, future, digest = self._start_round(epoch, expected, self.deltas, self.samples)
         try:
             if not wait_unless_left_behind(future, epoch, self.refresh_period, self._view):
                 future.cancel()
@@ -484,9 +535,38 @@ class DiLoCoMode(TrainingMode):
         if self.local_steps >= self.period:
             self._start_fragment_round()
 
-    def _start_fragment_round(self) -> None:
+    def _swarm_step(self) -> None:
+        """Swarm-wide epochs: once the swarm's samples at our epoch (projected from the
+        tracker's view, as in ``sync``) reach the round's target, start the round in the
+        background and keep training; land it when it is done. A fast peer reaches its share
+        of the target as early as a slow one reaches its own, so the peers arrive together
+        and nobody parks waiting for another's inner steps."""
+        rnd = self.in_flight
+        if rnd is not None:
+            rnd.steps_since_start += 1
+            self.overlapped_steps += 1
+            if rnd.future.done():
+                self._land(rnd)
+            return
         epoch = self.state.epoch
-        view = self.opt.tracker.global_progress  # cached: no network wait in a step
+        view = self._view()
+        if view.epoch > epoch:
+            if time.monotonic() >= self._next_catch_up:
+                self._catch_up(f"the swarm is at outer epoch {view.epoch}")
+            return
+        if self.samples < self.round_target and (
+            self.rounds.projected_samples(
+                view, epoch, self.samples, self.opt.tracker.samples_per_second
+            )
+            < self.round_target
+        ):
+            return
+        self._start_fragment_round(self._fresh_view(view))
+
+    def _start_fragment_round(self, view: Any = None) -> None:
+        epoch = self.state.epoch
+        if view is None:
+            view = self.opt.tracker.global_progress  # cached: no network wait in a step
         if not self._may_start_round(view, epoch):
             return
         indices = self.fragments[epoch % len(self.fragments)]
@@ -499,11 +579,18 @@ class DiLoCoMode(TrainingMode):
             self._apply_fragment(epoch, indices, start_local, solo=True)
             self.samples = 0
             return
+        slowest = self.rounds.slowest_step(view, epoch) if self.swarm_wide else 0.0
         averager, future, digest = self._start_round(
-            epoch, self.rounds.expected(view, epoch), [self.deltas[i] for i in indices]
+            epoch,
+            self.rounds.expected(view, epoch),
+            [self.deltas[i] for i in indices],
+            self.samples,
+            slowest,
+        )
+        self.in_flight = FragmentRound(
+            epoch, indices, averager, future, start_local, digest, samples=self.samples
         )
         self.samples = 0
-        self.in_flight = FragmentRound(epoch, indices, averager, future, start_local, digest)
 
     def _land(self, rnd: FragmentRound) -> None:
         """The round is done: apply its mean Δ to the fragment's θ, or decide what next."""
@@ -540,6 +627,7 @@ class DiLoCoMode(TrainingMode):
         else:  # the others are still in their inner steps: start again at the next step
             logger.info("no outer round at epoch %d (%s); retrying", rnd.epoch, result.reason)
             self.local_steps = self.period
+            self.samples += rnd.samples  # its Δ is taken again from θ: so is its weight
 
     def _apply_fragment(
         self,

@@ -23,9 +23,20 @@ from dht.kademlia.clock import get_dht_time
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RECENT_REPORT", "EpochRounds", "wait_unless_left_behind"]
+__all__ = ["RECENT_REPORT", "EpochRounds", "reported_recently", "wait_unless_left_behind"]
 
 RECENT_REPORT = 5.0  # s: a peer at our epoch that reported this recently is waited for
+# ... or within this many of its own step times (a peer with 30 s steps reports every 30 s)
+RECENT_STEPS = 2.5
+MAX_RATE_RATIO = 10.0  # a peer's throughput counts at most this x the swarm's median
+MAX_EXTRAPOLATION = 10.0  # s a peer's last report is projected forward at most
+
+
+def reported_recently(peer: Any, now: float) -> bool:
+    """Did ``peer`` report within ``RECENT_REPORT`` s, or within ``RECENT_STEPS`` of its own
+    step times (long steps: it is still computing, not gone)?"""
+    step = peer.step_seconds or 0.0
+    return now - peer.time < max(RECENT_REPORT, RECENT_STEPS * step)
 
 
 class EpochRounds:
@@ -55,7 +66,7 @@ class EpochRounds:
         or every round of the others would be rejected as a possible split, forever. It
         catches up by loading state later."""
         now = get_dht_time() if now is None else now
-        return [p for p in same if p.samples > 0 or now - p.time < RECENT_REPORT]
+        return [p for p in same if p.samples > 0 or reported_recently(p, now)]
 
     def near(self, view: Any, epoch: int) -> list[Any]:
         """Peers the view shows one epoch behind us (without us): most likely on their way."""
@@ -74,17 +85,70 @@ class EpochRounds:
         now = get_dht_time() if now is None else now
         same, _ = self.others(view, epoch)
         peers = {p.peer_id for p in self.contributing(same, now)}
-        peers |= {p.peer_id for p in self.near(view, epoch) if now - p.time < RECENT_REPORT}
+        peers |= {p.peer_id for p in self.near(view, epoch) if reported_recently(p, now)}
         shown = {p.peer_id: p for p in view.peers}
         for member in self.last_members:
             p = shown.get(member)
             if p is None or (
                 p.epoch <= epoch
-                and (now - p.time < RECENT_REPORT or (p.epoch == epoch and p.samples > 0))
+                and (reported_recently(p, now) or (p.epoch == epoch and p.samples > 0))
             ):
                 peers.add(member)
         peers.discard(self.me)
         return peers
+
+    def slowest_step(self, view: Any, epoch: int, now: float | None = None) -> float:
+        """The longest step time among the peers this epoch's round waits for (0 when none
+        says): a round must wait that long for the last of them to reach it."""
+        awaited = self.awaited(view, epoch, now)
+        return max(
+            (p.step_seconds or 0.0 for p in view.peers if p.peer_id in awaited), default=0.0
+        )
+
+    def projected_samples(
+        self, view: Any, epoch: int, own: int, own_rate: float, now: float | None = None
+    ) -> float:
+        """The swarm's samples at ``epoch`` now, projected from ``view``.
+
+        The tracker's view lags by a refresh and a publication, long enough for every peer
+        to reach a small target on its own count. A member of our last round began this
+        epoch when we did (the round ended for all at once), so it holds about our own count
+        times its speed relative to ours (or its report, if that is higher): each peer is
+        then ready once its own count reaches its throughput's share of the target, whatever
+        the view's lag, and the peers enter the round together. Another peer at the epoch
+        counts with its report extrapolated at its throughput, for at most
+        ``MAX_EXTRAPOLATION`` s (a peer that stopped stepping is not counted forever). A
+        throughput counts at most ``MAX_RATE_RATIO`` x the median, so a liar cannot start
+        rounds early at will.
+        """
+        now = get_dht_time() if now is None else now
+        me = self.me
+        # members of our last round, unless the view shows one paused or ahead
+        members = self.last_members & self.awaited(view, epoch, now)
+        rates = sorted(
+            r
+            for r in [own_rate, *(p.samples_per_second for p in view.peers if p.peer_id != me)]
+            if r > 0
+        )
+        cap = MAX_RATE_RATIO * rates[len(rates) // 2] if rates else 0.0
+
+        def relative(rate: float) -> float:  # its speed / ours (1 while either is unknown)
+            return min(rate, cap) / own_rate if rate > 0 and own_rate > 0 else 1.0
+
+        total = float(own)
+        unseen = set(members)
+        for p in view.peers:
+            unseen.discard(p.peer_id)
+            if p.peer_id == me or p.epoch > epoch:
+                continue
+            reported = p.samples if p.epoch == epoch else 0
+            if p.peer_id in members:
+                total += max(reported, own * relative(p.samples_per_second))
+            elif p.epoch == epoch:
+                rate = min(p.samples_per_second, cap)
+                total += reported + rate * min(MAX_EXTRAPOLATION, max(0.0, now - p.time))
+        # members of our last round that this (partial) read of the DHT missed
+        return total + len(unseen) * own
 
     def with_us_last_round(self, view: Any) -> bool:
         """Does the view still list a member of our last round (its report of this epoch may

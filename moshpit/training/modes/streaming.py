@@ -61,6 +61,7 @@ class FragmentRound:
     start_local: list[torch.Tensor]
     digest: bytes
     steps_since_start: int = 0
+    samples: int = 0  # the samples behind its pseudo-gradient (its weight in the round)
 
     def close(self) -> None:
         """Abandon the round (if still running) and free its averager. A cancelled step

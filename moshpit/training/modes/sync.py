@@ -46,7 +46,6 @@ import time
 from typing import Any
 
 from compression import GraVAC, NoCompression, TwoWayCompression
-from dht.kademlia.clock import get_dht_time
 from moshpit.averaging.averager import StepResult
 from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.grad_averager import GradientAverager, GradientRound, grads_prefix
@@ -55,9 +54,6 @@ from moshpit.training.modes.epoch_rounds import EpochRounds, wait_unless_left_be
 from moshpit.training.preemption import critical_section
 
 logger = logging.getLogger(__name__)
-
-MAX_RATE_RATIO = 10.0  # a peer's throughput counts at most this x the swarm's median
-MAX_EXTRAPOLATION = 10.0  # s a peer's last report is projected forward at most
 
 
 class SyncMode(TrainingMode):
@@ -216,47 +212,11 @@ class SyncMode(TrainingMode):
         return view.epoch <= self.state.epoch and self.projected_samples(view) >= self.target
 
     def projected_samples(self, view: Any, now: float | None = None) -> float:
-        """The swarm's samples at our epoch now, projected from ``view`` (module doc).
-
-        A member of our last round began this epoch when we did, so it holds about our own
-        count scaled by its speed relative to ours (or its report, if that is higher): then
-        each peer is ready once its own count reaches its throughput's share of the target,
-        whatever the lag of the view. Another peer at our epoch counts with its report
-        extrapolated at its throughput, for at most ``MAX_EXTRAPOLATION`` s (a peer that
-        stopped stepping is not counted forever). A throughput counts at most
-        ``MAX_RATE_RATIO`` x the median, so a liar cannot start rounds early at will.
-        """
-        now = get_dht_time() if now is None else now
-        me = self.rounds.me
-        # members of our last round, unless the view shows one paused or ahead
-        members = self.rounds.last_members & self.rounds.awaited(view, self.state.epoch, now)
-        epoch = self.state.epoch
-        own = self.grads.samples
-        own_rate = self.opt.tracker.samples_per_second
-        rates = sorted(
-            r
-            for r in [own_rate, *(p.samples_per_second for p in view.peers if p.peer_id != me)]
-            if r > 0
+        """The swarm's samples at our epoch now, projected from ``view`` (module doc;
+        ``EpochRounds.projected_samples``)."""
+        return self.rounds.projected_samples(
+            view, self.state.epoch, self.grads.samples, self.opt.tracker.samples_per_second, now
         )
-        cap = MAX_RATE_RATIO * rates[len(rates) // 2] if rates else 0.0
-
-        def relative(rate: float) -> float:  # its speed / ours (1 while either is unknown)
-            return min(rate, cap) / own_rate if rate > 0 and own_rate > 0 else 1.0
-
-        total = float(own)
-        unseen = set(members)
-        for p in view.peers:
-            unseen.discard(p.peer_id)
-            if p.peer_id == me or p.epoch > epoch:
-                continue
-            reported = p.samples if p.epoch == epoch else 0
-            if p.peer_id in members:
-                total += max(reported, own * relative(p.samples_per_second))
-            elif p.epoch == epoch:
-                rate = min(p.samples_per_second, cap)
-                total += reported + rate * min(MAX_EXTRAPOLATION, max(0.0, now - p.time))
-        # members of our last round that this (partial) read of the DHT missed
-        return total + len(unseen) * own
 
     def _global_step(self, view: Any) -> None:
         epoch, samples = self.state.epoch, self.grads.samples
