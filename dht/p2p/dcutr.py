@@ -64,6 +64,7 @@ from ._proto import (
     encode_varint_field,
     iter_fields,
 )
+from .connection import Connection, close_quietly
 from .errors import (
     MessageTooLargeError,
     MultiaddrError,
@@ -71,8 +72,9 @@ from .errors import (
     P2PTimeoutError,
     ProtocolNegotiationError,
     ProtocolViolationError,
+    error_reason,
 )
-from .host import Host, P2PStream, _close_quietly, _Connection, _reason
+from .host import Host, P2PStream
 from .identity import PeerID
 from .multiaddr import Multiaddr
 from .varint import encode_uvarint
@@ -232,7 +234,7 @@ def dialable_addrs(
 def listen_ports(host: Host) -> dict[int, int]:
     """``{ip version: port}`` of the host's TCP listeners that share their port with dials."""
     ports: dict[int, int] = {}
-    for listener in host._listeners:
+    for listener in host.listeners:
         if not getattr(listener, "reuse_port", False):
             continue
         endpoint = _ip_port(getattr(listener, "multiaddr", None))
@@ -372,14 +374,13 @@ class HolePuncher:
             return
         self.enabled = True
         self.host.set_stream_handler(PROTOCOL_ID, self._serve)
-        self.host._connection_hooks.append(self._on_connection)
+        self.host.add_connection_hook(self._on_connection)
 
     def stop(self) -> None:
         """No new exchanges (either role); those under way end within their timeouts."""
         self.enabled = False
         self.host.set_stream_handler(PROTOCOL_ID, None)
-        if self._on_connection in self.host._connection_hooks:
-            self.host._connection_hooks.remove(self._on_connection)
+        self.host.remove_connection_hook(self._on_connection)
         if self.host.hole_puncher is self:
             self.host.hole_puncher = None
 
@@ -393,15 +394,15 @@ class HolePuncher:
         return len(self._initiating) + len(self._answering)
 
     def _has_direct(self, peer: PeerID) -> bool:
-        return any(c.alive and not c.relayed for c in self.host._conns.get(peer, ()))
+        return any(not c.relayed for c in self.host.connections(peer))
 
     def _direct_addr(self, peer: PeerID) -> str:
-        for conn in self.host._conns.get(peer, ()):
-            if conn.alive and not conn.relayed:
+        for conn in self.host.connections(peer):
+            if not conn.relayed:
                 return conn.remote_addr
         return ""
 
-    def _on_connection(self, conn: _Connection) -> None:
+    def _on_connection(self, conn: Connection) -> None:
         """Host hook: every registered connection."""
         peer = conn.peer_id
         if not conn.relayed:
@@ -428,7 +429,7 @@ class HolePuncher:
             )
             return
         self._initiating.add(peer)
-        self.host._nursery.start_soon(self._initiate, conn)
+        self.host.start_soon(self._initiate, conn)
 
     def _finish(self, result: HolePunchResult) -> None:
         self.results.append(result)
@@ -446,10 +447,7 @@ class HolePuncher:
         """Our addresses to offer, after a bounded wait for identify on direct connections
         (where observed addresses come from) that are still running it."""
         pending = [
-            c
-            for group in self.host._conns.values()
-            for c in group
-            if c.alive and not c.relayed and not c.identified.is_set()
+            c for c in self.host.connections() if not c.relayed and not c.identified.is_set()
         ]
         if pending and self.config.identify_wait > 0:
             with trio.move_on_after(self.config.identify_wait):
@@ -481,7 +479,7 @@ class HolePuncher:
         timeout = self.config.message_timeout
         with trio.move_on_after(timeout):
             try:
-                body = await stream._reader.receive_frame(MAX_MESSAGE_SIZE)
+                body = await stream.receive_frame(MAX_MESSAGE_SIZE)
             except (MessageTooLargeError, ProtocolViolationError) as e:
                 raise DCUtRMessageError(str(e)) from None
             msg = decode_hole_punch(body)
@@ -491,7 +489,7 @@ class HolePuncher:
         raise P2PTimeoutError(f"no {expected.name} within {timeout:.1f}s")
 
     # -- B: we were dialed through a relay; we start ---------------------------------------------
-    async def _initiate(self, conn: _Connection) -> None:
+    async def _initiate(self, conn: Connection) -> None:
         peer, cfg = conn.peer_id, self.config
         started = trio.current_time()
         attempts = 0
@@ -514,7 +512,7 @@ class HolePuncher:
                     reason = str(e)
                     break
                 except (*_STREAM_ERRORS, OSError) as e:
-                    reason = _reason(e)
+                    reason = error_reason(e)
                     logger.debug(
                         "dcutr: attempt %d with %s failed: %s", attempts, peer.short(), reason
                     )
@@ -527,8 +525,8 @@ class HolePuncher:
             if not conn.alive and not reason:
                 reason = "the relayed connection closed"
         except Exception as e:  # a bug reachable from a peer must not take the host down
-            logger.warning("dcutr: hole punch with %s: unexpected %s", peer.short(), _reason(e))
-            reason = _reason(e)
+            logger.warning("dcutr: hole punch with %s: unexpected %s", peer.short(), error_reason(e))
+            reason = error_reason(e)
         finally:
             self._initiating.discard(peer)
         self._conclude(peer, True, attempts, trio.current_time() - started, reason)
@@ -569,7 +567,7 @@ class HolePuncher:
             )
         )
 
-    async def _open_on(self, conn: _Connection) -> P2PStream:
+    async def _open_on(self, conn: Connection) -> P2PStream:
         """A ``/libp2p/dcutr`` stream on that very connection (lazy negotiation: the proposal
         leaves with CONNECT; a refusal surfaces on the first read)."""
         timeout = self.config.message_timeout
@@ -589,7 +587,7 @@ class HolePuncher:
             )
         raise P2PTimeoutError(f"could not open a {PROTOCOL_ID} stream within {timeout:.1f}s")
 
-    async def _attempt(self, conn: _Connection) -> str | None:
+    async def _attempt(self, conn: Connection) -> str | None:
         """One exchange as B; the direct connection's address, or None."""
         direct = self._watch_direct(conn.peer_id)
         try:
@@ -612,7 +610,7 @@ class HolePuncher:
         if not events:
             self._direct.pop(peer, None)
 
-    async def _attempt_watched(self, conn: _Connection, direct: trio.Event) -> str | None:
+    async def _attempt_watched(self, conn: Connection, direct: trio.Event) -> str | None:
         peer = conn.peer_id
         ours = await self._our_addrs()
         if not ours:
@@ -650,13 +648,6 @@ class HolePuncher:
         return await self._punch(peer, theirs, outbound=False, direct=direct)
 
     # -- A: we dialed through the relay; the other side starts -----------------------------------
-    def _connection_of(self, stream: P2PStream) -> _Connection | None:
-        session = stream._yamux.session
-        for conn in self.host._conns.get(stream.remote_peer, ()):
-            if conn.session is session:
-                return conn
-        return None
-
     def _count_exchange(self, peer: PeerID) -> bool:
         """Count one exchange with ``peer`` (either role); False if over the per-peer rate
         (a peer that reconnects through the relay again and again must not make us dial
@@ -702,7 +693,7 @@ class HolePuncher:
     async def _serve(self, stream: P2PStream) -> None:
         """The ``/libp2p/dcutr`` handler (we are A)."""
         peer = stream.remote_peer
-        conn = self._connection_of(stream)
+        conn = self.host.connection_of(stream)
         if not self.enabled:
             self._refuse(stream, "off", "hole punching is off")
             return
@@ -739,7 +730,7 @@ class HolePuncher:
                 stream.reset()
                 return
             except _STREAM_ERRORS as e:
-                reason = _reason(e)
+                reason = error_reason(e)
                 self._log.info(
                     ("ended", peer),
                     "dcutr: dropping the exchange with %s: %s",
@@ -788,7 +779,7 @@ class HolePuncher:
         if not targets:
             return None
         failures: dict[str, str] = {}
-        winner: list[_Connection] = []
+        winner: list[Connection] = []
         claim_send, claim_recv = trio.open_memory_channel[tuple[trio.abc.Stream, str]](4)
         claims: list[str] = []
 
@@ -803,14 +794,14 @@ class HolePuncher:
             try:
                 conn = await host.upgrade_raw_connection(raw, peer, outbound=outbound, name=name)
             except (*_STREAM_ERRORS, OSError) as e:
-                failures[name] = _reason(e)
+                failures[name] = error_reason(e)
                 return
             except Exception as e:  # untrusted input must not take the host down
-                logger.warning("dcutr: securing %s failed: unexpected %s", name, _reason(e))
-                failures[name] = _reason(e)
+                logger.warning("dcutr: securing %s failed: unexpected %s", name, error_reason(e))
+                failures[name] = error_reason(e)
                 return
             if outbound and winner:
-                await _close_quietly(conn.session)  # lost the race; never started
+                await close_quietly(conn.session)  # lost the race; never started
                 return
             conn.hole_punched = True
             if not await host.add_connection(conn):
@@ -833,7 +824,7 @@ class HolePuncher:
                 except OSError as e:
                     # refused or unreachable at once: a NAT that reset our SYN before the
                     # other side's SYN opened the way; try again while the attempt lasts
-                    failures[name] = _reason(e)
+                    failures[name] = error_reason(e)
                     await trio.sleep(cfg.redial_interval)
                     continue
                 upgrades.start_soon(upgrade, raw, name, upgrades)
@@ -851,8 +842,7 @@ class HolePuncher:
             if outbound:
                 for target, _ in targets:
                     key = ":".join(map(str, target.tcp_endpoint()))  # as accept() names it
-                    if key not in host._inbound_claims:
-                        host._inbound_claims[key] = claim
+                    if host.claim_inbound(key, claim):
                         claims.append(key)
             async with trio.open_nursery() as upgrades:
                 with trio.move_on_after(cfg.punch_timeout):
@@ -863,13 +853,11 @@ class HolePuncher:
                         if outbound:
                             dials.start_soon(taken_over, upgrades)
                 for key in claims:  # dialing is over: the accept path gets them back
-                    if host._inbound_claims.get(key) is claim:
-                        del host._inbound_claims[key]
+                    host.release_inbound(key, claim)
                 claims.clear()
         finally:
             for key in claims:
-                if host._inbound_claims.get(key) is claim:
-                    del host._inbound_claims[key]
+                host.release_inbound(key, claim)
             claim_send.close()
             with trio.CancelScope(shield=True):
                 while True:
@@ -877,7 +865,7 @@ class HolePuncher:
                         raw, _ = claim_recv.receive_nowait()
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                    await _close_quietly(raw)
+                    await close_quietly(raw)
                 claim_recv.close()
         if winner:
             return winner[0].remote_addr
@@ -890,6 +878,16 @@ class HolePuncher:
                 "; ".join(f"{k}: {v}" for k, v in failures.items()),
             )
         return None
+
+
+def start_hole_punching(host: Host) -> None:
+    """Host extension (see ``host.add_host_extension``): a :class:`HolePuncher` per
+    ``host.hole_punching`` (what ``Host.open(hole_punching=...)`` resolved: False for off,
+    else the config, None for the defaults), as ``host.hole_puncher``."""
+    if host.hole_punching is False:
+        return
+    host.hole_puncher = HolePuncher(host, host.hole_punching)
+    host.hole_puncher.start()
 
 
 __all__ = [
@@ -909,4 +907,5 @@ __all__ = [
     "frame",
     "listen_ports",
     "offered_addrs",
+    "start_hole_punching",
 ]

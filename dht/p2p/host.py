@@ -18,7 +18,6 @@ addresses are dialed "happy eyeballs" style (staggered, first success wins).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -30,7 +29,8 @@ import trio
 
 from .._logging import RateLimitedLogger
 from . import identify, multistream
-from .autonat import ObservedAddrs, Reachability
+from .admission import Admission, Eviction, Handshake
+from .connection import Connection, close_quietly, is_loopback, source_key
 from .errors import (
     DialError,
     DialRefusedError,
@@ -44,12 +44,14 @@ from .errors import (
     RemoteError,
     ResourceLimitError,
     StreamClosedError,
+    error_reason,
 )
 from .identity import Identity, PeerID
 from .messages import DEFAULT_MAX_MESSAGE_SIZE, MessageReader, send_msg
 from .multiaddr import Multiaddr
 from .noise import DEFAULT_SECURITY_PROTOCOLS, SECURITY_PROTOCOLS, noise_handshake
 from .peerstore import PeerStore
+from .reachability import ObservedAddrs, Reachability
 from .transport import TCPTransport
 from .yamux import (
     DEFAULT_MAX_STREAM_WINDOW,
@@ -70,6 +72,11 @@ MAX_DIAL_ADDRS = 16
 
 StreamHandler = Callable[["P2PStream"], Awaitable[None]]
 RpcHandler = Callable[[PeerID, Any], Awaitable[Any]]
+# see Host.add_dialer, Host.add_connection_hook, Host.claim_inbound, add_host_extension
+Dialer = Callable[[PeerID | None, Multiaddr], Awaitable[Connection]]
+ConnectionHook = Callable[[Connection], None]
+InboundClaim = Callable[[trio.abc.Stream, str], bool]
+HostExtension = Callable[["Host"], None]
 
 
 @dataclass
@@ -170,6 +177,12 @@ class P2PStream(trio.abc.HalfCloseableStream):
         preceding message announced); StreamClosedError if the stream ends first."""
         await self._reader.receive_exactly_into(buffer)
 
+    async def receive_frame(self, max_size: int) -> bytes:
+        """One uvarint-length-prefixed frame, undecoded (protocols with their own encoding:
+        relay, DCUtR, AutoNAT); MessageTooLargeError over ``max_size``. Unlike
+        :meth:`receive_msg` it leaves the stream as it is: the protocol answers or resets."""
+        return await self._reader.receive_frame(max_size)
+
     async def send_msg(self, obj: Any) -> None:
         """Send one framed msgpack message (MessageTooLargeError above ``max_message_size``)."""
         await send_msg(self, obj, self.max_message_size)
@@ -183,52 +196,63 @@ class P2PStream(trio.abc.HalfCloseableStream):
             raise
 
 
-class _Connection:
-    def __init__(
-        self, peer_id: PeerID, session: YamuxSession, outbound: bool, remote_addr: str
-    ) -> None:
-        self.peer_id = peer_id
-        self.session = session
-        self.outbound = outbound
-        self.remote_addr = remote_addr
-        self.last_used = trio.current_time()  # last stream opened or accepted
-        self.identified = trio.Event()  # our identify exchange on it finished (or failed)
-        # through a circuit relay (relay.py): limited in bytes and time, used only when there
-        # is no direct connection; relay_limit is the relay's Limit (None: it stated none)
-        self.relayed = False
-        self.relay_limit: Any = None
-        # direct, opened by hole punching (dcutr.py) beside a relayed connection
-        self.hole_punched = False
+class _Inbound(Handshake):
+    """An inbound connection in its handshake: admission's record and the cancel scope of
+    the task running it (cancelled when it is evicted, or when its deadline passes)."""
 
-    @property
-    def alive(self) -> bool:
-        return not self.session.closed and not self.session.remote_go_away
-
-
-class _PendingHandshake:
-    """An inbound connection still in its handshake. It holds a pending-handshake slot until
-    it finishes, times out or is evicted (``scope.cancel()``) to admit a newer connection."""
-
-    __slots__ = ("source", "remote", "started", "scope", "negotiated", "evicted")
+    __slots__ = ("scope",)
 
     def __init__(self, source: str, remote: str, started: float, deadline: float) -> None:
-        self.source = source  # what the per-source cap counts: IPv4 address or IPv6 /64
-        self.remote = remote
-        self.started = started
+        super().__init__(source, remote, started)
         self.scope = trio.CancelScope(deadline=deadline)
-        self.negotiated = False  # the dialer's multistream header and /noise proposal arrived
-        self.evicted = False
 
 
 class _PendingDial:
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.connection: _Connection | None = None
+        self.connection: Connection | None = None
         self.error: BaseException | None = None
 
 
+_extensions: list[HostExtension] = []
+
+
+def add_host_extension(extension: HostExtension) -> None:
+    """Run ``extension(host)`` in every Host that :meth:`Host.open` starts from now on,
+    before its block runs.
+
+    This is how the protocols built on the Host plug into it without ``host.py`` importing
+    them (the dependency points one way: they import the Host, never the reverse).
+    ``dht/p2p/__init__.py`` registers the defaults: dialing ``/p2p-circuit`` addresses
+    (``relay.py``) and hole punching per ``Host.open(hole_punching=...)`` (``dcutr.py``).
+    An extension uses the Host's public surface only (see the class docstring)."""
+    if extension not in _extensions:
+        _extensions.append(extension)
+
+
 class Host:
-    """A libp2p-compatible host. Create it with ``async with Host.open(...) as host``."""
+    """A libp2p-compatible host. Create it with ``async with Host.open(...) as host``.
+
+    Besides the user API (connect, streams, RPC, ping, observers; docs/internal-api.md), the
+    Host offers a small surface to the protocols built on it (``relay.py``, ``dcutr.py``,
+    ``autonat.py``), which use nothing else of it:
+
+    * reading connections: :meth:`connections`, :meth:`best_connection`,
+      :meth:`connection_of` (a stream's), :attr:`listeners`, :attr:`listen_addrs`,
+      :attr:`closing`;
+    * adding connections: :meth:`upgrade` / :meth:`upgrade_raw_connection` secure a raw
+      stream, then :meth:`add_connection` (served in the host's nursery) or
+      :meth:`serve_connection` (in the caller's task) registers it; :meth:`make_room` checks
+      the connection limit first; :meth:`add_dialer` dials addresses the transport cannot;
+    * being told: :meth:`add_connection_hook` (every connection as it registers),
+      :meth:`claim_inbound` (sockets from one remote, before the accept path);
+    * acting: :meth:`open_stream` (a stream under the caller's deadline),
+      :meth:`set_stream_handler`, :meth:`supports`, :meth:`add_listen_addr`,
+      :meth:`protect`, :meth:`start_soon` (a task in the host's nursery).
+
+    Those protocols plug into every Host through :func:`add_host_extension`; ``host.py``
+    imports none of them.
+    """
 
     def __init__(
         self,
@@ -237,6 +261,7 @@ class Host:
         limits: HostLimits,
         nursery: trio.Nursery,
         security_protocols: Sequence[str] = DEFAULT_SECURITY_PROTOCOLS,
+        hole_punching: Any = False,
     ) -> None:
         self.identity = identity
         self.security_protocols = _check_security_protocols(security_protocols)
@@ -250,18 +275,14 @@ class Host:
         self._nursery = nursery
         self._listeners: list[Any] = []
         self._listen_addrs: list[Multiaddr] = []
-        self._conns: dict[PeerID, list[_Connection]] = {}
+        self._conns: dict[PeerID, list[Connection]] = {}
         self._dials: dict[PeerID, _PendingDial] = {}
-        # Pending inbound handshakes, oldest first (dicts as ordered sets), and the same
-        # grouped by source; a source's entry is removed when its last handshake ends.
-        self._handshakes: dict[_PendingHandshake, None] = {}
-        self._handshakes_by_source: dict[str, dict[_PendingHandshake, None]] = {}
-        # The same split by whether the dialer has spoken: silent sockets per source, and the
-        # sources bucketed by how many silent sockets they hold (for fair-share eviction).
-        self._silent_by_source: dict[str, dict[_PendingHandshake, None]] = {}
-        self._sources_by_silent_count: dict[int, dict[str, None]] = {}
-        self._spoken: dict[_PendingHandshake, None] = {}
-        self._silent_cap = limits.max_silent_connections
+        # inbound connections still in their handshake, and whom to drop under a flood
+        self._admission = Admission(
+            limits.max_pending_handshakes,
+            limits.max_silent_connections,
+            limits.max_pending_handshakes_per_source,
+        )
         # One WARNING per category and interval under abuse (trio's clock: MockClock-friendly).
         self._log = RateLimitedLogger(logger, limits.log_interval, clock=trio.current_time)
         self._log_flusher_started = False
@@ -275,11 +296,13 @@ class Host:
         # peers whose connections _make_room never closes, with why (e.g. a relay reservation)
         self._protected: dict[PeerID, set[str]] = {}
         self._closing = False
-        # called with every connection as it is registered (hole punching watches these)
-        self._connection_hooks: list[Callable[[_Connection], None]] = []
-        # inbound sockets from one exact remote "ip:port" that a hole punch in progress takes
-        # over (it upgrades them in its own role) instead of the accept path
-        self._inbound_claims: dict[str, Callable[[trio.abc.Stream, str], bool]] = {}
+        # the extension points (see the class docstring)
+        self._connection_hooks: list[ConnectionHook] = []
+        self._inbound_claims: dict[str, InboundClaim] = {}
+        self._dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
+        # Host.open's hole_punching, checked: False (off), or the config of the hole puncher
+        # (None: its defaults) that the hole-punching extension starts
+        self.hole_punching = hole_punching
         self.hole_puncher: Any = None  # dcutr.HolePuncher, while hole punching is on
         self._stream_handlers[PING_PROTOCOL] = self._serve_ping
         self._stream_handlers[identify.PROTOCOL_ID] = self._serve_identify
@@ -313,12 +336,10 @@ class Host:
                 limits or HostLimits(),
                 nursery,
                 security_protocols,
+                hole_punching,
             )
-            if hole_punching is not False:
-                from .dcutr import HolePuncher  # dcutr.py builds on this module
-
-                host.hole_puncher = HolePuncher(host, hole_punching)
-                host.hole_puncher.start()
+            for extension in list(_extensions):
+                extension(host)
             try:
                 yield host
             finally:
@@ -327,13 +348,9 @@ class Host:
                 nursery.cancel_scope.cancel()
 
     @property
-    def _pending_handshakes(self) -> int:
-        return len(self._handshakes)
-
-    @property
-    def _silent_count(self) -> int:
-        """Pending handshakes whose dialer has not spoken yet (every other one has)."""
-        return len(self._handshakes) - len(self._spoken)
+    def closing(self) -> bool:
+        """The host is shutting down: it accepts, dials and registers nothing new."""
+        return self._closing
 
     async def _close(self) -> None:
         self._closing = True
@@ -355,7 +372,26 @@ class Host:
     # -- listening -----------------------------------------------------------------------
     @property
     def listen_addrs(self) -> list[Multiaddr]:
+        """Where we can be reached (with ``/p2p/<id>``): our listeners' addresses, then those
+        added with :meth:`add_listen_addr`. What identify tells peers unless
+        ``announced_addrs`` says otherwise."""
         return list(self._listen_addrs)
+
+    @property
+    def listeners(self) -> tuple[Any, ...]:
+        """The transport listeners accepting for us (hole punching reads their ports)."""
+        return tuple(self._listeners)
+
+    def add_listen_addr(self, addr: Multiaddr) -> None:
+        """List ``addr`` among our listen addresses (once) although no listener of ours is
+        bound to it: a relay's circuit address through which we can be reached."""
+        if addr not in self._listen_addrs:
+            self._listen_addrs.append(addr)
+
+    def remove_listen_addr(self, addr: Multiaddr) -> None:
+        """Stop listing ``addr`` (e.g. the relay slot behind it was lost); no-op if absent."""
+        if addr in self._listen_addrs:
+            self._listen_addrs.remove(addr)
 
     async def listen(self, maddrs: Iterable[Multiaddr | str]) -> list[Multiaddr]:
         """Start accepting connections; returns the actual addresses, with ``/p2p/<id>``."""
@@ -379,9 +415,9 @@ class Host:
         if soft <= 0:
             return
         cap = min(self.limits.max_silent_connections, max(1, soft // 4))
-        if cap < self.limits.max_silent_connections and cap != self._silent_cap:
+        if cap < self.limits.max_silent_connections and cap != self._admission.max_silent:
             logger.info("holding at most %d silent inbound sockets (open-file limit %d)", cap, soft)
-        self._silent_cap = cap
+        self._admission.max_silent = cap
 
     async def _accept_loop(self, listener: Any) -> None:
         if not self._log_flusher_started:
@@ -397,7 +433,7 @@ class Host:
                 await trio.sleep(0.1)
                 continue
             if self._closing:
-                await _close_quietly(raw)
+                await close_quietly(raw)
                 return
             claim = self._inbound_claims.get(remote)
             if claim is not None and claim(raw, remote):
@@ -410,7 +446,7 @@ class Host:
                     remote,
                     self.limits.max_connections,
                 )
-                await _close_quietly(raw)
+                await close_quietly(raw)
                 continue
             pending = self._admit_handshake(remote)
             self._nursery.start_soon(self._handle_inbound, raw, remote, pending)
@@ -421,75 +457,32 @@ class Host:
             await trio.sleep(self.limits.log_interval)
             self._log.flush()
 
-    def _admit_handshake(self, remote: str) -> _PendingHandshake:
-        """Take a slot for a new inbound connection, never refusing it.
-
-        A new socket is *silent* until its dialer sends the multistream header and security
-        proposal, which a well-behaved peer does in the same round trip as TCP's handshake.
-        Over the per-source cap the stalest handshake of the same source is evicted (silent
-        ones first). Over the silent cap, fair share: the oldest silent socket of the source
-        holding the most silent sockets goes. Silent sockets are cheap, so the cap is large:
-        a flood of idle sockets sits out its first-message deadline instead of churning
-        through a few slots in milliseconds, and when it is larger than the cap it mostly
-        displaces itself, while a newcomer that has not spoken yet keeps its slot.
-        """
+    # -- admission (the decisions are admission.py's) -------------------------------------
+    def _admit_handshake(self, remote: str) -> _Inbound:
+        """Take a slot for a new inbound connection, never refusing it: admission picks
+        older handshakes to drop instead (see admission.py for the rules and why)."""
         limits = self.limits
-        source = _source_key(remote)
-        same = self._handshakes_by_source.get(source)
-        if same is not None and len(same) >= limits.max_pending_handshakes_per_source:
-            self._evict(
-                _stalest(same),
-                remote,
-                f"{limits.max_pending_handshakes_per_source} pending handshakes from {source}",
-            )
-        if self._silent_count >= self._silent_cap:
-            self._evict(
-                self._fair_share_victim(),
-                remote,
-                f"{self._silent_cap} silent connections in all",
-            )
         now = trio.current_time()
         first_step = min(limits.handshake_start_timeout, limits.handshake_timeout)
-        pending = _PendingHandshake(source, remote, now, now + first_step)
-        self._handshakes[pending] = None
-        self._handshakes_by_source.setdefault(source, {})[pending] = None
-        self._add_silent(pending)
+        pending = _Inbound(source_key(remote), remote, now, now + first_step)
+        for eviction in self._admission.admit(pending):
+            self._evict(eviction, remote)
         return pending
 
-    def _fair_share_victim(self) -> _PendingHandshake:
-        """The oldest silent socket of the source that holds the most of them."""
-        count = max(self._sources_by_silent_count)
-        source = next(iter(self._sources_by_silent_count[count]))
-        return next(iter(self._silent_by_source[source]))
-
-    def _add_silent(self, pending: _PendingHandshake) -> None:
-        group = self._silent_by_source.setdefault(pending.source, {})
-        self._move_bucket(pending.source, len(group), len(group) + 1)
-        group[pending] = None
-
-    def _remove_silent(self, pending: _PendingHandshake) -> None:
-        group = self._silent_by_source.get(pending.source)
-        if group is None or pending not in group:
+    def _handshake_started(self, pending: _Inbound) -> None:
+        """The dialer spoke: from now on it gets the whole handshake_timeout, and a slot
+        among the (few) handshakes that cost Noise work; over that cap the oldest goes."""
+        if pending.evicted:
             return
-        del group[pending]
-        self._move_bucket(pending.source, len(group) + 1, len(group))
-        if not group:
-            del self._silent_by_source[pending.source]
+        pending.scope.deadline = pending.started + self.limits.handshake_timeout
+        for eviction in self._admission.spoke(pending):
+            self._evict(eviction, pending.remote)
 
-    def _move_bucket(self, source: str, old: int, new: int) -> None:
-        buckets = self._sources_by_silent_count
-        if old:
-            bucket = buckets[old]
-            del bucket[source]
-            if not bucket:
-                del buckets[old]
-        if new:
-            buckets.setdefault(new, {})[source] = None
-
-    def _evict(self, victim: _PendingHandshake, newcomer: str, why: str) -> None:
-        self._forget_handshake(victim)
-        victim.evicted = True
-        victim.scope.cancel()  # its task closes the socket
+    def _evict(self, eviction: Eviction, newcomer: str) -> None:
+        """Carry out admission's decision: the victim's task closes its socket."""
+        victim = eviction.victim
+        assert isinstance(victim, _Inbound)
+        victim.scope.cancel()
         self._log.warning(
             "evicted",
             "dropping inbound connection from %s (%s, pending for %.1fs) to admit %s: %s",
@@ -497,43 +490,25 @@ class Host:
             "after its /noise proposal" if victim.negotiated else "no /noise proposal yet",
             trio.current_time() - victim.started,
             newcomer,
-            why,
+            eviction.why,
         )
 
-    def _forget_handshake(self, pending: _PendingHandshake) -> None:
-        """Free the slot (idempotent: an evicted handshake was forgotten already)."""
-        self._handshakes.pop(pending, None)
-        self._spoken.pop(pending, None)
-        self._remove_silent(pending)
-        group = self._handshakes_by_source.get(pending.source)
-        if group is not None:
-            group.pop(pending, None)
-            if not group:
-                del self._handshakes_by_source[pending.source]
-
-    async def _abandon_handshake(self, raw: trio.abc.Stream, pending: _PendingHandshake) -> None:
+    async def _abandon_handshake(self, raw: trio.abc.Stream, pending: _Inbound) -> None:
         """Free the slot first (a newcomer may take it at once), then close the socket."""
-        self._forget_handshake(pending)
-        await _close_quietly(raw)
+        self._admission.forget(pending)
+        await close_quietly(raw)
 
-    def _handshake_started(self, pending: _PendingHandshake) -> None:
-        """The dialer spoke: from now on it gets the whole handshake_timeout, and a slot
-        among the (few) handshakes that cost Noise work; over that cap the oldest goes."""
-        if pending.evicted:
-            return
-        pending.negotiated = True
-        pending.scope.deadline = pending.started + self.limits.handshake_timeout
-        self._remove_silent(pending)
-        if len(self._spoken) >= self.limits.max_pending_handshakes:
-            self._evict(
-                next(iter(self._spoken)),
-                pending.remote,
-                f"{self.limits.max_pending_handshakes} handshakes in progress",
-            )
-        self._spoken[pending] = None
+    # read-only views of admission's tables, by their former names (tests watch them)
+    _handshakes = property(lambda self: self._admission.handshakes)
+    _handshakes_by_source = property(lambda self: self._admission.by_source)
+    _silent_by_source = property(lambda self: self._admission.silent_by_source)
+    _sources_by_silent_count = property(lambda self: self._admission.sources_by_silent_count)
+    _spoken = property(lambda self: self._admission.spoken)
+    _silent_count = property(lambda self: self._admission.silent_count)
+    _pending_handshakes = property(lambda self: self._admission.pending_count)
 
     async def _handle_inbound(
-        self, raw: trio.abc.Stream, remote: str, pending: _PendingHandshake
+        self, raw: trio.abc.Stream, remote: str, pending: _Inbound
     ) -> None:
         try:
             with pending.scope:
@@ -550,7 +525,7 @@ class Host:
                         "handshake-failed",
                         "dropping inbound connection from %s: %s",
                         remote,
-                        _reason(e),
+                        error_reason(e),
                     )
                     await self._abandon_handshake(raw, pending)
                     return
@@ -560,7 +535,7 @@ class Host:
                         "handshake-bug",
                         "dropping inbound connection from %s: unexpected %s",
                         remote,
-                        _reason(e),
+                        error_reason(e),
                         exc_info=True,
                     )
                     await self._abandon_handshake(raw, pending)
@@ -590,13 +565,8 @@ class Host:
             await self._abandon_handshake(raw, pending)  # cancelled (host closing): still close
             raise
         finally:
-            self._forget_handshake(pending)
-        conn = _Connection(peer_id, session, outbound=False, remote_addr=remote)
-        if self._closing:
-            await session.aclose()
-            return
-        self._register(conn)
-        await self._serve_connection(conn)
+            self._admission.forget(pending)
+        await self.serve_connection(Connection(peer_id, session, outbound=False, remote_addr=remote))
 
     # -- upgrading a raw connection ------------------------------------------------------
     async def _upgrade(
@@ -644,7 +614,7 @@ class Host:
             else:
                 _, muxed = await multistream.negotiate_inbound(secure, [YAMUX_PROTOCOL], timeout)
         except ProtocolNegotiationError as e:
-            await _close_quietly(secure)
+            await close_quietly(secure)
             raise HandshakeError(f"muxer negotiation with {peer_id.short()} failed: {e}") from e
         if isinstance(muxed, multistream.PrefixedStream) and muxed.inner is secure:
             # The remote's first yamux frames came with its answer. Give them back to the
@@ -665,11 +635,53 @@ class Host:
         )
         return peer_id, session
 
+    async def upgrade(
+        self, raw: trio.abc.Stream, expected: PeerID | None, *, outbound: bool, name: str
+    ) -> Connection:
+        """Secure and multiplex ``raw`` in the given role and return the connection, not
+        registered; ``name`` becomes its ``remote_addr``. The bare step: no deadline and no
+        cleanup, the caller bounds it and closes (or resets) ``raw`` if it fails (relay.py
+        over a circuit); :meth:`upgrade_raw_connection` does both."""
+        peer_id, session = await self._upgrade(raw, expected, outbound=outbound, name=name)
+        return Connection(peer_id, session, outbound=outbound, remote_addr=name)
+
+    async def upgrade_raw_connection(
+        self,
+        raw: trio.abc.Stream,
+        expected: PeerID,
+        *,
+        outbound: bool,
+        name: str,
+    ) -> Connection:
+        """Secure and multiplex an already connected raw stream in the given role and return
+        the connection, not yet registered (:meth:`add_connection` does that).
+
+        ``outbound=True``: this side is the initiator of multistream-select, Noise and yamux,
+        whichever socket "connected" (hole punching: a TCP simultaneous open has no dialer;
+        the roles come from the protocol that set it up). The remote must prove ``expected``
+        within ``handshake_timeout``; on any failure ``raw`` is closed and the error raised
+        (P2PError, OSError, trio.BrokenResourceError...)."""
+        if self._closing:
+            await close_quietly(raw)
+            raise DialError("host is closing")
+        try:
+            with trio.fail_after(self.limits.handshake_timeout):
+                return await self.upgrade(raw, expected, outbound=outbound, name=name)
+        except trio.TooSlowError:
+            await close_quietly(raw)
+            raise P2PTimeoutError(
+                f"handshake with {expected.short()} over {name} did not finish within "
+                f"{self.limits.handshake_timeout:.1f}s"
+            ) from None
+        except BaseException:
+            await close_quietly(raw)
+            raise
+
     # -- connection bookkeeping ----------------------------------------------------------
     def _connection_count(self) -> int:
         return sum(len(group) for group in self._conns.values())
 
-    def _register(self, conn: _Connection) -> None:
+    def _register(self, conn: Connection) -> None:
         """Make a new connection usable at once (before its serving task starts)."""
         group = self._conns.setdefault(conn.peer_id, [])
         first = not any(c.alive for c in group)
@@ -689,51 +701,29 @@ class Host:
             except Exception:
                 logger.exception("connection hook failed")
 
-    async def upgrade_raw_connection(
-        self,
-        raw: trio.abc.Stream,
-        expected: PeerID,
-        *,
-        outbound: bool,
-        name: str,
-    ) -> _Connection:
-        """Secure and multiplex an already connected raw stream in the given role and return
-        the connection, not yet registered (:meth:`add_connection` does that).
-
-        ``outbound=True``: this side is the initiator of multistream-select, Noise and yamux,
-        whichever socket "connected" (hole punching: a TCP simultaneous open has no dialer;
-        the roles come from the protocol that set it up). The remote must prove ``expected``
-        within ``handshake_timeout``; on any failure ``raw`` is closed and the error raised
-        (P2PError, OSError, trio.BrokenResourceError...)."""
-        if self._closing:
-            await _close_quietly(raw)
-            raise DialError("host is closing")
-        try:
-            with trio.fail_after(self.limits.handshake_timeout):
-                peer_id, session = await self._upgrade(raw, expected, outbound=outbound, name=name)
-        except trio.TooSlowError:
-            await _close_quietly(raw)
-            raise P2PTimeoutError(
-                f"handshake with {expected.short()} over {name} did not finish within "
-                f"{self.limits.handshake_timeout:.1f}s"
-            ) from None
-        except BaseException:
-            await _close_quietly(raw)
-            raise
-        return _Connection(peer_id, session, outbound=outbound, remote_addr=name)
-
-    async def add_connection(self, conn: _Connection) -> bool:
+    async def add_connection(self, conn: Connection) -> bool:
         """Register an upgraded connection and serve it (a task in the host nursery), as
         dialing does: new streams to its peer may take it at once. False, and the connection
         closed, if the host is closing or the connection limit is full of busy connections."""
         if self._closing or not self._make_room():
-            await _close_quietly(conn.session)
+            await close_quietly(conn.session)
             return False
         self._register(conn)
         self._nursery.start_soon(self._serve_connection, conn)
         return True
 
-    async def _serve_connection(self, conn: _Connection) -> None:
+    async def serve_connection(self, conn: Connection) -> None:
+        """Register an upgraded connection and serve it in the calling task until it closes,
+        for a protocol whose own bookkeeping lasts as long as the connection (relay.py counts
+        the relayed connections it accepted). Closed at once if the host is closing. Unlike
+        :meth:`add_connection` it does not make room: call :meth:`make_room` first."""
+        if self._closing:
+            await conn.session.aclose()
+            return
+        self._register(conn)
+        await self._serve_connection(conn)
+
+    async def _serve_connection(self, conn: Connection) -> None:
         """Run a registered connection until it closes (a task in the host nursery)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(conn.session.run)
@@ -745,7 +735,7 @@ class Host:
                     break
                 nursery.start_soon(self._handle_stream, conn, ystream)
 
-    def _on_connection_closed(self, conn: _Connection) -> None:
+    def _on_connection_closed(self, conn: Connection) -> None:
         group = self._conns.get(conn.peer_id)
         if group is None or conn not in group:
             return
@@ -765,7 +755,7 @@ class Host:
             del self._conns[conn.peer_id]
             self._notify(1, conn.peer_id)
 
-    def _drop(self, conn: _Connection, reason: str) -> None:
+    def _drop(self, conn: Connection, reason: str) -> None:
         """Close a connection whose peer broke the protocol (GoAway with an error code)."""
         logger.warning("dropping peer %s (%s): %s", conn.peer_id.short(), conn.remote_addr, reason)
         if self._closing:
@@ -787,7 +777,28 @@ class Host:
         ``on_disconnect(peer)`` when its last one closes."""
         self._observers.append((on_connect, on_disconnect))
 
-    def _best_connection(self, peer_id: PeerID) -> _Connection | None:
+    def connections(self, peer_id: PeerID | None = None) -> list[Connection]:
+        """The live connections to ``peer_id`` (to every peer if None), oldest first.
+
+        A snapshot to read: connections come and go through the Host only (dialing,
+        accepting, :meth:`add_connection`, :meth:`serve_connection`)."""
+        if peer_id is not None:
+            return [c for c in self._conns.get(peer_id, ()) if c.alive]
+        return [c for group in self._conns.values() for c in group if c.alive]
+
+    def connection_of(self, stream: P2PStream) -> Connection | None:
+        """The registered connection ``stream`` runs on (None once that one is gone): a
+        protocol asks whether a request came over a relay."""
+        session = stream._yamux.session
+        for conn in self._conns.get(stream.remote_peer, ()):
+            if conn.session is session:
+                return conn
+        return None
+
+    def best_connection(self, peer_id: PeerID) -> Connection | None:
+        """The connection new streams to ``peer_id`` take (None if there is no live one): a
+        direct one before a relayed one; between simultaneous dials, the one dialed by the
+        peer with the smaller PeerID, so that both sides pick the same."""
         live = [c for c in self._conns.get(peer_id, ()) if c.alive]
         if not live:
             return None
@@ -800,8 +811,10 @@ class Host:
                 return conn
         return live[0]
 
+    _best_connection = best_connection  # the name tests use
+
     def is_connected(self, peer_id: PeerID) -> bool:
-        return self._best_connection(peer_id) is not None
+        return self.best_connection(peer_id) is not None
 
     def connection_counts(self) -> dict[str, int]:
         """Live connections by kind: ``{"direct": n, "relayed": m}`` (for monitoring).
@@ -823,6 +836,49 @@ class Host:
         for conn in list(self._conns.get(peer_id, ())):
             await conn.session.aclose()
         await trio.lowlevel.checkpoint()
+
+    # -- extension points (see the class docstring) -------------------------------------
+    def add_connection_hook(self, hook: ConnectionHook) -> None:
+        """Call ``hook(conn)`` with every connection as it is registered, before any stream
+        runs on it (hole punching watches for relayed and direct ones). A hook must not block;
+        one that raises is logged and the others still run."""
+        self._connection_hooks.append(hook)
+
+    def remove_connection_hook(self, hook: ConnectionHook) -> None:
+        if hook in self._connection_hooks:
+            self._connection_hooks.remove(hook)
+
+    def claim_inbound(self, remote: str, claim: InboundClaim) -> bool:
+        """Offer sockets accepted from exactly ``remote`` (``ip:port`` as the listener names
+        it) to ``claim(raw, remote)`` before the accept path: True from it means it took the
+        socket over (hole punching upgrades it in its own role). False, and nothing changed,
+        if another claim holds ``remote``; :meth:`release_inbound` ends it."""
+        if remote in self._inbound_claims:
+            return False
+        self._inbound_claims[remote] = claim
+        return True
+
+    def release_inbound(self, remote: str, claim: InboundClaim) -> None:
+        """End ``claim`` on ``remote`` (no-op if another holds it or it was released)."""
+        if self._inbound_claims.get(remote) is claim:
+            del self._inbound_claims[remote]
+
+    def add_dialer(self, matches: Callable[[Multiaddr], bool], dial: Dialer) -> None:
+        """Dial the addresses ``matches`` accepts with ``await dial(expected, addr)`` instead
+        of the transport (relay.py: ``/p2p-circuit`` addresses). ``dial`` returns an upgraded
+        connection, unregistered, proving ``expected`` when that is not None; the Host
+        registers it as any dialed connection. The first matching dialer is used."""
+        self._dialers.append((matches, dial))
+
+    def start_soon(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``async_fn(*args)`` in the host's nursery: cancelled when the host closes."""
+        self._nursery.start_soon(async_fn, *args)
+
+    def make_room(self) -> bool:
+        """True if one more connection fits the connection limit, closing the least recently
+        used idle connection (no streams, peer not protected) to make room when needed;
+        False if every connection is busy."""
+        return self._make_room()
 
     # -- dialing -------------------------------------------------------------------------
     async def connect(
@@ -849,7 +905,7 @@ class Host:
         if peer_id == self.peer_id:
             raise DialError("refusing to dial ourselves")
         self.peerstore.add_addrs(peer_id, maddrs)
-        current = self._best_connection(peer_id)
+        current = self.best_connection(peer_id)
         direct = [m for m in maddrs if not m.is_circuit()]
         if current is not None and current.relayed and direct:
             await self._dial_beside_relayed(peer_id, direct, timeout)
@@ -901,11 +957,12 @@ class Host:
             dialer = Host(
                 identity, self.transport, self.limits, self._nursery, self.security_protocols
             )
+            dialer._dialers = self._dialers
         with trio.move_on_after(timeout) as scope:
             conn = await dialer._dial_addrs(peer_id, [Multiaddr(a) for a in addrs])
         if scope.cancelled_caught:
             raise P2PTimeoutError(f"could not connect to {peer_id.short()} within {timeout:.1f}s")
-        await _close_quietly(conn.session)  # never registered nor run: nothing else uses it
+        await close_quietly(conn.session)  # never registered nor run: nothing else uses it
         return Multiaddr(conn.remote_addr)
 
     def _check_connection_limit(self) -> None:
@@ -958,7 +1015,7 @@ class Host:
         self._check_connection_limit()
         with trio.move_on_after(timeout) as scope:
             conn = await self._dial_addrs(None, maddrs)
-            existing = self._best_connection(conn.peer_id)
+            existing = self.best_connection(conn.peer_id)
             self.peerstore.add_addrs(conn.peer_id, maddrs)
             if existing is not None:
                 await conn.session.aclose()
@@ -969,8 +1026,8 @@ class Host:
         assert scope.cancelled_caught
         raise P2PTimeoutError(f"could not connect to {[str(m) for m in maddrs]} within {timeout}s")
 
-    async def _get_connection(self, peer_id: PeerID, timeout: float) -> _Connection:  # noqa: ASYNC109
-        conn = self._best_connection(peer_id)
+    async def _get_connection(self, peer_id: PeerID, timeout: float) -> Connection:  # noqa: ASYNC109
+        conn = self.best_connection(peer_id)
         if conn is not None:
             return conn
         if self._closing:
@@ -1016,7 +1073,7 @@ class Host:
                 self._nursery.start_soon(self._serve_connection, conn)
         pending.done.set()
 
-    async def _dial_addrs(self, expected: PeerID | None, addrs: list[Multiaddr]) -> _Connection:
+    async def _dial_addrs(self, expected: PeerID | None, addrs: list[Multiaddr]) -> Connection:
         """Dial the addresses "happy eyeballs" style and return the first upgraded connection.
 
         Attempt i starts when attempt i-1 failed or DIAL_STAGGER seconds after attempt i-1
@@ -1028,7 +1085,7 @@ class Host:
         mismatches: list[PeerIDMismatchError] = []
         targets = list(dict.fromkeys(a.without_peer_id() for a in addrs))[:MAX_DIAL_ADDRS]
         failed = [trio.Event() for _ in targets]
-        winner: list[_Connection] = []
+        winner: list[Connection] = []
 
         async def attempt(i: int, nursery: trio.Nursery) -> None:
             if i > 0:
@@ -1044,14 +1101,14 @@ class Host:
                 failed[i].set()
                 return
             except (P2PError, trio.TooSlowError, trio.BrokenResourceError, OSError) as e:
-                failures.append(f"{target}: {_reason(e)}")
+                failures.append(f"{target}: {error_reason(e)}")
                 if isinstance(e, ConnectionRefusedError):
                     refusals.append(str(target))
                 failed[i].set()
                 return
             except Exception as e:  # a bug reachable from a remote must not kill the host
-                logger.warning("dial %s: unexpected %s", target, _reason(e), exc_info=True)
-                failures.append(f"{target}: {_reason(e)}")
+                logger.warning("dial %s: unexpected %s", target, error_reason(e), exc_info=True)
+                failures.append(f"{target}: {error_reason(e)}")
                 failed[i].set()
                 return
             if winner:
@@ -1075,11 +1132,10 @@ class Host:
             )
         raise DialError(f"could not connect to {who}: " + "; ".join(failures or ["no addresses"]))
 
-    async def _dial_one(self, expected: PeerID | None, target: Multiaddr) -> _Connection:
-        if target.is_circuit():
-            from .relay import dial_circuit  # relay.py builds on this module
-
-            return await dial_circuit(self, expected, target)
+    async def _dial_one(self, expected: PeerID | None, target: Multiaddr) -> Connection:
+        for matches, dial in self._dialers:
+            if matches(target):
+                return await dial(expected, target)
         if not self.transport.can_dial(target):
             raise DialError("transport cannot dial this address")
         raw = await self.transport.dial(target, timeout=self.limits.handshake_timeout)
@@ -1089,9 +1145,9 @@ class Host:
                     raw, expected, outbound=True, name=str(target)
                 )
         except BaseException:
-            await _close_quietly(raw)
+            await close_quietly(raw)
             raise
-        return _Connection(peer_id, session, outbound=True, remote_addr=str(target))
+        return Connection(peer_id, session, outbound=True, remote_addr=str(target))
 
     # -- streams -------------------------------------------------------------------------
     def set_stream_handler(self, protocol: str, handler: StreamHandler | None) -> None:
@@ -1110,8 +1166,11 @@ class Host:
         else:
             self._rpc_handlers[protocol] = fn
 
-    def _supports(self, protocol: str) -> bool:
+    def supports(self, protocol: str) -> bool:
+        """Do we serve ``protocol`` (as a stream handler or an RPC)?"""
         return protocol in self._stream_handlers or protocol in self._rpc_handlers
+
+    _supports = supports  # the name tests use
 
     async def new_stream(
         self,
@@ -1127,12 +1186,21 @@ class Host:
         refusal surfaces as ProtocolNegotiationError on the first read (saves a round trip).
         """
         with trio.move_on_after(timeout) as scope:
-            return await self._open(peer_id, protocol, timeout, lazy)
+            return await self.open_stream(peer_id, protocol, timeout, lazy=lazy)
         assert scope.cancelled_caught
         raise P2PTimeoutError(f"opening {protocol} to {peer_id.short()} timed out after {timeout}s")
 
-    async def _open(self, peer_id: PeerID, protocol: str, timeout: float, lazy: bool) -> P2PStream:  # noqa: ASYNC109
-        """new_stream without its own cancel scope (callers that have one use this)."""
+    async def open_stream(
+        self,
+        peer_id: PeerID,
+        protocol: str,
+        timeout: float,  # noqa: ASYNC109 - bounds the dial only, see the docstring
+        *,
+        lazy: bool = False,
+    ) -> P2PStream:
+        """:meth:`new_stream` without a deadline of its own: ``timeout`` bounds waiting for a
+        dial, the caller bounds the whole (protocols that put several steps under one
+        deadline: a relay request and its answer, an RPC)."""
         conn = await self._get_connection(peer_id, timeout)
         ystream = await conn.session.open_stream()
         conn.last_used = trio.current_time()
@@ -1145,11 +1213,11 @@ class Host:
             raise
         return P2PStream(stream, ystream, peer_id, protocol, self.limits.max_message_size)
 
-    async def _handle_stream(self, conn: _Connection, ystream: YamuxStream) -> None:
+    async def _handle_stream(self, conn: Connection, ystream: YamuxStream) -> None:
         conn.last_used = trio.current_time()
         try:
             protocol, stream = await multistream.negotiate_inbound(
-                ystream, self._supports, self.limits.negotiation_timeout
+                ystream, self.supports, self.limits.negotiation_timeout
             )
         except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError, ValueError) as e:
             logger.debug("stream from %s: negotiation failed: %s", conn.peer_id.short(), e)
@@ -1173,9 +1241,9 @@ class Host:
             p2p.reset()
         except (MessageTooLargeError, ProtocolViolationError) as e:
             p2p.reset()
-            self._drop(conn, f"{protocol}: {_reason(e)}")
+            self._drop(conn, f"{protocol}: {error_reason(e)}")
         except P2PError as e:
-            logger.info("%s handler: peer %s: %s", protocol, conn.peer_id.short(), _reason(e))
+            logger.info("%s handler: peer %s: %s", protocol, conn.peer_id.short(), error_reason(e))
             p2p.reset()
         except Exception:
             logger.exception(
@@ -1201,14 +1269,14 @@ class Host:
     async def _serve_identify(self, stream: P2PStream) -> None:
         await stream.send_all(identify.encode_identify(self._identify_info(stream.remote_addr)))
 
-    async def _identify_peer(self, conn: _Connection) -> None:
+    async def _identify_peer(self, conn: Connection) -> None:
         """Learn where a newly connected peer listens (so it can be redialed later)."""
         try:
             await self._identify_exchange(conn)
         finally:
             conn.identified.set()
 
-    async def _identify_exchange(self, conn: _Connection) -> None:
+    async def _identify_exchange(self, conn: Connection) -> None:
         with trio.move_on_after(self.limits.handshake_timeout):
             try:
                 ystream = await conn.session.open_stream()
@@ -1222,12 +1290,12 @@ class Host:
                 body = await MessageReader(stream).receive_frame(identify.MAX_MESSAGE_SIZE)
                 info = identify.decode_identify(body, conn.peer_id)
             except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                logger.debug("identify %s: %s", conn.peer_id.short(), _reason(e))
+                logger.debug("identify %s: %s", conn.peer_id.short(), error_reason(e))
                 ystream.reset()
                 return
             except Exception as e:  # untrusted input must not crash the connection's tasks
                 logger.warning(
-                    "identify %s: unexpected %s", conn.peer_id.short(), _reason(e), exc_info=True
+                    "identify %s: unexpected %s", conn.peer_id.short(), error_reason(e), exc_info=True
                 )
                 ystream.reset()
                 return
@@ -1235,8 +1303,8 @@ class Host:
             if not conn.relayed:  # over a circuit the remote sees the relay, not us
                 self.observed_addrs.record(conn.peer_id, info.observed_addr)
             addrs = [a for a in info.listen_addrs if a.is_circuit() or self.transport.can_dial(a)]
-            if not _is_loopback(conn.remote_addr):
-                addrs = [a for a in addrs if not _is_loopback(str(a))]
+            if not is_loopback(conn.remote_addr):
+                addrs = [a for a in addrs if not is_loopback(str(a))]
             if addrs:
                 self.peerstore.add_addrs(conn.peer_id, addrs)
 
@@ -1253,7 +1321,7 @@ class Host:
     async def ping(self, peer_id: PeerID, timeout: float = 5.0) -> float:  # noqa: ASYNC109
         """Round-trip time (seconds) of one /ipfs/ping/1.0.0 exchange."""
         with trio.move_on_after(timeout) as scope:
-            stream = await self._open(peer_id, PING_PROTOCOL, timeout, lazy=True)
+            stream = await self.open_stream(peer_id, PING_PROTOCOL, timeout, lazy=True)
             try:
                 payload = os.urandom(PING_SIZE)
                 start = trio.current_time()
@@ -1286,7 +1354,7 @@ class Host:
         ProtocolNegotiationError if the remote does not serve ``protocol``.
         """
         with trio.move_on_after(timeout) as scope:
-            stream = await self._open(peer_id, protocol, timeout, lazy=True)
+            stream = await self.open_stream(peer_id, protocol, timeout, lazy=True)
             try:
                 await stream.send_msg(request)
                 await stream.send_eof()
@@ -1380,49 +1448,4 @@ def raise_open_file_limit(wanted: int = 65536) -> int:
     return soft
 
 
-def _is_loopback(addr: str) -> bool:
-    """``ip:port`` or a multiaddr text on a loopback IP (in-memory addresses are not)."""
-    text = addr.split("/")[2] if addr.startswith("/ip") else addr.rpartition(":")[0].strip("[]")
-    try:
-        return ipaddress.ip_address(text).is_loopback
-    except ValueError:
-        return False
-
-
-def _source_key(remote: str) -> str:
-    """What the per-source handshake cap counts: the IPv4 address, or the /64 of an IPv6
-    address (one host usually owns a whole /64); other transports' addresses as they are."""
-    host = remote if remote.startswith("/") else remote.rpartition(":")[0].strip("[]")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return remote
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((int(ip), 64), strict=False))
-    return str(ip)
-
-
-def _stalest(handshakes: dict[_PendingHandshake, None]) -> _PendingHandshake:
-    """The oldest handshake whose dialer has not spoken yet, else the oldest one."""
-    for pending in handshakes:  # oldest first
-        if not pending.negotiated:
-            return pending
-    return next(iter(handshakes))
-
-
-def _reason(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    return f"{type(e).__name__}: {text}" if not isinstance(e, P2PError) else text
-
-
-async def _close_quietly(stream: Any) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-        try:
-            await stream.aclose()
-        except Exception:  # noqa: BLE001 - closing a broken stream may fail in many ways
-            pass
-
-
-__all__ = ["Host", "HostLimits", "P2PStream"]
+__all__ = ["Host", "HostLimits", "P2PStream", "add_host_extension"]

@@ -24,6 +24,7 @@ are neither issued nor checked.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -36,6 +37,7 @@ from typing import NoReturn
 import trio
 
 from .._logging import RateLimitedLogger
+from .connection import Connection, is_loopback, source_key
 from .errors import (
     DialError,
     MessageTooLargeError,
@@ -44,8 +46,9 @@ from .errors import (
     ProtocolViolationError,
     RelayError,
     StreamClosedError,
+    error_reason,
 )
-from .host import Host, P2PStream, _Connection, _is_loopback, _reason, _source_key
+from .host import Host, P2PStream
 from .identify import observed_multiaddr
 from .identity import PeerID
 from .multiaddr import Multiaddr
@@ -165,11 +168,11 @@ async def _upgrade_circuit(
     outbound: bool,
     name: str,
     limit: Limit | None,
-) -> _Connection:
+) -> Connection:
     """Noise + yamux over a spliced stream; the connection is marked relayed (not registered)."""
     try:
         with trio.fail_after(host.limits.handshake_timeout):
-            peer_id, session = await host._upgrade(
+            conn = await host.upgrade(
                 _CircuitStream(stream), expected, outbound=outbound, name=name
             )
     except trio.TooSlowError:
@@ -181,7 +184,6 @@ async def _upgrade_circuit(
     except BaseException:
         stream.reset()
         raise
-    conn = _Connection(peer_id, session, outbound=outbound, remote_addr=name)
     conn.relayed = True
     conn.relay_limit = limit
     return conn
@@ -199,15 +201,16 @@ async def _send_quietly(stream: P2PStream, frame: bytes, timeout: float) -> None
 async def _receive_frame(stream: P2PStream, timeout: float, what: str) -> bytes:  # noqa: ASYNC109
     """One length-prefixed relay message (at most MAX_MESSAGE_SIZE bytes) within ``timeout``."""
     with trio.move_on_after(timeout):
-        return await stream._reader.receive_frame(MAX_MESSAGE_SIZE)
+        return await stream.receive_frame(MAX_MESSAGE_SIZE)
     raise P2PTimeoutError(f"no {what} within {timeout:.1f}s")
 
 
 # -- dialing a /p2p-circuit address -------------------------------------------------------------
 
 
-async def dial_circuit(host: Host, expected: PeerID | None, target: Multiaddr) -> _Connection:
-    """Connect to ``expected`` through the relay named in ``target`` (Host._dial_one's hook).
+async def dial_circuit(host: Host, expected: PeerID | None, target: Multiaddr) -> Connection:
+    """Connect to ``expected`` through the relay named in ``target`` (the Host's dialer for
+    ``/p2p-circuit`` addresses, see :func:`dial_circuits`).
 
     Opens a hop stream to the relay (dialing it if needed), sends CONNECT and, on OK, runs the
     usual outbound upgrade over the stream. Raises RelayError with the relay's status when it
@@ -224,11 +227,11 @@ async def dial_circuit(host: Host, expected: PeerID | None, target: Multiaddr) -
     if relay_addr is not None:
         host.peerstore.add_addrs(relay, [relay_addr])
     timeout = host.limits.handshake_timeout
-    stream = await host._open(relay, HOP_PROTOCOL, timeout, lazy=True)
+    stream = await host.open_stream(relay, HOP_PROTOCOL, timeout, lazy=True)
     try:
         with trio.fail_after(timeout):
             await stream.send_all(encode_hop(HopMessage(HopType.CONNECT, peer=PeerInfo(expected))))
-            reply = decode_hop(await stream._reader.receive_frame(MAX_MESSAGE_SIZE))
+            reply = decode_hop(await stream.receive_frame(MAX_MESSAGE_SIZE))
     except trio.TooSlowError:
         stream.reset()
         raise P2PTimeoutError(
@@ -467,10 +470,8 @@ class RelayService:
 
     def _arrived_relayed(self, stream: P2PStream) -> bool:
         """Did this hop stream come over a relayed connection? (Chains are refused.)"""
-        session = stream._yamux.session
-        return any(
-            c.relayed for c in self.host._conns.get(stream.remote_peer, ()) if c.session is session
-        )
+        conn = self.host.connection_of(stream)
+        return conn is not None and conn.relayed
 
     # -- the hop protocol -------------------------------------------------------------------
     async def _refuse(self, stream: P2PStream, status: Status, why: str, *, warn: bool) -> None:
@@ -509,7 +510,7 @@ class RelayService:
             msg = decode_hop(body)
         except (MessageTooLargeError, RelayMessageError, ProtocolViolationError) as e:
             self.stats.malformed_requests += 1
-            await self._refuse(stream, Status.MALFORMED_MESSAGE, _reason(e), warn=True)
+            await self._refuse(stream, Status.MALFORMED_MESSAGE, error_reason(e), warn=True)
             return
         except P2PTimeoutError as e:
             self._log.warning("hop-timeout", "relay: %s: %s", peer.short(), e)
@@ -545,7 +546,7 @@ class RelayService:
             return
         self._purge_expired()
         existing = self._reservations.get(peer)
-        source = existing.source if existing is not None else _source_key(stream.remote_addr)
+        source = existing.source if existing is not None else source_key(stream.remote_addr)
         if existing is None:  # a refresh never counts against the caps
             if len(self._reservations) >= limits.max_reservations:
                 self.stats.reservations_refused += 1
@@ -588,7 +589,7 @@ class RelayService:
         """A live reservation and a direct connection to ``dst`` (no active relaying)."""
         if not self.has_reservation(dst):
             return False
-        return any(c.alive and not c.relayed for c in self.host._conns.get(dst, ()))
+        return any(not c.relayed for c in self.host.connections(dst))
 
     async def _connect(self, stream: P2PStream, msg: HopMessage) -> None:
         src, limits = stream.remote_peer, self.limits
@@ -646,10 +647,12 @@ class RelayService:
         why = ""
         try:
             with trio.fail_after(limits.connect_timeout):
-                stop = await self.host._open(dst, STOP_PROTOCOL, limits.connect_timeout, lazy=True)
+                stop = await self.host.open_stream(
+                    dst, STOP_PROTOCOL, limits.connect_timeout, lazy=True
+                )
                 request = StopMessage(StopType.CONNECT, peer=PeerInfo(src), limit=circuit.limit)
                 await stop.send_all(encode_stop(request))
-                answer = decode_stop(await stop._reader.receive_frame(MAX_MESSAGE_SIZE))
+                answer = decode_stop(await stop.receive_frame(MAX_MESSAGE_SIZE))
             if answer.type != StopType.STATUS:
                 why = f"target answered with stop message type {answer.type}"
             elif answer.status != Status.OK:
@@ -657,7 +660,7 @@ class RelayService:
         except trio.TooSlowError:
             why = f"target did not answer within {limits.connect_timeout:.1f}s"
         except (*_STREAM_ERRORS, OSError) as e:
-            why = _reason(e)
+            why = error_reason(e)
         except BaseException:  # cancelled (relay stopping): leave no half-open stop stream
             if stop is not None:
                 stop.reset()
@@ -722,13 +725,13 @@ class RelayService:
             try:
                 data = await source.receive_some(SPLICE_CHUNK)
             except _STREAM_ERRORS as e:
-                circuit.cut(f"{'initiator' if way == 0 else 'target'} side broke: {_reason(e)}")
+                circuit.cut(f"{'initiator' if way == 0 else 'target'} side broke: {error_reason(e)}")
                 return
             if not data:
                 try:
                     await sink.send_eof()
                 except _STREAM_ERRORS as e:
-                    circuit.cut(f"could not pass on EOF: {_reason(e)}")
+                    circuit.cut(f"could not pass on EOF: {error_reason(e)}")
                 return
             over = False
             if budget:
@@ -743,7 +746,7 @@ class RelayService:
                 try:
                     await sink.send_all(data)
                 except _STREAM_ERRORS as e:
-                    circuit.cut(f"{'target' if way == 0 else 'initiator'} side broke: {_reason(e)}")
+                    circuit.cut(f"{'target' if way == 0 else 'initiator'} side broke: {error_reason(e)}")
                     return
             if over:
                 self.stats.circuits_cut_data += 1
@@ -841,10 +844,10 @@ class RelayClient:
         self._trust(relay)
         try:
             with trio.move_on_after(timeout):
-                stream = await host._open(relay, HOP_PROTOCOL, timeout, lazy=True)
+                stream = await host.open_stream(relay, HOP_PROTOCOL, timeout, lazy=True)
                 try:
                     await stream.send_all(encode_hop(HopMessage(HopType.RESERVE)))
-                    reply = decode_hop(await stream._reader.receive_frame(MAX_MESSAGE_SIZE))
+                    reply = decode_hop(await stream.receive_frame(MAX_MESSAGE_SIZE))
                 except BaseException:
                     stream.reset()
                     raise
@@ -878,10 +881,10 @@ class RelayClient:
                 relay_addrs.append(base.with_peer_id(relay))
         if not relay_addrs:  # the relay told us nothing usable: the address we reached it at
             relay_addrs = [a.with_peer_id(relay) for a in self.host.peerstore.get_addrs(relay)]
-        conn = self.host._best_connection(relay)
-        if conn is not None and not _is_loopback(conn.remote_addr):
+        conn = self.host.best_connection(relay)
+        if conn is not None and not is_loopback(conn.remote_addr):
             # as identify does: loopback addresses mean something only on the same machine
-            relay_addrs = [a for a in relay_addrs if not _is_loopback(str(a))]
+            relay_addrs = [a for a in relay_addrs if not is_loopback(str(a))]
         relay_addrs = relay_addrs[:MAX_ADVERTISED_PER_RELAY]
         me = self.host.peer_id
         rsvp = Reservation(
@@ -943,7 +946,7 @@ class RelayClient:
                         "relay reservation on %s failed (retry in %.0fs): %s",
                         relay.short(),
                         backoff,
-                        _reason(e),
+                        error_reason(e),
                     )
                     await trio.sleep(backoff * random.uniform(0.8, 1.2))
                     backoff = min(backoff * 2, 60.0)
@@ -984,25 +987,20 @@ class RelayClient:
     def _advertise(self, rsvp: Reservation) -> None:
         """Add our circuit addresses to the Host's listen addresses (identify and the DHT
         announce those), replacing what this relay gave before."""
-        listen = self.host._listen_addrs
         before = self._advertised.pop(rsvp.relay, ())
         for addr in before:
-            if addr in listen:
-                listen.remove(addr)
+            self.host.remove_listen_addr(addr)
         for addr in rsvp.circuit_addrs:
-            if addr not in listen:
-                listen.append(addr)
+            self.host.add_listen_addr(addr)
         self._advertised[rsvp.relay] = rsvp.circuit_addrs
         if before != rsvp.circuit_addrs:
             self._notify()
 
     def _withdraw(self, relay: PeerID) -> None:
-        listen = self.host._listen_addrs
         gone = self._advertised.pop(relay, ())
         self.host.unprotect(relay, RELAY_TAG)
         for addr in gone:
-            if addr in listen:
-                listen.remove(addr)
+            self.host.remove_listen_addr(addr)
         if gone:
             self._notify()
 
@@ -1037,7 +1035,7 @@ class RelayClient:
         try:
             msg = decode_stop(await _receive_frame(stream, self.message_timeout, "stop request"))
         except (MessageTooLargeError, RelayMessageError, ProtocolViolationError) as e:
-            await self._refuse_stop(stream, Status.MALFORMED_MESSAGE, _reason(e))
+            await self._refuse_stop(stream, Status.MALFORMED_MESSAGE, error_reason(e))
             return
         except P2PTimeoutError as e:
             logger.debug("stop stream from %s: %s", relay.short(), e)
@@ -1065,7 +1063,7 @@ class RelayClient:
                 f"{self.max_inbound_circuits} relayed connections",
             )
             return
-        if host._closing or not host._make_room():
+        if host.closing or not host.make_room():
             await self._refuse_stop(
                 stream, Status.RESOURCE_LIMIT_EXCEEDED, "connection limit reached"
             )
@@ -1086,20 +1084,19 @@ class RelayClient:
                     "relayed connection from %s via %s failed: %s",
                     src.short(),
                     relay.short(),
-                    _reason(e),
+                    error_reason(e),
                 )
                 return
-            if host._closing:
+            if host.closing:
                 await conn.session.aclose()
                 return
-            host._register(conn)
             logger.debug(
                 "relayed connection from %s via %s (limit %s)",
                 src.short(),
                 relay.short(),
                 msg.limit,
             )
-            await host._serve_connection(conn)
+            await host.serve_connection(conn)  # counted in inbound_circuits while it lives
         except trio.TooSlowError:
             stream.reset()
         finally:
@@ -1127,6 +1124,12 @@ async def reserve(
     return await relay_client(host).reserve(relay, addrs, timeout)
 
 
+def dial_circuits(host: Host) -> None:
+    """Host extension (see ``host.add_host_extension``): dial ``/p2p-circuit`` addresses
+    through the relay they name (:func:`dial_circuit`)."""
+    host.add_dialer(Multiaddr.is_circuit, functools.partial(dial_circuit, host))
+
+
 __all__ = [
     "HOP_PROTOCOL",
     "STOP_PROTOCOL",
@@ -1139,6 +1142,7 @@ __all__ = [
     "Reservation",
     "circuit_addr",
     "dial_circuit",
+    "dial_circuits",
     "enable_relay_service",
     "relay_client",
     "reserve",
