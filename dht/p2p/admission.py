@@ -107,8 +107,8 @@ class Admission:
     def spoke(self, handshake: Handshake) -> list[Eviction]:
         """The dialer sent its multistream header and security proposal: it leaves the
         silent sockets for the few that cost Noise work; the handshake dropped for it, if
-        that table was full. Nothing for a handshake that was evicted already."""
-        if handshake.evicted or handshake not in self.handshakes:
+        that table was full. Nothing for one that spoke before, was evicted or is gone."""
+        if handshake.negotiated or handshake.evicted or handshake not in self.handshakes:
             return []
         handshake.negotiated = True
         self._remove_silent(handshake)
