@@ -77,7 +77,8 @@ from .reachability import (
 from .varint import encode_uvarint
 
 if TYPE_CHECKING:
-    from .host import Host, P2PStream
+    from .host import Host
+    from .stream import P2PStream
 
 logger = logging.getLogger(__name__)
 

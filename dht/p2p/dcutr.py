@@ -74,9 +74,10 @@ from .errors import (
     ProtocolViolationError,
     error_reason,
 )
-from .host import Host, P2PStream
+from .host import Host
 from .identity import PeerID
 from .multiaddr import Multiaddr
+from .stream import P2PStream
 from .varint import encode_uvarint
 
 logger = logging.getLogger(__name__)

@@ -34,12 +34,10 @@ from .connection import Connection, close_quietly, is_loopback, source_key
 from .errors import (
     DialError,
     DialRefusedError,
-    HandshakeError,
     MessageTooLargeError,
     P2PError,
     P2PTimeoutError,
     PeerIDMismatchError,
-    ProtocolNegotiationError,
     ProtocolViolationError,
     RemoteError,
     ResourceLimitError,
@@ -47,12 +45,14 @@ from .errors import (
     error_reason,
 )
 from .identity import Identity, PeerID
-from .messages import DEFAULT_MAX_MESSAGE_SIZE, MessageReader, send_msg
+from .messages import DEFAULT_MAX_MESSAGE_SIZE, MessageReader
 from .multiaddr import Multiaddr
-from .noise import DEFAULT_SECURITY_PROTOCOLS, SECURITY_PROTOCOLS, noise_handshake
+from .noise import DEFAULT_SECURITY_PROTOCOLS
 from .peerstore import PeerStore
 from .reachability import ObservedAddrs, Reachability
+from .stream import P2PStream
 from .transport import TCPTransport
+from .upgrade import check_security_protocols, secure_channel
 from .yamux import (
     DEFAULT_MAX_STREAM_WINDOW,
     GO_AWAY_PROTOCOL_ERROR,
@@ -60,7 +60,6 @@ from .yamux import (
     YamuxSession,
     YamuxStream,
 )
-from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ PING_SIZE = 32
 DIAL_STAGGER = 0.25  # seconds between starting dials to successive addresses (RFC 8305)
 MAX_DIAL_ADDRS = 16
 
-StreamHandler = Callable[["P2PStream"], Awaitable[None]]
+StreamHandler = Callable[[P2PStream], Awaitable[None]]
 RpcHandler = Callable[[PeerID, Any], Awaitable[Any]]
 # see Host.add_dialer, Host.add_connection_hook, Host.claim_inbound, add_host_extension
 Dialer = Callable[[PeerID | None, Multiaddr], Awaitable[Connection]]
@@ -118,82 +117,6 @@ class HostLimits:
         for name in ("handshake_timeout", "handshake_start_timeout", "log_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HostLimits.{name} must be positive, got {getattr(self, name)}")
-
-
-class P2PStream(trio.abc.HalfCloseableStream):
-    """A negotiated stream to ``remote_peer`` speaking ``protocol``, with framed messages."""
-
-    def __init__(
-        self,
-        inner: trio.abc.HalfCloseableStream,
-        yamux_stream: YamuxStream,
-        remote_peer: PeerID,
-        protocol: str,
-        max_message_size: int,
-        remote_addr: str = "",
-    ) -> None:
-        self._inner = inner
-        self._yamux = yamux_stream
-        self._reader = MessageReader(inner)
-        self.remote_peer = remote_peer
-        self.protocol = protocol
-        self.max_message_size = max_message_size
-        self.remote_addr = remote_addr  # the connection's remote address, for logs
-
-    def __repr__(self) -> str:
-        return f"<P2PStream {self.protocol} with {self.remote_peer.short()}>"
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self._inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        return await self._reader.receive_some(max_bytes)
-
-    async def send_eof(self) -> None:
-        await self._inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self._yamux.aclose()
-
-    def reset(self) -> None:
-        self._yamux.reset()
-
-    def set_max_send_rate(self, rate: float | None) -> bool:
-        """Cap the send rate (bytes/s; ``None`` lifts the cap) of the connection this stream
-        runs on: it applies to every stream to this peer on that connection. False where the
-        transport cannot pace (the in-memory network, or a system without the option)."""
-        return self._yamux.session.set_max_send_rate(rate)
-
-    @property
-    def buffered_bytes(self) -> int:
-        """Bytes received on this stream that the application has not read yet."""
-        return self._yamux.buffered_bytes + len(self._reader.buffered)
-
-    async def receive_exactly_into(self, buffer: memoryview) -> None:
-        """Fill ``buffer`` with the next ``len(buffer)`` raw bytes (a payload whose size a
-        preceding message announced); StreamClosedError if the stream ends first."""
-        await self._reader.receive_exactly_into(buffer)
-
-    async def receive_frame(self, max_size: int) -> bytes:
-        """One uvarint-length-prefixed frame, undecoded (protocols with their own encoding:
-        relay, DCUtR, AutoNAT); MessageTooLargeError over ``max_size``. Unlike
-        :meth:`receive_msg` it leaves the stream as it is: the protocol answers or resets."""
-        return await self._reader.receive_frame(max_size)
-
-    async def send_msg(self, obj: Any) -> None:
-        """Send one framed msgpack message (MessageTooLargeError above ``max_message_size``)."""
-        await send_msg(self, obj, self.max_message_size)
-
-    async def receive_msg(self, max_size: int | None = None) -> Any:
-        """Receive one framed message; a malformed or oversized message resets the stream."""
-        try:
-            return await self._reader.receive_msg(max_size or self.max_message_size)
-        except (MessageTooLargeError, ProtocolViolationError):
-            self.reset()
-            raise
 
 
 class _Inbound(Handshake):
@@ -264,7 +187,7 @@ class Host:
         hole_punching: Any = False,
     ) -> None:
         self.identity = identity
-        self.security_protocols = _check_security_protocols(security_protocols)
+        self.security_protocols = check_security_protocols(security_protocols)
         self.peer_id: PeerID = identity.peer_id
         self.transport = transport
         self.limits = limits
@@ -326,7 +249,7 @@ class Host:
         ``None`` (default): on over a TCP transport that can share ports, off otherwise;
         ``True`` / ``False``; or a ``dcutr.HolePunchConfig``. ``host.hole_puncher`` is the
         service while it is on (``host.hole_puncher.stop()`` turns it off later)."""
-        security_protocols = _check_security_protocols(security_protocols)  # before any task
+        security_protocols = check_security_protocols(security_protocols)  # before any task
         transport = transport if transport is not None else TCPTransport()
         hole_punching = _hole_punching_setting(transport, hole_punching)
         async with trio.open_nursery() as nursery:
@@ -578,49 +501,16 @@ class Host:
         name: str,
         on_security_negotiated: Callable[[], None] | None = None,
     ) -> tuple[PeerID, YamuxSession]:
-        """multistream Noise variant -> Noise -> multistream /yamux -> yamux session (not yet run).
-
-        The dialer proposes ``security_protocols`` in order (AES-GCM first, ``/noise`` after an
-        ``na``); the listener accepts any of them. Against a moshpit listener the first
-        proposal is accepted, so this costs the same single round trip as ``/noise`` alone.
-        ``on_security_negotiated`` runs once a security protocol is agreed on (the accept path
-        then grants the remote the rest of the handshake time)."""
-        timeout = self.limits.handshake_timeout
-        try:
-            if outbound:
-                security, stream = await multistream.negotiate_outbound(
-                    raw, self.security_protocols, timeout
-                )
-            else:
-                security, stream = await multistream.negotiate_inbound(
-                    raw, frozenset(self.security_protocols), timeout
-                )
-        except ProtocolNegotiationError as e:
-            raise HandshakeError(f"security negotiation failed: {e}") from e
-        if on_security_negotiated is not None:
-            on_security_negotiated()
-        secure = await noise_handshake(
-            stream,
+        """The secure channel (upgrade.py), then a yamux session on it (not yet run)."""
+        peer_id, muxed = await secure_channel(
+            raw,
             self.identity,
-            initiator=outbound,
-            expected_peer=expected,
-            timeout=timeout,
-            cipher=SECURITY_PROTOCOLS[security],
+            self.security_protocols,
+            outbound=outbound,
+            expected=expected,
+            timeout=self.limits.handshake_timeout,
+            on_security_negotiated=on_security_negotiated,
         )
-        peer_id: PeerID = secure.remote_peer
-        try:
-            if outbound:
-                _, muxed = await multistream.negotiate_outbound(secure, [YAMUX_PROTOCOL], timeout)
-            else:
-                _, muxed = await multistream.negotiate_inbound(secure, [YAMUX_PROTOCOL], timeout)
-        except ProtocolNegotiationError as e:
-            await close_quietly(secure)
-            raise HandshakeError(f"muxer negotiation with {peer_id.short()} failed: {e}") from e
-        if isinstance(muxed, multistream.PrefixedStream) and muxed.inner is secure:
-            # The remote's first yamux frames came with its answer. Give them back to the
-            # SecureSession so yamux runs on it directly, with its bulk fast paths.
-            secure.unread(await muxed.receive_some())  # a PrefixedStream's prefix is non-empty
-            muxed = secure
         limits = self.limits
         session = YamuxSession(
             muxed,
@@ -789,7 +679,7 @@ class Host:
     def connection_of(self, stream: P2PStream) -> Connection | None:
         """The registered connection ``stream`` runs on (None once that one is gone): a
         protocol asks whether a request came over a relay."""
-        session = stream._yamux.session
+        session = stream.session
         for conn in self._conns.get(stream.remote_peer, ()):
             if conn.session is session:
                 return conn
@@ -1310,10 +1200,9 @@ class Host:
 
     async def _serve_ping(self, stream: P2PStream) -> None:
         """/ipfs/ping/1.0.0: echo 32-byte payloads until the dialer closes."""
-        reader = stream._reader
         while True:
             try:
-                payload = await reader.receive_exactly(PING_SIZE)
+                payload = await stream.receive_exactly(PING_SIZE)
             except StreamClosedError:
                 return
             await stream.send_all(payload)
@@ -1326,7 +1215,7 @@ class Host:
                 payload = os.urandom(PING_SIZE)
                 start = trio.current_time()
                 await stream.send_all(payload)
-                echo = await stream._reader.receive_exactly(PING_SIZE)
+                echo = await stream.receive_exactly(PING_SIZE)
                 rtt = trio.current_time() - start
                 if echo != payload:
                     raise ProtocolViolationError(
@@ -1411,20 +1300,6 @@ def _hole_punching_setting(transport: Any, setting: Any) -> Any:
             )
         return None
     return setting  # a HolePunchConfig
-
-
-def _check_security_protocols(protocols: Sequence[str]) -> tuple[str, ...]:
-    """Validate a Host's security protocol list (known ids, no repeats, at least one)."""
-    if isinstance(protocols, str):
-        protocols = (protocols,)
-    chosen = tuple(protocols)
-    unknown = [p for p in chosen if p not in SECURITY_PROTOCOLS]
-    if not chosen or unknown or len(set(chosen)) != len(chosen):
-        raise ValueError(
-            f"security_protocols must be a non-empty list without repeats drawn from "
-            f"{list(SECURITY_PROTOCOLS)}, got {list(chosen)}"
-        )
-    return chosen
 
 
 def raise_open_file_limit(wanted: int = 65536) -> int:

@@ -48,7 +48,7 @@ from .errors import (
     StreamClosedError,
     error_reason,
 )
-from .host import Host, P2PStream
+from .host import Host
 from .identify import observed_multiaddr
 from .identity import PeerID
 from .multiaddr import Multiaddr
@@ -71,6 +71,7 @@ from .relay_messages import (
     encode_stop,
     status_name,
 )
+from .stream import P2PStream
 
 logger = logging.getLogger(__name__)
 
