@@ -23,6 +23,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -30,14 +31,20 @@ import trio
 from .._logging import RateLimitedLogger
 from . import identify, multistream
 from .admission import Admission, Eviction, Handshake
-from .connection import Connection, close_quietly, is_loopback, source_key
+from .connection import (
+    Connection,
+    ConnectionHook,
+    ConnectionTable,
+    close_quietly,
+    is_loopback,
+    source_key,
+)
+from .dialing import dial_first
 from .errors import (
     DialError,
-    DialRefusedError,
     MessageTooLargeError,
     P2PError,
     P2PTimeoutError,
-    PeerIDMismatchError,
     ProtocolViolationError,
     RemoteError,
     ResourceLimitError,
@@ -66,14 +73,11 @@ logger = logging.getLogger(__name__)
 NOISE_PROTOCOL = "/noise"
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 PING_SIZE = 32
-DIAL_STAGGER = 0.25  # seconds between starting dials to successive addresses (RFC 8305)
-MAX_DIAL_ADDRS = 16
 
 StreamHandler = Callable[[P2PStream], Awaitable[None]]
 RpcHandler = Callable[[PeerID, Any], Awaitable[Any]]
 # see Host.add_dialer, Host.add_connection_hook, Host.claim_inbound, add_host_extension
 Dialer = Callable[[PeerID | None, Multiaddr], Awaitable[Connection]]
-ConnectionHook = Callable[[Connection], None]
 InboundClaim = Callable[[trio.abc.Stream, str], bool]
 HostExtension = Callable[["Host"], None]
 
@@ -198,7 +202,9 @@ class Host:
         self._nursery = nursery
         self._listeners: list[Any] = []
         self._listen_addrs: list[Multiaddr] = []
-        self._conns: dict[PeerID, list[Connection]] = {}
+        # registered connections per peer (the table's dict: tests read it as host._conns)
+        self._table = ConnectionTable(self.peer_id, logger)
+        self._conns = self._table.by_peer
         self._dials: dict[PeerID, _PendingDial] = {}
         # inbound connections still in their handshake, and whom to drop under a flood
         self._admission = Admission(
@@ -211,16 +217,12 @@ class Host:
         self._log_flusher_started = False
         self._stream_handlers: dict[str, StreamHandler] = {}
         self._rpc_handlers: dict[str, RpcHandler] = {}
-        self._observers: list[tuple[Callable[[PeerID], None], Callable[[PeerID], None]]] = []
         # What identify tells peers about where we listen (None: our listen addresses). The
         # DHT sets it to the addresses it announces (a forwarded public port; only circuit
         # addresses while unreachable), so peers do not first try a LAN address they cannot reach.
         self.announced_addrs: Callable[[], list[Multiaddr]] | None = None
-        # peers whose connections _make_room never closes, with why (e.g. a relay reservation)
-        self._protected: dict[PeerID, set[str]] = {}
         self._closing = False
         # the extension points (see the class docstring)
-        self._connection_hooks: list[ConnectionHook] = []
         self._inbound_claims: dict[str, InboundClaim] = {}
         self._dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
         # Host.open's hole_punching, checked: False (off), or the config of the hole puncher
@@ -568,28 +570,9 @@ class Host:
             raise
 
     # -- connection bookkeeping ----------------------------------------------------------
-    def _connection_count(self) -> int:
-        return sum(len(group) for group in self._conns.values())
-
     def _register(self, conn: Connection) -> None:
         """Make a new connection usable at once (before its serving task starts)."""
-        group = self._conns.setdefault(conn.peer_id, [])
-        first = not any(c.alive for c in group)
-        group.append(conn)
-        conn.session._on_close = lambda _s: self._on_connection_closed(conn)
-        logger.debug(
-            "connected to %s (%s, %s)",
-            conn.peer_id.short(),
-            "outbound" if conn.outbound else "inbound",
-            conn.remote_addr,
-        )
-        if first:
-            self._notify(0, conn.peer_id)
-        for hook in list(self._connection_hooks):
-            try:
-                hook(conn)
-            except Exception:
-                logger.exception("connection hook failed")
+        self._table.add(conn)
 
     async def add_connection(self, conn: Connection) -> bool:
         """Register an upgraded connection and serve it (a task in the host nursery), as
@@ -625,26 +608,6 @@ class Host:
                     break
                 nursery.start_soon(self._handle_stream, conn, ystream)
 
-    def _on_connection_closed(self, conn: Connection) -> None:
-        group = self._conns.get(conn.peer_id)
-        if group is None or conn not in group:
-            return
-        group.remove(conn)
-        if conn.session.close_reason.startswith("protocol violation"):
-            logger.warning(
-                "dropped connection to %s (%s): %s",
-                conn.peer_id.short(),
-                conn.remote_addr,
-                conn.session.close_reason,
-            )
-        else:
-            logger.debug(
-                "connection to %s closed: %s", conn.peer_id.short(), conn.session.close_reason
-            )
-        if not group:
-            del self._conns[conn.peer_id]
-            self._notify(1, conn.peer_id)
-
     def _drop(self, conn: Connection, reason: str) -> None:
         """Close a connection whose peer broke the protocol (GoAway with an error code)."""
         logger.warning("dropping peer %s (%s): %s", conn.peer_id.short(), conn.remote_addr, reason)
@@ -653,53 +616,30 @@ class Host:
         else:
             self._nursery.start_soon(conn.session.aclose, GO_AWAY_PROTOCOL_ERROR)
 
-    def _notify(self, which: int, peer_id: PeerID) -> None:
-        for callbacks in list(self._observers):
-            try:
-                callbacks[which](peer_id)
-            except Exception:
-                logger.exception("connection observer failed")
-
     def add_connection_observer(
         self, on_connect: Callable[[PeerID], None], on_disconnect: Callable[[PeerID], None]
     ) -> None:
         """Call ``on_connect(peer)`` when the first connection to a peer opens and
         ``on_disconnect(peer)`` when its last one closes."""
-        self._observers.append((on_connect, on_disconnect))
+        self._table.observers.append((on_connect, on_disconnect))
 
     def connections(self, peer_id: PeerID | None = None) -> list[Connection]:
         """The live connections to ``peer_id`` (to every peer if None), oldest first.
 
         A snapshot to read: connections come and go through the Host only (dialing,
         accepting, :meth:`add_connection`, :meth:`serve_connection`)."""
-        if peer_id is not None:
-            return [c for c in self._conns.get(peer_id, ()) if c.alive]
-        return [c for group in self._conns.values() for c in group if c.alive]
+        return self._table.live(peer_id)
 
     def connection_of(self, stream: P2PStream) -> Connection | None:
         """The registered connection ``stream`` runs on (None once that one is gone): a
         protocol asks whether a request came over a relay."""
-        session = stream.session
-        for conn in self._conns.get(stream.remote_peer, ()):
-            if conn.session is session:
-                return conn
-        return None
+        return self._table.of_session(stream.remote_peer, stream.session)
 
     def best_connection(self, peer_id: PeerID) -> Connection | None:
         """The connection new streams to ``peer_id`` take (None if there is no live one): a
         direct one before a relayed one; between simultaneous dials, the one dialed by the
         peer with the smaller PeerID, so that both sides pick the same."""
-        live = [c for c in self._conns.get(peer_id, ()) if c.alive]
-        if not live:
-            return None
-        live = [c for c in live if not c.relayed] or live  # a relayed one only as a last resort
-        # Deterministic choice for simultaneous dials: prefer the connection dialed by the
-        # peer with the smaller PeerID (both sides compute the same answer).
-        we_dial = self.peer_id < peer_id
-        for conn in live:
-            if conn.outbound == we_dial:
-                return conn
-        return live[0]
+        return self._table.best(peer_id)
 
     _best_connection = best_connection  # the name tests use
 
@@ -711,15 +651,10 @@ class Host:
 
         Safe to call from another thread: it counts a snapshot of the bookkeeping, which
         the loop may change meanwhile."""
-        counts = {"direct": 0, "relayed": 0}
-        for group in list(self._conns.values()):
-            for conn in list(group):
-                if conn.alive:
-                    counts["relayed" if conn.relayed else "direct"] += 1
-        return counts
+        return self._table.counts()
 
     def connected_peers(self) -> list[PeerID]:
-        return [pid for pid, group in self._conns.items() if any(c.alive for c in group)]
+        return self._table.peers()
 
     async def disconnect(self, peer_id: PeerID) -> None:
         """Close every connection to ``peer_id`` (GoAway, then close)."""
@@ -732,11 +667,11 @@ class Host:
         """Call ``hook(conn)`` with every connection as it is registered, before any stream
         runs on it (hole punching watches for relayed and direct ones). A hook must not block;
         one that raises is logged and the others still run."""
-        self._connection_hooks.append(hook)
+        self._table.hooks.append(hook)
 
     def remove_connection_hook(self, hook: ConnectionHook) -> None:
-        if hook in self._connection_hooks:
-            self._connection_hooks.remove(hook)
+        if hook in self._table.hooks:
+            self._table.hooks.remove(hook)
 
     def claim_inbound(self, remote: str, claim: InboundClaim) -> bool:
         """Offer sockets accepted from exactly ``remote`` (``ip:port`` as the listener names
@@ -865,41 +800,17 @@ class Host:
     def protect(self, peer_id: PeerID, tag: str) -> None:
         """Never close connections to ``peer_id`` to make room while ``tag`` holds (a relay
         reservation lives exactly as long as its connection, which idles between circuits)."""
-        self._protected.setdefault(peer_id, set()).add(tag)
+        self._table.protect(peer_id, tag)
 
     def unprotect(self, peer_id: PeerID, tag: str) -> None:
-        tags = self._protected.get(peer_id)
-        if tags is not None:
-            tags.discard(tag)
-            if not tags:
-                del self._protected[peer_id]
+        self._table.unprotect(peer_id, tag)
 
     def is_protected(self, peer_id: PeerID) -> bool:
-        return peer_id in self._protected
+        return peer_id in self._table.protected
 
     def _make_room(self, reserved: int = 0) -> bool:
-        """True if one more connection fits, closing the least recently used idle connection
-        (no open streams, peer not protected) when the limit is reached; False if every
-        connection is busy."""
-        if self._connection_count() + reserved < self.limits.max_connections:
-            return True
-        idle = [
-            c
-            for group in self._conns.values()
-            for c in group
-            if c.session.num_streams == 0 and c.peer_id not in self._protected
-        ]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda c: c.last_used)
-        logger.info(
-            "closing idle connection to %s (%s) to make room (limit %d)",
-            victim.peer_id.short(),
-            victim.remote_addr,
-            self.limits.max_connections,
-        )
-        victim.session._shutdown("closed to make room for a new connection")
-        return self._connection_count() + reserved < self.limits.max_connections
+        """make_room, counting ``reserved`` dials under way as connections."""
+        return self._table.make_room(self.limits.max_connections, reserved)
 
     async def _dial_unknown(self, maddrs: list[Multiaddr], timeout: float) -> PeerID:  # noqa: ASYNC109
         self._check_connection_limit()
@@ -964,63 +875,9 @@ class Host:
         pending.done.set()
 
     async def _dial_addrs(self, expected: PeerID | None, addrs: list[Multiaddr]) -> Connection:
-        """Dial the addresses "happy eyeballs" style and return the first upgraded connection.
-
-        Attempt i starts when attempt i-1 failed or DIAL_STAGGER seconds after attempt i-1
-        started, whichever comes first; the first success cancels the others, so one
-        black-holed address costs at most DIAL_STAGGER, not a whole handshake timeout.
-        """
-        failures: list[str] = []
-        refusals: list[str] = []
-        mismatches: list[PeerIDMismatchError] = []
-        targets = list(dict.fromkeys(a.without_peer_id() for a in addrs))[:MAX_DIAL_ADDRS]
-        failed = [trio.Event() for _ in targets]
-        winner: list[Connection] = []
-
-        async def attempt(i: int, nursery: trio.Nursery) -> None:
-            if i > 0:
-                with trio.move_on_after(DIAL_STAGGER):
-                    await failed[i - 1].wait()
-            target = targets[i]
-            try:
-                conn = await self._dial_one(expected, target)
-            except PeerIDMismatchError as e:
-                logger.warning("dial %s: %s", target, e)
-                mismatches.append(e)
-                failures.append(f"{target}: {e}")
-                failed[i].set()
-                return
-            except (P2PError, trio.TooSlowError, trio.BrokenResourceError, OSError) as e:
-                failures.append(f"{target}: {error_reason(e)}")
-                if isinstance(e, ConnectionRefusedError):
-                    refusals.append(str(target))
-                failed[i].set()
-                return
-            except Exception as e:  # a bug reachable from a remote must not kill the host
-                logger.warning("dial %s: unexpected %s", target, error_reason(e), exc_info=True)
-                failures.append(f"{target}: {error_reason(e)}")
-                failed[i].set()
-                return
-            if winner:
-                await conn.session.aclose()  # lost the race; never started
-                return
-            winner.append(conn)
-            nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(targets)):
-                nursery.start_soon(attempt, i, nursery)
-        if winner:
-            return winner[0]
-        if mismatches:
-            raise PeerIDMismatchError(f"{mismatches[0]} (all addresses: {'; '.join(failures)})")
-        who = expected.short() if expected is not None else "peer"
-        if refusals and len(refusals) == len(failures):
-            raise DialRefusedError(
-                f"could not connect to {who}: connection refused at {', '.join(refusals)} "
-                "(nothing listens on that port)"
-            )
-        raise DialError(f"could not connect to {who}: " + "; ".join(failures or ["no addresses"]))
+        """Dial the addresses "happy eyeballs" style (dialing.py) and return the first
+        upgraded connection, not registered."""
+        return await dial_first(addrs, partial(self._dial_one, expected), expected, logger)
 
     async def _dial_one(self, expected: PeerID | None, target: Multiaddr) -> Connection:
         for matches, dial in self._dialers:
