@@ -14,6 +14,16 @@ over the connection dialed by the peer with the smaller PeerID, so both sides pi
 one (the other idles until it is closed with the host or the peer). Every new connection
 runs libp2p identify, so the peerstore learns where a peer that dialed us listens. A peer's
 addresses are dialed "happy eyeballs" style (staggered, first success wins).
+
+The parts with a job of their own live beside this file: ``upgrade.py`` (the secure
+channel), ``connection.py`` (the connection table), ``inbound.py`` + ``admission.py`` (the
+accept path and who is dropped under a flood), ``dialing.py`` (happy eyeballs),
+``stream.py`` (P2PStream). What stays here, about a thousand lines, is the Host itself:
+they share one connection table, one nursery and one closing state (dialing with its
+shared pending dials, serving connections, stream handlers, identify, ping, unary RPC,
+and the public surface the protocols built on it use); splitting it further would mean
+handing its private state to other modules, which the layering forbids
+(``tests/p2p/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -30,14 +40,12 @@ import trio
 
 from .._logging import RateLimitedLogger
 from . import identify, multistream
-from .admission import Admission, Eviction, Handshake
 from .connection import (
     Connection,
     ConnectionHook,
     ConnectionTable,
     close_quietly,
     is_loopback,
-    source_key,
 )
 from .dialing import dial_first
 from .errors import (
@@ -52,6 +60,7 @@ from .errors import (
     error_reason,
 )
 from .identity import Identity, PeerID
+from .inbound import Acceptor, InboundClaim, raise_open_file_limit
 from .messages import DEFAULT_MAX_MESSAGE_SIZE, MessageReader
 from .multiaddr import Multiaddr
 from .noise import DEFAULT_SECURITY_PROTOCOLS
@@ -78,7 +87,6 @@ StreamHandler = Callable[[P2PStream], Awaitable[None]]
 RpcHandler = Callable[[PeerID, Any], Awaitable[Any]]
 # see Host.add_dialer, Host.add_connection_hook, Host.claim_inbound, add_host_extension
 Dialer = Callable[[PeerID | None, Multiaddr], Awaitable[Connection]]
-InboundClaim = Callable[[trio.abc.Stream, str], bool]
 HostExtension = Callable[["Host"], None]
 
 
@@ -121,17 +129,6 @@ class HostLimits:
         for name in ("handshake_timeout", "handshake_start_timeout", "log_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HostLimits.{name} must be positive, got {getattr(self, name)}")
-
-
-class _Inbound(Handshake):
-    """An inbound connection in its handshake: admission's record and the cancel scope of
-    the task running it (cancelled when it is evicted, or when its deadline passes)."""
-
-    __slots__ = ("scope",)
-
-    def __init__(self, source: str, remote: str, started: float, deadline: float) -> None:
-        super().__init__(source, remote, started)
-        self.scope = trio.CancelScope(deadline=deadline)
 
 
 class _PendingDial:
@@ -206,15 +203,12 @@ class Host:
         self._table = ConnectionTable(self.peer_id, logger)
         self._conns = self._table.by_peer
         self._dials: dict[PeerID, _PendingDial] = {}
-        # inbound connections still in their handshake, and whom to drop under a flood
-        self._admission = Admission(
-            limits.max_pending_handshakes,
-            limits.max_silent_connections,
-            limits.max_pending_handshakes_per_source,
-        )
         # One WARNING per category and interval under abuse (trio's clock: MockClock-friendly).
         self._log = RateLimitedLogger(logger, limits.log_interval, clock=trio.current_time)
-        self._log_flusher_started = False
+        # the accept path (inbound.py): claims, admission of pending handshakes, upgrades
+        self._acceptor = Acceptor(self, self._log)
+        self._admission = self._acceptor.admission
+        self._inbound_claims = self._acceptor.claims
         self._stream_handlers: dict[str, StreamHandler] = {}
         self._rpc_handlers: dict[str, RpcHandler] = {}
         # What identify tells peers about where we listen (None: our listen addresses). The
@@ -223,7 +217,6 @@ class Host:
         self.announced_addrs: Callable[[], list[Multiaddr]] | None = None
         self._closing = False
         # the extension points (see the class docstring)
-        self._inbound_claims: dict[str, InboundClaim] = {}
         self._dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
         # Host.open's hole_punching, checked: False (off), or the config of the hole puncher
         # (None: its defaults) that the hole-punching extension starts
@@ -320,7 +313,7 @@ class Host:
 
     async def listen(self, maddrs: Iterable[Multiaddr | str]) -> list[Multiaddr]:
         """Start accepting connections; returns the actual addresses, with ``/p2p/<id>``."""
-        self._fit_silent_cap_to_file_limit()
+        self._acceptor.fit_silent_cap_to_file_limit()
         added: list[Multiaddr] = []
         for maddr in maddrs:
             for listener in await self.transport.listen(Multiaddr(maddr)):
@@ -330,100 +323,10 @@ class Host:
                     addr = bound.with_peer_id(self.peer_id)
                     self._listen_addrs.append(addr)
                     added.append(addr)
-                self._nursery.start_soon(self._accept_loop, listener)
+                self._nursery.start_soon(self._acceptor.run, listener)
         return added
 
-    def _fit_silent_cap_to_file_limit(self) -> None:
-        """Hold at most a quarter of the open-file limit in silent sockets, so a flood of them
-        can never make ``accept`` fail for lack of descriptors (raising the limit first)."""
-        soft = raise_open_file_limit()
-        if soft <= 0:
-            return
-        cap = min(self.limits.max_silent_connections, max(1, soft // 4))
-        if cap < self.limits.max_silent_connections and cap != self._admission.max_silent:
-            logger.info("holding at most %d silent inbound sockets (open-file limit %d)", cap, soft)
-        self._admission.max_silent = cap
-
-    async def _accept_loop(self, listener: Any) -> None:
-        if not self._log_flusher_started:
-            self._log_flusher_started = True
-            self._nursery.start_soon(self._flush_logs)
-        while True:
-            try:
-                raw, remote = await listener.accept()
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                return
-            except OSError as e:  # e.g. EMFILE under a connection flood
-                self._log.warning("accept-failed", "accept on %s failed: %s", listener.multiaddr, e)
-                await trio.sleep(0.1)
-                continue
-            if self._closing:
-                await close_quietly(raw)
-                return
-            claim = self._inbound_claims.get(remote)
-            if claim is not None and claim(raw, remote):
-                continue  # a hole punch in progress upgrades it (dcutr.py)
-            if not self._make_room():
-                self._log.warning(
-                    "refused-busy",
-                    "refusing inbound connection from %s: connection limit reached "
-                    "(%d connections, all busy)",
-                    remote,
-                    self.limits.max_connections,
-                )
-                await close_quietly(raw)
-                continue
-            pending = self._admit_handshake(remote)
-            self._nursery.start_soon(self._handle_inbound, raw, remote, pending)
-
-    async def _flush_logs(self) -> None:
-        """Report the counts of rate-limited log records once their interval is over."""
-        while True:
-            await trio.sleep(self.limits.log_interval)
-            self._log.flush()
-
-    # -- admission (the decisions are admission.py's) -------------------------------------
-    def _admit_handshake(self, remote: str) -> _Inbound:
-        """Take a slot for a new inbound connection, never refusing it: admission picks
-        older handshakes to drop instead (see admission.py for the rules and why)."""
-        limits = self.limits
-        now = trio.current_time()
-        first_step = min(limits.handshake_start_timeout, limits.handshake_timeout)
-        pending = _Inbound(source_key(remote), remote, now, now + first_step)
-        for eviction in self._admission.admit(pending):
-            self._evict(eviction, remote)
-        return pending
-
-    def _handshake_started(self, pending: _Inbound) -> None:
-        """The dialer spoke: from now on it gets the whole handshake_timeout, and a slot
-        among the (few) handshakes that cost Noise work; over that cap the oldest goes."""
-        if pending.evicted:
-            return
-        pending.scope.deadline = pending.started + self.limits.handshake_timeout
-        for eviction in self._admission.spoke(pending):
-            self._evict(eviction, pending.remote)
-
-    def _evict(self, eviction: Eviction, newcomer: str) -> None:
-        """Carry out admission's decision: the victim's task closes its socket."""
-        victim = eviction.victim
-        assert isinstance(victim, _Inbound)
-        victim.scope.cancel()
-        self._log.warning(
-            "evicted",
-            "dropping inbound connection from %s (%s, pending for %.1fs) to admit %s: %s",
-            victim.remote,
-            "after its /noise proposal" if victim.negotiated else "no /noise proposal yet",
-            trio.current_time() - victim.started,
-            newcomer,
-            eviction.why,
-        )
-
-    async def _abandon_handshake(self, raw: trio.abc.Stream, pending: _Inbound) -> None:
-        """Free the slot first (a newcomer may take it at once), then close the socket."""
-        self._admission.forget(pending)
-        await close_quietly(raw)
-
-    # read-only views of admission's tables, by their former names (tests watch them)
+    # admission's tables under the names tests watch
     _handshakes = property(lambda self: self._admission.handshakes)
     _handshakes_by_source = property(lambda self: self._admission.by_source)
     _silent_by_source = property(lambda self: self._admission.silent_by_source)
@@ -431,67 +334,6 @@ class Host:
     _spoken = property(lambda self: self._admission.spoken)
     _silent_count = property(lambda self: self._admission.silent_count)
     _pending_handshakes = property(lambda self: self._admission.pending_count)
-
-    async def _handle_inbound(
-        self, raw: trio.abc.Stream, remote: str, pending: _Inbound
-    ) -> None:
-        try:
-            with pending.scope:
-                try:
-                    peer_id, session = await self._upgrade(
-                        raw,
-                        None,
-                        outbound=False,
-                        name=remote,
-                        on_security_negotiated=lambda: self._handshake_started(pending),
-                    )
-                except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-                    self._log.warning(
-                        "handshake-failed",
-                        "dropping inbound connection from %s: %s",
-                        remote,
-                        error_reason(e),
-                    )
-                    await self._abandon_handshake(raw, pending)
-                    return
-                except Exception as e:
-                    # A bug reachable from untrusted input must not take the whole host down.
-                    self._log.warning(
-                        "handshake-bug",
-                        "dropping inbound connection from %s: unexpected %s",
-                        remote,
-                        error_reason(e),
-                        exc_info=True,
-                    )
-                    await self._abandon_handshake(raw, pending)
-                    return
-            if pending.scope.cancelled_caught:  # timed out or evicted
-                if pending.evicted:
-                    pass  # logged by _evict
-                elif pending.negotiated:
-                    self._log.warning(
-                        "handshake-timeout",
-                        "dropping inbound connection from %s: handshake did not finish "
-                        "within %.1fs",
-                        remote,
-                        self.limits.handshake_timeout,
-                    )
-                else:
-                    self._log.warning(
-                        "handshake-silent",
-                        "dropping inbound connection from %s: no multistream header and "
-                        "/noise proposal within %.1fs (handshake did not start)",
-                        remote,
-                        min(self.limits.handshake_start_timeout, self.limits.handshake_timeout),
-                    )
-                await self._abandon_handshake(raw, pending)
-                return
-        except BaseException:
-            await self._abandon_handshake(raw, pending)  # cancelled (host closing): still close
-            raise
-        finally:
-            self._admission.forget(pending)
-        await self.serve_connection(Connection(peer_id, session, outbound=False, remote_addr=remote))
 
     # -- upgrading a raw connection ------------------------------------------------------
     async def _upgrade(
@@ -528,13 +370,26 @@ class Host:
         return peer_id, session
 
     async def upgrade(
-        self, raw: trio.abc.Stream, expected: PeerID | None, *, outbound: bool, name: str
+        self,
+        raw: trio.abc.Stream,
+        expected: PeerID | None,
+        *,
+        outbound: bool,
+        name: str,
+        on_security_negotiated: Callable[[], None] | None = None,
     ) -> Connection:
         """Secure and multiplex ``raw`` in the given role and return the connection, not
         registered; ``name`` becomes its ``remote_addr``. The bare step: no deadline and no
         cleanup, the caller bounds it and closes (or resets) ``raw`` if it fails (relay.py
-        over a circuit); :meth:`upgrade_raw_connection` does both."""
-        peer_id, session = await self._upgrade(raw, expected, outbound=outbound, name=name)
+        over a circuit, the accept path); :meth:`upgrade_raw_connection` does both.
+        ``on_security_negotiated`` runs once a security protocol is agreed on."""
+        peer_id, session = await self._upgrade(
+            raw,
+            expected,
+            outbound=outbound,
+            name=name,
+            on_security_negotiated=on_security_negotiated,
+        )
         return Connection(peer_id, session, outbound=outbound, remote_addr=name)
 
     async def upgrade_raw_connection(
@@ -1159,25 +1014,10 @@ def _hole_punching_setting(transport: Any, setting: Any) -> Any:
     return setting  # a HolePunchConfig
 
 
-def raise_open_file_limit(wanted: int = 65536) -> int:
-    """Raise this process' soft limit on open files towards the hard limit; returns the new
-    soft limit. A listening host holds one descriptor per connection and per socket that has
-    not spoken yet, so the common default of 1024 would let a few hundred idle sockets make
-    ``accept`` fail for everyone; servers raise it at start for the same reason."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX: nothing to raise
-        return -1
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (OSError, ValueError) as e:
-            logger.debug("could not raise the open-file limit from %d: %s", soft, e)
-            return soft
-        return target
-    return soft
-
-
-__all__ = ["Host", "HostLimits", "P2PStream", "add_host_extension"]
+__all__ = [
+    "Host",
+    "HostLimits",
+    "P2PStream",
+    "add_host_extension",
+    "raise_open_file_limit",  # lives in inbound.py; benchmarks import it from here
+]
