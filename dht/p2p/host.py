@@ -336,7 +336,7 @@ class Host:
     _pending_handshakes = property(lambda self: self._admission.pending_count)
 
     # -- upgrading a raw connection ------------------------------------------------------
-    async def _upgrade(
+    async def upgrade(
         self,
         raw: trio.abc.Stream,
         expected: PeerID | None,
@@ -344,8 +344,12 @@ class Host:
         outbound: bool,
         name: str,
         on_security_negotiated: Callable[[], None] | None = None,
-    ) -> tuple[PeerID, YamuxSession]:
-        """The secure channel (upgrade.py), then a yamux session on it (not yet run)."""
+    ) -> Connection:
+        """Secure and multiplex ``raw`` in the given role and return the connection, not
+        registered; ``name`` becomes its ``remote_addr``. The bare step: no deadline and no
+        cleanup, the caller bounds it and closes (or resets) ``raw`` if it fails (relay.py
+        over a circuit, the accept path); :meth:`upgrade_raw_connection` does both.
+        ``on_security_negotiated`` runs once a security protocol is agreed on."""
         peer_id, muxed = await secure_channel(
             raw,
             self.identity,
@@ -366,29 +370,6 @@ class Host:
             keepalive_interval=limits.keepalive_interval,
             keepalive_timeout=limits.keepalive_timeout,
             name=f"{peer_id.short()}@{name}",
-        )
-        return peer_id, session
-
-    async def upgrade(
-        self,
-        raw: trio.abc.Stream,
-        expected: PeerID | None,
-        *,
-        outbound: bool,
-        name: str,
-        on_security_negotiated: Callable[[], None] | None = None,
-    ) -> Connection:
-        """Secure and multiplex ``raw`` in the given role and return the connection, not
-        registered; ``name`` becomes its ``remote_addr``. The bare step: no deadline and no
-        cleanup, the caller bounds it and closes (or resets) ``raw`` if it fails (relay.py
-        over a circuit, the accept path); :meth:`upgrade_raw_connection` does both.
-        ``on_security_negotiated`` runs once a security protocol is agreed on."""
-        peer_id, session = await self._upgrade(
-            raw,
-            expected,
-            outbound=outbound,
-            name=name,
-            on_security_negotiated=on_security_negotiated,
         )
         return Connection(peer_id, session, outbound=outbound, remote_addr=name)
 
@@ -429,6 +410,11 @@ class Host:
         """Make a new connection usable at once (before its serving task starts)."""
         self._table.add(conn)
 
+    def _start_serving(self, conn: Connection) -> None:
+        """Register a new connection and serve it in a task of the host's nursery."""
+        self._register(conn)
+        self._nursery.start_soon(self._serve_connection, conn)
+
     async def add_connection(self, conn: Connection) -> bool:
         """Register an upgraded connection and serve it (a task in the host nursery), as
         dialing does: new streams to its peer may take it at once. False, and the connection
@@ -436,8 +422,7 @@ class Host:
         if self._closing or not self._make_room():
             await close_quietly(conn.session)
             return False
-        self._register(conn)
-        self._nursery.start_soon(self._serve_connection, conn)
+        self._start_serving(conn)
         return True
 
     async def serve_connection(self, conn: Connection) -> None:
@@ -609,8 +594,7 @@ class Host:
         if self._closing:
             await conn.session.aclose()
             raise DialError("host is closing")
-        self._register(conn)
-        self._nursery.start_soon(self._serve_connection, conn)
+        self._start_serving(conn)
 
     async def dial_new_connection(
         self,
@@ -676,8 +660,7 @@ class Host:
             if existing is not None:
                 await conn.session.aclose()
                 return conn.peer_id
-            self._register(conn)
-            self._nursery.start_soon(self._serve_connection, conn)
+            self._start_serving(conn)
             return conn.peer_id
         assert scope.cancelled_caught
         raise P2PTimeoutError(f"could not connect to {[str(m) for m in maddrs]} within {timeout}s")
@@ -725,8 +708,7 @@ class Host:
                 await conn.session.aclose()
                 pending.connection, pending.error = None, DialError("host is closing")
             else:
-                self._register(conn)
-                self._nursery.start_soon(self._serve_connection, conn)
+                self._start_serving(conn)
         pending.done.set()
 
     async def _dial_addrs(self, expected: PeerID | None, addrs: list[Multiaddr]) -> Connection:
@@ -743,13 +725,10 @@ class Host:
         raw = await self.transport.dial(target, timeout=self.limits.handshake_timeout)
         try:
             with trio.fail_after(self.limits.handshake_timeout):
-                peer_id, session = await self._upgrade(
-                    raw, expected, outbound=True, name=str(target)
-                )
+                return await self.upgrade(raw, expected, outbound=True, name=str(target))
         except BaseException:
             await close_quietly(raw)
             raise
-        return Connection(peer_id, session, outbound=True, remote_addr=str(target))
 
     # -- streams -------------------------------------------------------------------------
     def set_stream_handler(self, protocol: str, handler: StreamHandler | None) -> None:
