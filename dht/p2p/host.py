@@ -205,8 +205,11 @@ class Host:
         self._dials: dict[PeerID, _PendingDial] = {}
         # One WARNING per category and interval under abuse (trio's clock: MockClock-friendly).
         self._log = RateLimitedLogger(logger, limits.log_interval, clock=trio.current_time)
-        # the accept path (inbound.py): claims, admission of pending handshakes, upgrades
-        self._acceptor = Acceptor(self, self._log)
+        # the accept path (inbound.py): claims, admission of pending handshakes, upgrades;
+        # each socket's task is looked up as self._handle_inbound when it starts
+        self._acceptor = Acceptor(
+            self, self._log, lambda *args: self._handle_inbound(*args)
+        )
         self._admission = self._acceptor.admission
         self._inbound_claims = self._acceptor.claims
         self._stream_handlers: dict[str, StreamHandler] = {}
@@ -325,6 +328,10 @@ class Host:
                     added.append(addr)
                 self._nursery.start_soon(self._acceptor.run, listener)
         return added
+
+    async def _handle_inbound(self, raw: trio.abc.Stream, remote: str, pending: Any) -> None:
+        """One admitted inbound socket: upgrade it as the responder and serve it."""
+        await self._acceptor.handle(raw, remote, pending)
 
     # admission's tables under the names tests watch
     _handshakes = property(lambda self: self._admission.handshakes)

@@ -72,11 +72,19 @@ class Acceptor:
     """The accept path of one Host (see the module docstring).
 
     ``claims``: inbound claims by exact remote ``ip:port`` (``Host.claim_inbound`` fills it);
-    ``admission``: the pending handshakes; ``log``: the Host's rate-limited logger."""
+    ``admission``: the pending handshakes; ``log``: the Host's rate-limited logger;
+    ``handle(raw, remote, pending)``: the task run per admitted socket (default
+    :meth:`handle`; the Host routes it through its own method so it can be wrapped)."""
 
-    def __init__(self, host: _Host, log: RateLimitedLogger) -> None:
+    def __init__(
+        self,
+        host: _Host,
+        log: RateLimitedLogger,
+        handle: Callable[[trio.abc.Stream, str, Any], Awaitable[None]] | None = None,
+    ) -> None:
         limits = host.limits
         self.host = host
+        self._handle_task = handle if handle is not None else self.handle
         self.limits = limits
         self.log = log
         self.claims: dict[str, InboundClaim] = {}
@@ -131,7 +139,7 @@ class Acceptor:
                 await close_quietly(raw)
                 continue
             pending = self._admit(remote)
-            self.host.start_soon(self._handle, raw, remote, pending)
+            self.host.start_soon(self._handle_task, raw, remote, pending)
 
     async def _flush_logs(self) -> None:
         """Report the counts of rate-limited log records once their interval is over."""
@@ -181,7 +189,7 @@ class Acceptor:
         await close_quietly(raw)
 
     # -- one socket ------------------------------------------------------------------------
-    async def _handle(self, raw: trio.abc.Stream, remote: str, pending: _Inbound) -> None:
+    async def handle(self, raw: trio.abc.Stream, remote: str, pending: _Inbound) -> None:
         """Upgrade one accepted socket as the responder and serve it until it closes."""
         try:
             with pending.scope:
