@@ -628,7 +628,8 @@ class Host:
             dialer = Host(
                 identity, self.transport, self.limits, self._nursery, self.security_protocols
             )
-            dialer._dialers = self._dialers
+            for extension in list(_extensions):  # its own circuit dialer (hole punching off)
+                extension(dialer)
         with trio.move_on_after(timeout) as scope:
             conn = await dialer._dial_addrs(peer_id, [Multiaddr(a) for a in addrs])
         if scope.cancelled_caught:
