@@ -210,7 +210,7 @@ class HostNetwork:
         return self._local_ips_cache[1]
 
     def _live_connections(self, peer_id: Any) -> list[Any]:
-        return [c for c in self.host._conns.get(peer_id, ()) if c.alive]
+        return self.host.connections(peer_id)
 
     def relayed_only(self, peer_id: Any) -> bool:
         """True if we are connected to ``peer_id`` and every live connection to it runs
@@ -242,7 +242,7 @@ class HostNetwork:
 
     def serves(self, protocol: str) -> bool:
         """Does our Host already answer ``protocol`` (e.g. someone enabled a relay on it)?"""
-        return self.host._supports(protocol)
+        return self.host.supports(protocol)
 
     def own_addrs(self) -> list[bytes]:
         """The addresses sent with every request: at most what peers accept from one peer."""

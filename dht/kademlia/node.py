@@ -1,4 +1,8 @@
-"""DHTNode: one Kademlia peer (routing table, local storage, RPC server and iterative client)."""
+"""DHTNode: one Kademlia peer (routing table, local storage, RPC server and iterative client).
+
+What a node does about NATs (relay service, relay reservations, the DHT role that follows
+reachability) lives in ``roles.py``; the node owns one :class:`NatRoles` and delegates to it.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from dht.kademlia.protocol import (
     sender_info,
 )
 from dht.kademlia.records import DHTRecord, ValueWithExpiration
+from dht.kademlia.roles import NatRoles, RoleDecision, check_relay_setting, start_autonat
 from dht.kademlia.routing import Blacklist, Contact, RoutingTable
 from dht.kademlia.storage import LocalStorage, OwnedRecords, StorageLimits
 from dht.kademlia.traverse import Lookup, LookupResult
@@ -72,13 +77,6 @@ Named = tuple[Any, DHTRecord]  # (caller's name for a record, the record)
 REPUBLISH_KEYS_PER_BATCH = 256  # keys looked up together in one republish batch
 HANDOVER_MAX_PENDING = 4096  # routing changes remembered between hand-over passes
 HANDOVER_PARALLEL_RPCS = 8
-# Relays (see DHTNode.open, "Roles"): a peer that refused a reservation, or runs no relay, is
-# asked again after RELAY_RETRY_AFTER seconds; each pass asks at most this many peers, each
-# within RELAY_RESERVE_TIMEOUT seconds.
-RELAY_RETRY_AFTER = 30.0
-RELAY_CANDIDATES_PER_PASS = 8
-RELAY_RESERVE_TIMEOUT = 5.0
-MAX_REMEMBERED_REFUSALS = 4096
 # the nodes of this process between DHTNode.open's start and end, held weakly: monitoring
 # (moshpit.metrics) reads their counters from here when scraped
 open_nodes: weakref.WeakSet[DHTNode] = weakref.WeakSet()
@@ -89,85 +87,6 @@ class LookupStats:
     hops: int
     rounds: int
     messages: int
-
-
-@dataclass(frozen=True)
-class RoleDecision:
-    """What a node made of AutoNAT's verdict (``DHTNode.role``; see ``DHTNode.open``)."""
-
-    reachability: Any  # dht.p2p.autonat.Reachability
-    client_mode: bool  # the node's DHT role now: True = client (no records, not routable)
-    explicit: bool  # client_mode was the caller's choice, not the automatic one
-    circuit_addrs: tuple[Any, ...]  # announced /p2p-circuit addresses (relays holding a slot)
-    direct_addrs_hidden: bool  # own listen addresses not announced (nobody could dial them)
-    serving_relay: bool  # this node relays for peers behind NAT
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        """What tells one decision from another (the reason's wording may vary by round)."""
-        status = getattr(self.reachability, "status", None)
-        return (status, self.client_mode, self.circuit_addrs, self.serving_relay)
-
-    def describe(self) -> str:
-        """One line: the verdict and why, the way in, the role (for logs and the CLIs)."""
-        reach = self.reachability
-        parts = [f"Reachability: {reach.status.value} ({reach.reason})"]
-        if self.circuit_addrs:
-            first = str(self.circuit_addrs[0].without_peer_id())
-            more = len(self.circuit_addrs) - 1
-            parts.append(f"reachable via relay {first}" + (f" (+{more} more)" if more else ""))
-        elif reach.is_private and not (self.explicit and self.client_mode):
-            parts.append("no relay holds a slot for this peer")
-        if self.serving_relay:
-            parts.append("serving as a relay for peers behind NAT")
-        if self.client_mode:
-            why = (
-                "client mode was set explicitly"
-                if self.explicit
-                else "other peers cannot connect to it"
-            )
-            parts.append(f"acting as a DHT client ({why})")
-        elif self.circuit_addrs and self.direct_addrs_hidden:
-            parts.append("acting as a DHT server reached through the relay")
-        elif reach.is_private and self.explicit:
-            parts.append("acting as a DHT server (client_mode=False was set explicitly)")
-        else:
-            parts.append("acting as a DHT server")
-        return "; ".join(parts)
-
-
-class _Keeper:
-    """One relay reservation kept by ``RelayClient.keep_reservation`` in its own scope."""
-
-    def __init__(self) -> None:
-        self.scope = trio.CancelScope()
-        self.started = False
-        self.done = False  # the keeper task ended (it is replaced)
-        self.lost_since: float | None = None  # trio time the slot was found void
-
-
-class _StartedHook:
-    """A task_status that notes whether the task started (errors before that go to
-    ``nursery.start``'s caller; after it, the task handles them itself)."""
-
-    def __init__(self, status: Any, keeper: _Keeper) -> None:
-        self._status = status
-        self._keeper = keeper
-
-    def started(self, value: Any = None) -> None:
-        self._keeper.started = True
-        self._status.started(value)
-
-
-def _relay_limits(setting: Any) -> Any:
-    """Check ``DHTNode.open``'s ``relay``: None, a bool, or a RelayLimits."""
-    if setting is None or isinstance(setting, bool):
-        return setting
-    from dht.p2p.relay import RelayLimits
-
-    if not isinstance(setting, RelayLimits):
-        raise TypeError(f"relay must be None, True, False or a RelayLimits, not {setting!r}")
-    return setting
 
 
 @dataclass
@@ -225,34 +144,6 @@ def check_address_args(
     return peers, listen, announce
 
 
-def _start_autonat(node: DHTNode, setting: Any) -> Any:
-    """An AutoNAT for the node's Host per ``setting`` (see :meth:`DHTNode.open`), or None."""
-    host = node.host
-    if setting is False or host is None or not hasattr(host, "dial_new_connection"):
-        return None
-    from dht.p2p import TCPTransport
-    from dht.p2p.autonat import AutoNAT, AutoNATConfig
-
-    if setting is None and not isinstance(host.transport, TCPTransport):
-        return None  # the in-memory network has no NATs (and simulations no spare cycles)
-    config = setting if isinstance(setting, AutoNATConfig) else None
-    autonat = AutoNAT(host, config)
-    if not node.client_mode:
-        autonat.serve()
-    autonat.add_observer(node._on_reachability)
-    return autonat
-
-
-def _is_direct(raw: bytes) -> bool:
-    """An announced address (bytes) that is not a relayed one."""
-    from dht.p2p.multiaddr import Multiaddr
-
-    try:
-        return not Multiaddr.from_bytes(raw).is_circuit()
-    except ValueError:
-        return False
-
-
 def _single_exception(group: BaseExceptionGroup) -> BaseException:
     """Unwrap the nursery groups around one exception, so callers can catch it by type."""
     error: BaseException = group
@@ -301,10 +192,6 @@ class DHTNode:
         relay_failover_after: float = 10.0,
         relay_check_interval: float = 5.0,
     ):
-        if max_relays < 1:
-            raise ValueError(f"max_relays must be at least 1, got {max_relays}")
-        if not relay_failover_after > 0 or not relay_check_interval > 0:
-            raise ValueError("relay_failover_after and relay_check_interval must be positive")
         self.network = network
         self.host = getattr(network, "host", None)
         self.peer_id = network.peer_id
@@ -314,19 +201,15 @@ class DHTNode:
         self.client_mode_setting = client_mode
         self.client_mode = bool(client_mode)  # the role now
         self.autonat: Any = None  # dht.p2p.autonat.AutoNAT when open() started one
-        # roles (open() sets these up on a real Host): relay service and reservations
-        self.max_relays = max_relays
-        self.relay_failover_after = relay_failover_after
-        self.relay_check_interval = relay_check_interval
-        self.relay_setting: Any = None  # open()'s ``relay``
-        self.relay_service: Any = None  # dht.p2p.relay.RelayService while we serve as a relay
-        self.role: RoleDecision | None = None  # the last decision (None: nothing decided yet)
-        self._relay_client: Any = None
-        self._keepers: dict[Any, _Keeper] = {}
-        self._keepers_nursery: trio.Nursery | None = None
-        self._relay_refused: dict[Any, float] = {}  # peer -> trio time to ask it again
-        self._roles_wakeup = trio.Event()
-        self._role_observers: list[Any] = []
+        # what the node does about NATs (open() runs it on a real Host; see roles.py)
+        self.roles = NatRoles(
+            self,
+            max_relays=max_relays,
+            failover_after=relay_failover_after,
+            check_interval=relay_check_interval,
+            on_addrs_changed=self._forget_own_addrs,
+            on_role=self._take_role,
+        )
         self.num_replicas = num_replicas
         self.bucket_size = bucket_size
         self.alpha = alpha
@@ -438,7 +321,7 @@ class DHTNode:
         initial_peers, host_maddrs, announce_maddrs = check_address_args(
             initial_peers, host_maddrs, announce_maddrs, by_peer_id=network is not None
         )
-        relay = _relay_limits(relay)
+        relay = check_relay_setting(relay)
         try:
             async with AsyncExitStack() as stack:
                 if network is None:
@@ -458,8 +341,8 @@ class DHTNode:
                         identity = getattr(host, "identity", None)
                     network = HostNetwork(host, announce_maddrs)
                 node = cls(network, identity=identity, client_mode=client_mode, **kwargs)
-                node.autonat = _start_autonat(node, autonat)
-                node.relay_setting = relay
+                node.autonat = start_autonat(node, autonat)
+                node.roles.relay_setting = relay
                 open_nodes.add(node)
                 visible = [] if client_mode else node.get_visible_maddrs()
                 if visible:
@@ -476,8 +359,8 @@ class DHTNode:
                         nursery.start_soon(node._maintenance_loop)
                         if node.autonat is not None:
                             nursery.start_soon(node.autonat.run)
-                        if node._roles_enabled():
-                            nursery.start_soon(node._roles_loop)
+                        if node.roles.enabled():
+                            nursery.start_soon(node.roles.run)
                         if node.republish_interval is not None:
                             nursery.start_soon(node._republish_loop)
                         yield node
@@ -488,38 +371,32 @@ class DHTNode:
         except BaseExceptionGroup as group:
             raise _single_exception(group) from None
 
-    def _on_reachability(self, reachability: Any) -> None:
-        """AutoNAT decided: say what it means, and let the role logic act on it."""
-        if reachability.is_private and not self.client_mode:
-            if self.client_mode_setting is None and not self._announces_explicitly():
-                logger.info(
-                    "other peers cannot connect to this peer (%s): it no longer announces "
-                    "itself as a DHT server at its own addresses; looking for a relay to be "
-                    "reached through (without one it acts as a DHT client)",
-                    reachability.reason,
-                )
-            else:
-                logger.warning(
-                    "other peers cannot connect to this peer (%s), yet it announces itself as "
-                    "a DHT server; behind NAT run it with client_mode=True (--client-mode), "
-                    "leave client_mode unset (the role then follows reachability) or forward "
-                    "a port and pass announce_maddrs",
-                    reachability.reason,
-                )
-        self._roles_wakeup.set()
+    # ------------------------------------------------------------------ roles (roles.py)
 
-    # ------------------------------------------------------------------ roles
+    @property
+    def role(self) -> RoleDecision | None:
+        """The last :class:`RoleDecision` (None: nothing decided yet)."""
+        return self.roles.role
+
+    @property
+    def relay_service(self) -> Any:
+        """The ``dht.p2p.relay.RelayService`` while this node serves as a relay, else None."""
+        return self.roles.relay_service
+
+    @property
+    def _relay_client(self) -> Any:  # the name tests use
+        return self.roles.relay_client
+
+    def _roles_enabled(self) -> bool:  # the name tests use
+        return self.roles.enabled()
 
     def add_role_observer(self, on_change: Any) -> None:
         """Call ``on_change(decision)`` with each new :class:`RoleDecision` (and at once with
         the current one, if any)."""
-        self._role_observers.append(on_change)
-        if self.role is not None:
-            on_change(self.role)
+        self.roles.add_observer(on_change)
 
     def remove_role_observer(self, on_change: Any) -> None:
-        if on_change in self._role_observers:
-            self._role_observers.remove(on_change)
+        self.roles.remove_observer(on_change)
 
     @property
     def relay_limit(self) -> Any:
@@ -528,246 +405,17 @@ class DHTNode:
         direction, ``.duration`` seconds; 0 = none) among the relays holding a slot for this
         node. None while peers dial this node directly (or it has no slot at all).
         Read-only; averaging uses it to keep such a peer from reducing more than that."""
-        if getattr(self.network, "direct_reachable", True) or self._relay_client is None:
-            return None
-        from dht.p2p.relay_messages import Limit
+        return self.roles.relay_limit
 
-        limits = [
-            r.limit if r.limit is not None else Limit(0, 0)
-            for r in self._relay_client.reservations.values()
-            if r.seconds_left() > 0
-        ]
-        if not limits:
-            return None
-
-        def room(limit: Any) -> tuple[float, float]:
-            return (limit.data or math.inf, limit.duration or math.inf)
-
-        return min(limits, key=room)
-
-    def _announces_explicitly(self) -> bool:
-        return bool(getattr(self.network, "announces_explicitly", False))
-
-    def _roles_enabled(self) -> bool:
-        """Roles need a real Host (relays, reservations) and something to act on: AutoNAT's
-        verdicts, or an explicit ``relay`` setting."""
-        if self.host is None or not hasattr(self.host, "dial_new_connection"):
-            return False
-        if not isinstance(self.network, HostNetwork):
-            return False
-        return self.autonat is not None or self.relay_setting not in (None, False)
-
-    async def _roles_loop(self) -> None:
-        """Act on reachability: serve a relay, hold reservations, pick the DHT role. Wakes on
-        each AutoNAT verdict and relay address change, and every relay_check_interval."""
-        from dht.p2p.relay import relay_client
-
-        self._relay_client = relay_client(self.host)
-        self._relay_client.add_observer(self._on_relay_addrs)
-        try:
-            async with trio.open_nursery() as keepers:
-                self._keepers_nursery = keepers
-                while True:
-                    wakeup = self._roles_wakeup = trio.Event()
-                    await self._apply_roles()
-                    with trio.move_on_after(self.relay_check_interval):
-                        await wakeup.wait()
-        finally:
-            self._keepers_nursery = None
-            self._keepers.clear()
-            self._relay_client.remove_observer(self._on_relay_addrs)
-            if self.relay_service is not None:
-                self.relay_service.close()
-                self.relay_service = None
-
-    def _on_relay_addrs(self) -> None:
-        """Our circuit addresses changed (a slot gained, moved or lost)."""
+    def _forget_own_addrs(self) -> None:
+        """What we announce may have changed (a relay slot, the role): recompute it."""
         self._own_addrs_cache = None
-        self._roles_wakeup.set()
 
-    async def _apply_roles(self) -> None:
-        reach = self.host.reachability
-        setting, relay = self.client_mode_setting, self.relay_setting
-        serve = (
-            relay is not False
-            and setting is not True
-            and (reach.is_public or (relay is not None and self.autonat is None))
-        )
-        if serve and self.relay_service is None:
-            self._start_relay_service()
-        elif not serve and self.relay_service is not None:
-            logger.info("no longer serving as a relay (%s)", reach)
-            self.relay_service.close()
-            self.relay_service = None
-        if reach.is_private and setting is not True:
-            await self._keep_relays()
-        elif self._keepers:
-            for keeper in self._keepers.values():
-                keeper.scope.cancel()  # withdraws its circuit addresses
-            self._keepers.clear()
-        self._decide_role()
-
-    def _start_relay_service(self) -> None:
-        from dht.p2p.relay import HOP_PROTOCOL, RelayLimits, RelayService
-
-        if self.network.serves(HOP_PROTOCOL):  # type: ignore[attr-defined]
-            return  # someone enabled a relay on this Host already: that one serves
-        limits = self.relay_setting if isinstance(self.relay_setting, RelayLimits) else None
-        announce = None
-        if self._announces_explicitly():
-            announce = [a.without_peer_id() for a in self.get_visible_maddrs()]
-            announce = [a for a in announce if not a.is_circuit()] or None
-        self.relay_service = RelayService(self.host, limits, announce)
-        logger.info(
-            "serving as a relay for peers behind NAT (limit per relayed connection: %s)",
-            self.relay_service.limits.limit,
-        )
-
-    async def _keep_relays(self) -> None:
-        """Hold slots on up to ``max_relays`` relays; replace those void for too long."""
-        client = self._relay_client
-        now = trio.current_time()
-        for relay, keeper in list(self._keepers.items()):
-            rsvp = client.reservations.get(relay)
-            if (
-                not keeper.done
-                and rsvp is not None
-                and rsvp.seconds_left() > 0
-                and self.host.is_connected(relay)
-            ):
-                keeper.lost_since = None
-                continue
-            if keeper.lost_since is None:
-                keeper.lost_since = now
-            if keeper.done or now - keeper.lost_since >= self.relay_failover_after:
-                logger.info(
-                    "relay %s holds no slot for this peer any more (for %.0fs): moving to "
-                    "another relay",
-                    relay,
-                    now - keeper.lost_since,
-                )
-                keeper.scope.cancel()
-                del self._keepers[relay]
-                self._refused(relay, now)
-        live = [relay for relay, k in self._keepers.items() if k.lost_since is None]
-        for relay in live[self.max_relays :]:  # a lost relay came back beside its successor
-            self._keepers.pop(relay).scope.cancel()
-        active = min(len(live), self.max_relays)
-        for candidate in self._relay_candidates(now):
-            if active >= self.max_relays:
-                break
-            if await self._start_keeper(candidate):
-                active += 1
-
-    def _refused(self, peer: Any, now: float) -> None:
-        if len(self._relay_refused) >= MAX_REMEMBERED_REFUSALS:
-            self._relay_refused = {p: t for p, t in self._relay_refused.items() if t > now}
-            if len(self._relay_refused) >= MAX_REMEMBERED_REFUSALS:
-                self._relay_refused.clear()
-        self._relay_refused[peer] = now + RELAY_RETRY_AFTER
-
-    def _relay_candidates(self, now: float) -> list[Any]:
-        """Peers to ask for a slot: those we hold a direct connection to (we reached them, so
-        they accept connections; the ones we dialed first), then DHT contacts announcing a
-        direct address. Not ourselves, not current relays, not recent refusers."""
-        out: list[Any] = []
-
-        def consider(peer: Any) -> None:
-            if peer == self.peer_id or peer in self._keepers or peer in out:
-                return
-            if self._relay_refused.get(peer, -math.inf) > now:
-                return
-            out.append(peer)
-
-        for peer in self.network.direct_peers():  # type: ignore[attr-defined]
-            consider(peer)
-        for contact in self.routing_table.nearest(self.node_id, self.bucket_size):
-            if any(_is_direct(raw) for raw in contact.addrs):
-                consider(contact.peer_id)
-        return out[:RELAY_CANDIDATES_PER_PASS]
-
-    async def _start_keeper(self, relay: Any) -> bool:
-        """Reserve on ``relay`` and keep the slot in a task of its own; False if refused."""
-        from dht.p2p import P2PError
-
-        assert self._keepers_nursery is not None
-        keeper = _Keeper()
-        error: BaseException | None = None
-        with trio.move_on_after(RELAY_RESERVE_TIMEOUT) as scope:
-            try:
-                await self._keepers_nursery.start(self._run_keeper, relay, keeper)
-            except (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                error = e
-            except Exception as e:  # a bug reachable from a peer's answer must not stop us
-                logger.warning(
-                    "reserving a relay slot on %s: unexpected %r", relay, e, exc_info=True
-                )
-                error = e
-        if error is None and not scope.cancelled_caught:
-            self._keepers[relay] = keeper
-            return True
-        why = f"no answer within {RELAY_RESERVE_TIMEOUT:.0f}s" if error is None else str(error)
-        logger.debug("no relay slot on %s: %s", relay, why)
-        self._refused(relay, trio.current_time())
-        return False
-
-    async def _run_keeper(
-        self, relay: Any, keeper: _Keeper, task_status: Any = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        from dht.p2p import P2PError
-
-        try:
-            with keeper.scope:
-                await self._relay_client.keep_reservation(
-                    relay, task_status=_StartedHook(task_status, keeper)
-                )
-        except Exception as e:
-            if not keeper.started:
-                raise  # nursery.start's caller learns why
-            expected = (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
-            logger.log(
-                logging.INFO if isinstance(e, expected) else logging.WARNING,
-                "keeping the relay slot on %s failed: %r",
-                relay,
-                e,
-                exc_info=not isinstance(e, expected),
-            )
-        finally:
-            keeper.done = True
-
-    def _decide_role(self) -> None:
-        """The DHT role and announced addresses from the verdict and the relay slots."""
-        reach = self.host.reachability
-        setting = self.client_mode_setting
-        hide_direct = reach.is_private and setting is None and not self._announces_explicitly()
-        self.network.direct_reachable = not hide_direct  # type: ignore[attr-defined]
-        circuits = tuple(a for a in self.host.listen_addrs if a.is_circuit())
-        client_mode = setting if setting is not None else hide_direct and not circuits
-        decision = RoleDecision(
-            reachability=reach,
-            client_mode=client_mode,
-            explicit=setting is not None,
-            circuit_addrs=circuits,
-            direct_addrs_hidden=hide_direct,
-            serving_relay=self.relay_service is not None,
-        )
-        self._own_addrs_cache = None
-        previous = self.role
-        if previous is not None and previous.key == decision.key:
-            return
-        if previous is None and reach.status.value == "unknown" and not decision.serving_relay:
-            return  # nothing decided yet
-        self.client_mode = client_mode
-        self.role = decision
-        logger.info("%s", decision.describe())
-        if not client_mode:
+    def _take_role(self, decision: RoleDecision) -> None:
+        self.client_mode = decision.client_mode
+        if not decision.client_mode:
             # tell our neighbourhood where we are now (our requests carry our addresses)
             self._spawn(self.find_nearest_peers, self.node_id, self.bucket_size)
-        for callback in list(self._role_observers):
-            try:
-                callback(decision)
-            except Exception:
-                logger.exception("role observer failed")
 
     def get_visible_maddrs(self) -> list[Any]:
         """Multiaddrs (with ``/p2p/<PeerID>``) other peers can pass as ``initial_peers``."""

@@ -28,8 +28,9 @@ Wire format (uvarint-length-prefixed protobuf, proto2)::
     DialResponse {1 status: enum, 2 statusText: string, 3 addr: bytes}
     status: OK=0, E_DIAL_ERROR=100, E_DIAL_REFUSED=101, E_BAD_REQUEST=200, E_INTERNAL_ERROR=300
 
-This module also keeps the addresses other peers *observed* us at (identify's
-``observedAddr``): :class:`ObservedAddrs`.
+The addresses other peers *observed* us at (identify's ``observedAddr``,
+:class:`ObservedAddrs`) and the verdict (:class:`Reachability`) are kept in
+``reachability.py``, which the Host holds; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 import trio
@@ -64,10 +65,20 @@ from .errors import (
 )
 from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
+from .reachability import (
+    IPAddress,
+    ObservedAddrs,
+    Reachability,
+    ReachabilityStatus,
+    ip_of,
+    tcp_addr,
+    tcp_port,
+)
 from .varint import encode_uvarint
 
 if TYPE_CHECKING:
-    from .host import Host, P2PStream
+    from .host import Host
+    from .stream import P2PStream
 
 logger = logging.getLogger(__name__)
 
@@ -263,48 +274,6 @@ def decode_message(data: bytes) -> DialRequest | DialResponse:
 
 # -- addresses ----------------------------------------------------------------------------------
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-def _ip_of(addr: str | Multiaddr) -> IPAddress | None:
-    """The IP of ``ip:port`` / ``[v6]:port`` text or of a multiaddr starting with /ip4 or
-    /ip6 (IPv4-mapped IPv6 as IPv4); None for anything else (memory, relayed, DNS)."""
-    if isinstance(addr, Multiaddr):
-        if addr.is_circuit():
-            return None
-        kind, value = addr.components[0]
-        text = str(value) if kind in ("ip4", "ip6") else ""
-    elif addr.startswith("/"):
-        try:
-            return _ip_of(Multiaddr(addr))
-        except MultiaddrError:
-            return None
-    else:
-        text = addr.rpartition(":")[0].strip("[]")
-    try:
-        ip = ipaddress.ip_address(text)
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
-def _tcp_addr(ip: IPAddress, port: int) -> Multiaddr:
-    return Multiaddr(f"/ip{ip.version}/{ip}/tcp/{port}")
-
-
-def _tcp_port(addr: Multiaddr) -> int | None:
-    """The port of an ``/ip4|ip6/<ip>/tcp/<port>`` address (DNS names and others: None)."""
-    parts = addr.components
-    if parts[-1][0] == "p2p":
-        parts = parts[:-1]
-    if len(parts) != 2 or parts[0][0] not in ("ip4", "ip6") or parts[1][0] != "tcp":
-        return None
-    port = int(parts[1][1])  # type: ignore[arg-type]
-    return port if 0 < port < 65536 else None
-
-
 def _source_key(ip: IPAddress) -> str:
     """What per-source limits count: the IPv4 address, or the /64 of an IPv6 address."""
     if isinstance(ip, ipaddress.IPv6Address):
@@ -323,128 +292,15 @@ def dial_targets(
     for addr in requested:
         if addr.peer_id is not None and addr.peer_id != requester:
             continue
-        port = _tcp_port(addr)
+        port = tcp_port(addr)
         if port is None:
             continue
-        target = _tcp_addr(observed_ip, port)
+        target = tcp_addr(observed_ip, port)
         if target not in out:
             out.append(target)
             if len(out) >= limit:
                 break
     return out
-
-
-class ObservedAddrs:
-    """Where other peers see us (identify's ``observedAddr``), and what follows from it.
-
-    Each peer's latest report counts once. Loopback, link-local, unspecified and multicast
-    addresses are never kept; any other IP (private ranges included: a "public" network may
-    use them, e.g. a test bed or a campus) becomes a candidate only once ``min_confirmations``
-    distinct peers reported it. A candidate is that IP with each of our TCP listen ports:
-    without port reuse an outbound connection's observed port is a NAT mapping of an
-    ephemeral port, which nobody can dial. Reports expire after ``ttl`` seconds; at most
-    ``max_observers`` peers are remembered (the oldest report goes first).
-    """
-
-    def __init__(
-        self,
-        min_confirmations: int = 2,
-        *,
-        ttl: float = 3600.0,
-        max_observers: int = 256,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if min_confirmations < 1:
-            raise ValueError(f"min_confirmations must be at least 1, got {min_confirmations}")
-        self.min_confirmations = min_confirmations
-        self.ttl = ttl
-        self.max_observers = max_observers
-        self._clock = clock
-        self._reports: dict[PeerID, tuple[Multiaddr, float]] = {}  # oldest first
-
-    def record(self, observer: PeerID, observed: Multiaddr | None) -> bool:
-        """Take ``observer``'s report; False (and nothing kept) if it is untrustworthy."""
-        if observed is None:
-            return False
-        ip = _ip_of(observed)
-        if ip is None or _tcp_port(observed) is None:
-            return False  # relayed, memory, DNS or no TCP port: nothing to learn
-        if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
-            logger.debug("ignoring observed address %s reported by %s", observed, observer.short())
-            return False
-        self._reports.pop(observer, None)
-        self._reports[observer] = (_tcp_addr(ip, _tcp_port(observed) or 0), self._clock())
-        while len(self._reports) > self.max_observers:
-            del self._reports[next(iter(self._reports))]
-        return True
-
-    def _fresh(self) -> list[tuple[PeerID, Multiaddr]]:
-        cutoff = self._clock() - self.ttl
-        for peer in [p for p, (_, t) in self._reports.items() if t < cutoff]:
-            del self._reports[peer]
-        return [(p, a) for p, (a, _) in self._reports.items()]
-
-    def observed(self) -> dict[Multiaddr, int]:
-        """Every observed ``ip:port`` with how many peers reported it (for logs, debugging)."""
-        counts: dict[Multiaddr, int] = {}
-        for _, addr in self._fresh():
-            counts[addr] = counts.get(addr, 0) + 1
-        return counts
-
-    def confirmed_ips(self) -> list[IPAddress]:
-        """IPs that at least ``min_confirmations`` distinct peers saw us at (most first)."""
-        voters: dict[IPAddress, set[PeerID]] = {}
-        for peer, addr in self._fresh():
-            ip = _ip_of(addr)
-            if ip is not None:
-                voters.setdefault(ip, set()).add(peer)
-        ranked = sorted(voters.items(), key=lambda item: -len(item[1]))
-        return [ip for ip, peers in ranked if len(peers) >= self.min_confirmations]
-
-    def candidates(self, listen_addrs: Iterable[Multiaddr]) -> list[Multiaddr]:
-        """Our possible public addresses: each confirmed IP with each TCP listen port of the
-        same IP version (the address a NAT with a port forward or no NAT would expose)."""
-        ports: dict[int, list[int]] = {4: [], 6: []}
-        for addr in listen_addrs:
-            ip, port = _ip_of(addr), _tcp_port(addr)
-            if ip is not None and port is not None and port not in ports[ip.version]:
-                ports[ip.version].append(port)
-        out: list[Multiaddr] = []
-        for ip in self.confirmed_ips():
-            out += [_tcp_addr(ip, port) for port in ports[ip.version]]
-        return out
-
-
-# -- reachability -------------------------------------------------------------------------------
-
-
-class ReachabilityStatus(str, Enum):
-    UNKNOWN = "unknown"
-    PUBLIC = "public"
-    PRIVATE = "private"
-
-
-@dataclass(frozen=True)
-class Reachability:
-    """What AutoNAT last decided, and why (``reason`` is one line for humans)."""
-
-    status: ReachabilityStatus = ReachabilityStatus.UNKNOWN
-    reason: str = "not checked yet"
-    public_addrs: tuple[Multiaddr, ...] = ()  # addresses servers reached us at
-    confirmations: int = 0  # servers that agreed with the decision
-    asked: int = 0  # servers asked in the deciding round
-    decided_at: float = 0.0  # UNIX time (0: never decided)
-
-    @property
-    def is_public(self) -> bool:
-        return self.status is ReachabilityStatus.PUBLIC
-
-    @property
-    def is_private(self) -> bool:
-        return self.status is ReachabilityStatus.PRIVATE
-
-    def __str__(self) -> str:
-        return f"{self.status.value}: {self.reason}"
 
 
 @dataclass
@@ -581,7 +437,7 @@ class AutoNAT:
         peer = stream.remote_peer
         with trio.move_on_after(self.config.request_timeout) as scope:
             try:
-                body = await stream._reader.receive_frame(MAX_MESSAGE_SIZE)
+                body = await stream.receive_frame(MAX_MESSAGE_SIZE)
             except (MessageTooLargeError, ProtocolViolationError) as e:
                 # answered, then closed by the host (the rest of the bytes are dropped)
                 await self._respond(stream, self._bad(peer, "framing", f"unreadable request: {e}"))
@@ -614,13 +470,12 @@ class AutoNAT:
         return DialResponse(ResponseStatus.E_DIAL_REFUSED, why[:MAX_STATUS_TEXT])
 
     def _arrived_relayed(self, stream: P2PStream) -> bool:
-        session = stream._yamux.session
-        conns = self.host._conns.get(stream.remote_peer, ())
-        return any(getattr(c, "relayed", False) for c in conns if c.session is session)
+        conn = self.host.connection_of(stream)
+        return conn is not None and conn.relayed
 
     async def _answer(self, stream: P2PStream, body: bytes) -> DialResponse:
         peer = stream.remote_peer
-        observed = _ip_of(stream.remote_addr)
+        observed = ip_of(stream.remote_addr)
         source = _source_key(observed) if observed is not None else None
         why = self._limiter.refuse(peer, source, time.monotonic())
         if why is not None:
@@ -671,7 +526,7 @@ class AutoNAT:
     def offered_addrs(self) -> list[Multiaddr]:
         """What we ask servers to dial: our TCP listen addresses, then the candidates from
         observed addresses (servers use only the ports: they dial the IP they see)."""
-        listen = [a for a in self.host.listen_addrs if _tcp_port(a) is not None]
+        listen = [a for a in self.host.listen_addrs if tcp_port(a) is not None]
         out: list[Multiaddr] = []
         for addr in listen + self.host.observed_addrs.candidates(listen):
             addr = addr.without_peer_id()
@@ -683,7 +538,7 @@ class AutoNAT:
         """Connected peers with a direct connection, in random order."""
         peers = []
         for peer in self.host.connected_peers():
-            conn = self.host._best_connection(peer)
+            conn = self.host.best_connection(peer)
             if conn is not None and not getattr(conn, "relayed", False):
                 peers.append(peer)
         random.shuffle(peers)
@@ -697,7 +552,7 @@ class AutoNAT:
                 try:
                     await stream.send_all(frame(request))
                     await stream.send_eof()
-                    body = await stream._reader.receive_frame(MAX_MESSAGE_SIZE)
+                    body = await stream.receive_frame(MAX_MESSAGE_SIZE)
                 except BaseException:
                     stream.reset()
                     raise
@@ -738,7 +593,7 @@ class AutoNAT:
         async with trio.open_nursery() as nursery:
             for server in chosen:
                 nursery.start_soon(ask, server)
-        ports = {_tcp_port(a) for a in addrs}
+        ports = {tcp_port(a) for a in addrs}
         result = ProbeResult(self._decide(answers, ports), answers)
         for a in answers:
             logger.debug(
@@ -761,7 +616,7 @@ class AutoNAT:
         tail = f" ({other} gave no verdict)" if other else ""
         now = time.time()
         if len(ok) >= need:
-            reached = [a.addr for a in ok if a.addr is not None and _tcp_port(a.addr) in ports]
+            reached = [a.addr for a in ok if a.addr is not None and tcp_port(a.addr) in ports]
             addrs = tuple(dict.fromkeys(reached))[:8]
             where = f" at {', '.join(map(str, addrs))}" if addrs else ""
             return Reachability(

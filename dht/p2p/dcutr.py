@@ -37,10 +37,7 @@ exchange (logged with the reason, rate-limited), the addresses dialed are filter
 IPv4/IPv6 only; no loopback, link-local, unspecified, multicast, relayed addresses), every
 wait has a timeout, and a peer can start only a few exchanges per minute.
 
-Wire format (uvarint-length-prefixed protobuf, proto2)::
-
-    HolePunch { required Type type = 1; repeated bytes ObsAddrs = 2; }
-    Type: CONNECT = 100, SYNC = 300
+The messages and their strict codec are in ``dcutr_messages.py`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -49,121 +46,44 @@ import ipaddress
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from enum import IntEnum
+from dataclasses import dataclass
 
 import trio
 
 from .._logging import RateLimitedLogger
 from . import multistream
-from ._proto import (
-    WIRE_LEN,
-    WIRE_VARINT,
-    ProtobufDecodeError,
-    encode_bytes_field,
-    encode_varint_field,
-    iter_fields,
+from .connection import Connection, close_quietly
+from .dcutr_messages import (
+    MAX_ADDRS,
+    MAX_MESSAGE_SIZE,
+    DCUtRMessageError,
+    HolePunch,
+    HolePunchType,
+    decode_hole_punch,
+    encode_hole_punch,
+    frame,
 )
 from .errors import (
     MessageTooLargeError,
-    MultiaddrError,
     P2PError,
     P2PTimeoutError,
     ProtocolNegotiationError,
     ProtocolViolationError,
+    error_reason,
 )
-from .host import Host, P2PStream, _close_quietly, _Connection, _reason
+from .host import Host
 from .identity import PeerID
 from .multiaddr import Multiaddr
-from .varint import encode_uvarint
+from .stream import P2PStream
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_ID = "/libp2p/dcutr"
-MAX_MESSAGE_SIZE = 4096  # a message with 16 addresses is a few hundred bytes
-MAX_ADDRS = 16  # ObsAddrs entries in one message; more is a malformed message
-MAX_TRACKED_PEERS = 1024
-MAX_DIALS_PER_ADDR = 4  # per attempt: the first dial and up to 3 after an immediate failure  # per-peer rate-limit state kept (least recently seen dropped)
+MAX_TRACKED_PEERS = 1024  # per-peer rate-limit state kept (least recently seen dropped)
+MAX_DIALS_PER_ADDR = 4  # per attempt: the first dial and up to 3 after an immediate failure
 _STREAM_ERRORS = (P2PError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-# -- messages -----------------------------------------------------------------------------------
-
-
-class HolePunchType(IntEnum):
-    CONNECT = 100
-    SYNC = 300
-
-
-class DCUtRMessageError(ProtocolViolationError):
-    """A HolePunch message is malformed, over a cap, of an unknown type or out of order."""
-
-
-@dataclass(frozen=True)
-class HolePunch:
-    """One message. ``skipped`` counts addresses that did not parse (kinds we do not
-    support, or junk); they are not kept and not part of equality."""
-
-    type: HolePunchType
-    addrs: tuple[Multiaddr, ...] = ()
-    skipped: int = field(default=0, compare=False)
-
-
-def encode_hole_punch(msg: HolePunch) -> bytes:
-    """A ``HolePunch`` body (no length prefix). ValueError over the caps (our own bug)."""
-    if len(msg.addrs) > MAX_ADDRS:
-        raise ValueError(f"at most {MAX_ADDRS} addresses in a HolePunch, got {len(msg.addrs)}")
-    body = encode_varint_field(1, int(msg.type))
-    body += b"".join(encode_bytes_field(2, addr.to_bytes()) for addr in msg.addrs)
-    if len(body) > MAX_MESSAGE_SIZE:
-        raise ValueError(f"HolePunch of {len(body)} bytes exceeds {MAX_MESSAGE_SIZE}")
-    return body
-
-
-def frame(body: bytes) -> bytes:
-    """``body`` with its uvarint length prefix, as it goes on the stream."""
-    return encode_uvarint(len(body)) + body
-
-
-def decode_hole_punch(body: bytes | bytearray | memoryview) -> HolePunch:
-    """Parse a ``HolePunch`` body; DCUtRMessageError if it is malformed or over a cap.
-
-    ``type`` is required (proto2) and must be CONNECT or SYNC; addresses that do not parse as
-    multiaddrs are skipped (counted in ``skipped``); unknown fields are ignored."""
-    if len(body) > MAX_MESSAGE_SIZE:
-        raise DCUtRMessageError(f"HolePunch of {len(body)} bytes exceeds {MAX_MESSAGE_SIZE}")
-    kind: int | None = None
-    raw_addrs: list[bytes] = []
-    try:
-        for number, wire, value in iter_fields(bytes(body)):
-            if number == 1:
-                if wire != WIRE_VARINT:
-                    raise DCUtRMessageError(f"HolePunch.type has wire type {wire}, not varint")
-                assert isinstance(value, int)
-                kind = value  # protobuf: the last occurrence of a scalar wins
-            elif number == 2:
-                if wire != WIRE_LEN:
-                    raise DCUtRMessageError(f"HolePunch.ObsAddrs has wire type {wire}, not bytes")
-                assert isinstance(value, bytes)
-                raw_addrs.append(value)
-                if len(raw_addrs) > MAX_ADDRS:
-                    raise DCUtRMessageError(f"HolePunch lists more than {MAX_ADDRS} addresses")
-    except ProtobufDecodeError as e:
-        raise DCUtRMessageError(f"malformed HolePunch: {e}") from None
-    if kind is None:
-        raise DCUtRMessageError("HolePunch without its required type")
-    if kind not in (HolePunchType.CONNECT, HolePunchType.SYNC):
-        raise DCUtRMessageError(f"unknown HolePunch type {kind}")
-    addrs: list[Multiaddr] = []
-    skipped = 0
-    for raw in raw_addrs:
-        try:
-            addrs.append(Multiaddr.from_bytes(raw))
-        except MultiaddrError:
-            skipped += 1  # quic, websocket... or junk: nothing we would dial
-    return HolePunch(HolePunchType(kind), tuple(addrs), skipped)
 
 
 # -- addresses ----------------------------------------------------------------------------------
@@ -232,7 +152,7 @@ def dialable_addrs(
 def listen_ports(host: Host) -> dict[int, int]:
     """``{ip version: port}`` of the host's TCP listeners that share their port with dials."""
     ports: dict[int, int] = {}
-    for listener in host._listeners:
+    for listener in host.listeners:
         if not getattr(listener, "reuse_port", False):
             continue
         endpoint = _ip_port(getattr(listener, "multiaddr", None))
@@ -372,14 +292,13 @@ class HolePuncher:
             return
         self.enabled = True
         self.host.set_stream_handler(PROTOCOL_ID, self._serve)
-        self.host._connection_hooks.append(self._on_connection)
+        self.host.add_connection_hook(self._on_connection)
 
     def stop(self) -> None:
         """No new exchanges (either role); those under way end within their timeouts."""
         self.enabled = False
         self.host.set_stream_handler(PROTOCOL_ID, None)
-        if self._on_connection in self.host._connection_hooks:
-            self.host._connection_hooks.remove(self._on_connection)
+        self.host.remove_connection_hook(self._on_connection)
         if self.host.hole_puncher is self:
             self.host.hole_puncher = None
 
@@ -393,15 +312,15 @@ class HolePuncher:
         return len(self._initiating) + len(self._answering)
 
     def _has_direct(self, peer: PeerID) -> bool:
-        return any(c.alive and not c.relayed for c in self.host._conns.get(peer, ()))
+        return any(not c.relayed for c in self.host.connections(peer))
 
     def _direct_addr(self, peer: PeerID) -> str:
-        for conn in self.host._conns.get(peer, ()):
-            if conn.alive and not conn.relayed:
+        for conn in self.host.connections(peer):
+            if not conn.relayed:
                 return conn.remote_addr
         return ""
 
-    def _on_connection(self, conn: _Connection) -> None:
+    def _on_connection(self, conn: Connection) -> None:
         """Host hook: every registered connection."""
         peer = conn.peer_id
         if not conn.relayed:
@@ -428,7 +347,7 @@ class HolePuncher:
             )
             return
         self._initiating.add(peer)
-        self.host._nursery.start_soon(self._initiate, conn)
+        self.host.start_soon(self._initiate, conn)
 
     def _finish(self, result: HolePunchResult) -> None:
         self.results.append(result)
@@ -446,10 +365,7 @@ class HolePuncher:
         """Our addresses to offer, after a bounded wait for identify on direct connections
         (where observed addresses come from) that are still running it."""
         pending = [
-            c
-            for group in self.host._conns.values()
-            for c in group
-            if c.alive and not c.relayed and not c.identified.is_set()
+            c for c in self.host.connections() if not c.relayed and not c.identified.is_set()
         ]
         if pending and self.config.identify_wait > 0:
             with trio.move_on_after(self.config.identify_wait):
@@ -481,7 +397,7 @@ class HolePuncher:
         timeout = self.config.message_timeout
         with trio.move_on_after(timeout):
             try:
-                body = await stream._reader.receive_frame(MAX_MESSAGE_SIZE)
+                body = await stream.receive_frame(MAX_MESSAGE_SIZE)
             except (MessageTooLargeError, ProtocolViolationError) as e:
                 raise DCUtRMessageError(str(e)) from None
             msg = decode_hole_punch(body)
@@ -491,7 +407,7 @@ class HolePuncher:
         raise P2PTimeoutError(f"no {expected.name} within {timeout:.1f}s")
 
     # -- B: we were dialed through a relay; we start ---------------------------------------------
-    async def _initiate(self, conn: _Connection) -> None:
+    async def _initiate(self, conn: Connection) -> None:
         peer, cfg = conn.peer_id, self.config
         started = trio.current_time()
         attempts = 0
@@ -514,7 +430,7 @@ class HolePuncher:
                     reason = str(e)
                     break
                 except (*_STREAM_ERRORS, OSError) as e:
-                    reason = _reason(e)
+                    reason = error_reason(e)
                     logger.debug(
                         "dcutr: attempt %d with %s failed: %s", attempts, peer.short(), reason
                     )
@@ -527,8 +443,8 @@ class HolePuncher:
             if not conn.alive and not reason:
                 reason = "the relayed connection closed"
         except Exception as e:  # a bug reachable from a peer must not take the host down
-            logger.warning("dcutr: hole punch with %s: unexpected %s", peer.short(), _reason(e))
-            reason = _reason(e)
+            logger.warning("dcutr: hole punch with %s: unexpected %s", peer.short(), error_reason(e))
+            reason = error_reason(e)
         finally:
             self._initiating.discard(peer)
         self._conclude(peer, True, attempts, trio.current_time() - started, reason)
@@ -569,7 +485,7 @@ class HolePuncher:
             )
         )
 
-    async def _open_on(self, conn: _Connection) -> P2PStream:
+    async def _open_on(self, conn: Connection) -> P2PStream:
         """A ``/libp2p/dcutr`` stream on that very connection (lazy negotiation: the proposal
         leaves with CONNECT; a refusal surfaces on the first read)."""
         timeout = self.config.message_timeout
@@ -589,7 +505,7 @@ class HolePuncher:
             )
         raise P2PTimeoutError(f"could not open a {PROTOCOL_ID} stream within {timeout:.1f}s")
 
-    async def _attempt(self, conn: _Connection) -> str | None:
+    async def _attempt(self, conn: Connection) -> str | None:
         """One exchange as B; the direct connection's address, or None."""
         direct = self._watch_direct(conn.peer_id)
         try:
@@ -612,7 +528,7 @@ class HolePuncher:
         if not events:
             self._direct.pop(peer, None)
 
-    async def _attempt_watched(self, conn: _Connection, direct: trio.Event) -> str | None:
+    async def _attempt_watched(self, conn: Connection, direct: trio.Event) -> str | None:
         peer = conn.peer_id
         ours = await self._our_addrs()
         if not ours:
@@ -650,13 +566,6 @@ class HolePuncher:
         return await self._punch(peer, theirs, outbound=False, direct=direct)
 
     # -- A: we dialed through the relay; the other side starts -----------------------------------
-    def _connection_of(self, stream: P2PStream) -> _Connection | None:
-        session = stream._yamux.session
-        for conn in self.host._conns.get(stream.remote_peer, ()):
-            if conn.session is session:
-                return conn
-        return None
-
     def _count_exchange(self, peer: PeerID) -> bool:
         """Count one exchange with ``peer`` (either role); False if over the per-peer rate
         (a peer that reconnects through the relay again and again must not make us dial
@@ -702,7 +611,7 @@ class HolePuncher:
     async def _serve(self, stream: P2PStream) -> None:
         """The ``/libp2p/dcutr`` handler (we are A)."""
         peer = stream.remote_peer
-        conn = self._connection_of(stream)
+        conn = self.host.connection_of(stream)
         if not self.enabled:
             self._refuse(stream, "off", "hole punching is off")
             return
@@ -739,7 +648,7 @@ class HolePuncher:
                 stream.reset()
                 return
             except _STREAM_ERRORS as e:
-                reason = _reason(e)
+                reason = error_reason(e)
                 self._log.info(
                     ("ended", peer),
                     "dcutr: dropping the exchange with %s: %s",
@@ -776,8 +685,7 @@ class HolePuncher:
         addresses (no NAT in the way, or B's SYN came first) is taken over from the accept
         path so A stays the initiator; one that reaches B's listener takes the normal
         inbound path, where B is the responder anyway."""
-        host, cfg = self.host, self.config
-        ports = listen_ports(host)
+        ports = listen_ports(self.host)
         targets: list[tuple[Multiaddr, int]] = []
         for addr in addrs:
             endpoint = _ip_port(addr)
@@ -787,109 +695,151 @@ class HolePuncher:
             return self._direct_addr(peer)
         if not targets:
             return None
-        failures: dict[str, str] = {}
-        winner: list[_Connection] = []
-        claim_send, claim_recv = trio.open_memory_channel[tuple[trio.abc.Stream, str]](4)
-        claims: list[str] = []
-
-        def claim(raw: trio.abc.Stream, remote: str) -> bool:
-            try:
-                claim_send.send_nowait((raw, remote))
-            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                return False
-            return True
-
-        async def upgrade(raw: trio.abc.Stream, name: str, upgrades: trio.Nursery) -> None:
-            try:
-                conn = await host.upgrade_raw_connection(raw, peer, outbound=outbound, name=name)
-            except (*_STREAM_ERRORS, OSError) as e:
-                failures[name] = _reason(e)
-                return
-            except Exception as e:  # untrusted input must not take the host down
-                logger.warning("dcutr: securing %s failed: unexpected %s", name, _reason(e))
-                failures[name] = _reason(e)
-                return
-            if outbound and winner:
-                await _close_quietly(conn.session)  # lost the race; never started
-                return
-            conn.hole_punched = True
-            if not await host.add_connection(conn):
-                failures[name] = "connection limit reached or host closing"
-                return
-            winner.append(conn)
-            if outbound:
-                upgrades.cancel_scope.cancel()  # the rest of this attempt, dials included
-
-        async def dial(target: Multiaddr, port: int, upgrades: trio.Nursery) -> None:
-            name = str(target)
-            for _ in range(MAX_DIALS_PER_ADDR):
-                try:
-                    raw = await host.transport.dial(
-                        target, timeout=cfg.punch_timeout, local_port=port
-                    )
-                except P2PTimeoutError as e:
-                    failures[name] = str(e)
-                    return
-                except OSError as e:
-                    # refused or unreachable at once: a NAT that reset our SYN before the
-                    # other side's SYN opened the way; try again while the attempt lasts
-                    failures[name] = _reason(e)
-                    await trio.sleep(cfg.redial_interval)
-                    continue
-                upgrades.start_soon(upgrade, raw, name, upgrades)
-                return
-
-        async def taken_over(upgrades: trio.Nursery) -> None:
-            async for raw, remote in claim_recv:
-                upgrades.start_soon(upgrade, raw, remote, upgrades)
-
-        async def watch(dials: trio.Nursery) -> None:
-            await direct.wait()
-            dials.cancel_scope.cancel()
-
-        try:
-            if outbound:
-                for target, _ in targets:
-                    key = ":".join(map(str, target.tcp_endpoint()))  # as accept() names it
-                    if key not in host._inbound_claims:
-                        host._inbound_claims[key] = claim
-                        claims.append(key)
-            async with trio.open_nursery() as upgrades:
-                with trio.move_on_after(cfg.punch_timeout):
-                    async with trio.open_nursery() as dials:
-                        for target, port in targets:
-                            dials.start_soon(dial, target, port, upgrades)
-                        dials.start_soon(watch, dials)
-                        if outbound:
-                            dials.start_soon(taken_over, upgrades)
-                for key in claims:  # dialing is over: the accept path gets them back
-                    if host._inbound_claims.get(key) is claim:
-                        del host._inbound_claims[key]
-                claims.clear()
-        finally:
-            for key in claims:
-                if host._inbound_claims.get(key) is claim:
-                    del host._inbound_claims[key]
-            claim_send.close()
-            with trio.CancelScope(shield=True):
-                while True:
-                    try:
-                        raw, _ = claim_recv.receive_nowait()
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                    await _close_quietly(raw)
-                claim_recv.close()
-        if winner:
-            return winner[0].remote_addr
+        punch = _Punch(self.host, self.config, peer, outbound=outbound, direct=direct)
+        winner = await punch.run(targets)
+        if winner is not None:
+            return winner.remote_addr
         if self._has_direct(peer):
             return self._direct_addr(peer)
-        if failures:
+        if punch.failures:
             logger.debug(
                 "dcutr: punching %s failed: %s",
                 peer.short(),
-                "; ".join(f"{k}: {v}" for k, v in failures.items()),
+                "; ".join(f"{k}: {v}" for k, v in punch.failures.items()),
             )
         return None
+
+
+class _Punch:
+    """One attempt's dials, sockets taken over from the accept path, and upgrades (see
+    :meth:`HolePuncher._punch` for the rules). ``failures``: why each address failed."""
+
+    def __init__(
+        self,
+        host: Host,
+        config: HolePunchConfig,
+        peer: PeerID,
+        *,
+        outbound: bool,
+        direct: trio.Event,
+    ) -> None:
+        self.host = host
+        self.config = config
+        self.peer = peer
+        self.outbound = outbound
+        self.direct = direct
+        self.failures: dict[str, str] = {}
+        self.winners: list[Connection] = []
+        self._send, self._taken = trio.open_memory_channel[tuple[trio.abc.Stream, str]](4)
+        self._claim = self._offer  # one bound method: release_inbound compares identity
+        self._claimed: list[str] = []
+
+    async def run(self, targets: list[tuple[Multiaddr, int]]) -> Connection | None:
+        """Dial ``(address, local port)`` targets for ``punch_timeout``; the first connection
+        registered, or None."""
+        try:
+            if self.outbound:
+                for target, _ in targets:
+                    key = ":".join(map(str, target.tcp_endpoint()))  # as accept() names it
+                    if self.host.claim_inbound(key, self._claim):
+                        self._claimed.append(key)
+            async with trio.open_nursery() as upgrades:
+                with trio.move_on_after(self.config.punch_timeout):
+                    async with trio.open_nursery() as dials:
+                        for target, port in targets:
+                            dials.start_soon(self._dial, target, port, upgrades)
+                        dials.start_soon(self._watch, dials)
+                        if self.outbound:
+                            dials.start_soon(self._take_over, upgrades)
+                self._release()  # dialing is over: the accept path gets them back
+        finally:
+            self._release()
+            await self._close_leftovers()
+        return self.winners[0] if self.winners else None
+
+    def _offer(self, raw: trio.abc.Stream, remote: str) -> bool:
+        """The inbound claim: a socket from one of the peer's addresses (A only)."""
+        try:
+            self._send.send_nowait((raw, remote))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            return False
+        return True
+
+    def _release(self) -> None:
+        for key in self._claimed:
+            self.host.release_inbound(key, self._claim)
+        self._claimed.clear()
+
+    async def _close_leftovers(self) -> None:
+        """Close the sockets handed over but never upgraded."""
+        self._send.close()
+        with trio.CancelScope(shield=True):
+            while True:
+                try:
+                    raw, _ = self._taken.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+                await close_quietly(raw)
+            self._taken.close()
+
+    async def _upgrade(self, raw: trio.abc.Stream, name: str, upgrades: trio.Nursery) -> None:
+        host, outbound = self.host, self.outbound
+        try:
+            conn = await host.upgrade_raw_connection(raw, self.peer, outbound=outbound, name=name)
+        except (*_STREAM_ERRORS, OSError) as e:
+            self.failures[name] = error_reason(e)
+            return
+        except Exception as e:  # untrusted input must not take the host down
+            logger.warning("dcutr: securing %s failed: unexpected %s", name, error_reason(e))
+            self.failures[name] = error_reason(e)
+            return
+        if outbound and self.winners:
+            await close_quietly(conn.session)  # lost the race; never started
+            return
+        conn.hole_punched = True
+        if not await host.add_connection(conn):
+            self.failures[name] = "connection limit reached or host closing"
+            return
+        self.winners.append(conn)
+        if outbound:
+            upgrades.cancel_scope.cancel()  # the rest of this attempt, dials included
+
+    async def _dial(self, target: Multiaddr, port: int, upgrades: trio.Nursery) -> None:
+        name = str(target)
+        for _ in range(MAX_DIALS_PER_ADDR):
+            try:
+                raw = await self.host.transport.dial(
+                    target, timeout=self.config.punch_timeout, local_port=port
+                )
+            except P2PTimeoutError as e:
+                self.failures[name] = str(e)
+                return
+            except OSError as e:
+                # refused or unreachable at once: a NAT that reset our SYN before the
+                # other side's SYN opened the way; try again while the attempt lasts
+                self.failures[name] = error_reason(e)
+                await trio.sleep(self.config.redial_interval)
+                continue
+            upgrades.start_soon(self._upgrade, raw, name, upgrades)
+            return
+
+    async def _take_over(self, upgrades: trio.Nursery) -> None:
+        async for raw, remote in self._taken:
+            upgrades.start_soon(self._upgrade, raw, remote, upgrades)
+
+    async def _watch(self, dials: trio.Nursery) -> None:
+        await self.direct.wait()
+        dials.cancel_scope.cancel()
+
+
+def start_hole_punching(host: Host) -> None:
+    """Host extension (see ``host.add_host_extension``): a :class:`HolePuncher` per
+    ``host.hole_punching`` (what ``Host.open(hole_punching=...)`` resolved: False for off,
+    else the config, None for the defaults), as ``host.hole_puncher``."""
+    if host.hole_punching is False:
+        return
+    host.hole_puncher = HolePuncher(host, host.hole_punching)
+    host.hole_puncher.start()
 
 
 __all__ = [
@@ -909,4 +859,5 @@ __all__ = [
     "frame",
     "listen_ports",
     "offered_addrs",
+    "start_hole_punching",
 ]

@@ -83,3 +83,10 @@ class RelayError(DialError):
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+def error_reason(e: BaseException) -> str:
+    """How a caught error reads in a log line or a refusal: our own errors by their message
+    (they are worded for it), anything else prefixed with its type (``OSError: ...``)."""
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}" if not isinstance(e, P2PError) else text

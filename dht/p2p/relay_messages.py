@@ -16,12 +16,17 @@ missing (but ``type``: absent means 0, as proto3 decoders read it) or has the wr
 type is a ``RelayMessageError``, unknown fields are skipped
 (forward compatibility), addresses we cannot parse are dropped rather than failing the whole
 message. An unknown ``type`` or ``status`` value is kept as an int for the caller to refuse.
+:func:`receive_frame` and :func:`send_quietly` move one message over a stream, for both
+sides of the relay.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import trio
 
 from ._proto import (
     WIRE_LEN,
@@ -31,10 +36,13 @@ from ._proto import (
     encode_varint_field,
     iter_fields,
 )
-from .errors import IdentityError, MultiaddrError, ProtocolViolationError
+from .errors import IdentityError, MultiaddrError, P2PError, P2PTimeoutError, ProtocolViolationError
 from .identity import PeerID
 from .multiaddr import Multiaddr
 from .varint import encode_uvarint
+
+if TYPE_CHECKING:
+    from .stream import P2PStream
 
 HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
 STOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/stop"
@@ -43,6 +51,7 @@ MAX_ADDRS = 16  # addresses kept from one Peer or Reservation; the rest are igno
 MAX_VOUCHER_SIZE = 2048
 MAX_UINT32 = (1 << 32) - 1
 MAX_UINT64 = (1 << 64) - 1
+STREAM_ERRORS = (P2PError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class HopType(IntEnum):
@@ -327,10 +336,30 @@ def decode_stop(body: bytes) -> StopMessage:
     return msg
 
 
+# -- one message over a stream --------------------------------------------------------------
+
+
+async def send_quietly(stream: P2PStream, frame: bytes, timeout: float) -> None:  # noqa: ASYNC109
+    """Best effort: a status for a peer that may already be gone."""
+    with trio.move_on_after(timeout):
+        try:
+            await stream.send_all(frame)
+        except STREAM_ERRORS:
+            pass
+
+
+async def receive_frame(stream: P2PStream, timeout: float, what: str) -> bytes:  # noqa: ASYNC109
+    """One length-prefixed relay message (at most MAX_MESSAGE_SIZE bytes) within ``timeout``."""
+    with trio.move_on_after(timeout):
+        return await stream.receive_frame(MAX_MESSAGE_SIZE)
+    raise P2PTimeoutError(f"no {what} within {timeout:.1f}s")
+
+
 __all__ = [
     "HOP_PROTOCOL",
     "MAX_MESSAGE_SIZE",
     "STOP_PROTOCOL",
+    "STREAM_ERRORS",
     "HopMessage",
     "HopType",
     "Limit",
@@ -344,5 +373,7 @@ __all__ = [
     "decode_stop",
     "encode_hop",
     "encode_stop",
+    "receive_frame",
+    "send_quietly",
     "status_name",
 ]

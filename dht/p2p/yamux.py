@@ -16,6 +16,11 @@ an in-memory pipe in tests) and carries many :class:`YamuxStream` s. Design poin
   absurd lengths, duplicate stream ids) is a protocol violation: the session is closed with
   a GoAway and a log line naming the reason. Lengths are checked before anything is
   allocated.
+
+One file of about a thousand lines: :class:`YamuxSession` and :class:`YamuxStream` are two
+halves of one state machine (the writer queue, the windows, the receive loop handing
+borrowed buffers straight to a stream's reader) and call into each other's private state;
+split apart, each would reach into the other's internals.
 """
 
 from __future__ import annotations

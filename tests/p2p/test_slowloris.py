@@ -18,7 +18,7 @@ from pathlib import Path
 import trio
 
 from dht.p2p import Host, HostLimits, Multiaddr
-from dht.p2p.host import _source_key
+from dht.p2p.connection import source_key as _source_key
 from dht.p2p.multistream import encode_message
 
 from .conftest import wait_until
