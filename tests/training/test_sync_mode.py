@@ -8,6 +8,8 @@ process training on the same global batches.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import re
 import threading
 import time
 
@@ -181,6 +183,64 @@ def test_three_peers_take_identical_steps_equal_to_one_process(make_dhts):
         expected = _replay(peers, epochs)
         for got, want in zip(peers[0].model.parameters(), expected, strict=True):
             torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    finally:
+        for p in peers:
+            p.opt.shutdown()
+
+
+def play_epochs(mode, compute: float, round_: float, epochs: int = 8) -> None:
+    """Feed the mode's epoch timer: ``compute`` s before each round, the round ``round_`` s."""
+    for _ in range(epochs):
+        mode._round_began = time.monotonic() - round_
+        mode._epoch_began = mode._round_began - compute
+        mode._note_epoch_times()
+
+
+def test_rounds_that_cost_more_than_the_epochs_compute_are_reported_once(make_dhts, caplog):
+    """An epoch of 0.2 s of compute and 1 s rounds (a target of one batch per peer): said
+    once, with both numbers and the target that would fix it; not once per epoch."""
+    (dht,) = make_dhts(1)
+    mode = _opt(dht, _model()).mode
+    try:
+        with caplog.at_level(logging.WARNING, logger="moshpit.training.modes.sync"):
+            play_epochs(mode, compute=0.2, round_=1.0, epochs=12)
+        warnings = [r.getMessage() for r in caplog.records if "rounds take" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert re.search(
+            r"rounds take 1\.\d\d s \(median of the last 4 epochs\) while an epoch's compute "
+            r"takes 0\.\d\d s: the swarm averages 8\d% of the time\. Raise target_batch_size "
+            r"\(now 24\) to about 4\d\d ",
+            warnings[0],
+        ), warnings[0]
+    finally:
+        mode.opt.shutdown()
+
+
+def test_rounds_cheaper_than_the_epochs_compute_are_not_reported(make_dhts, caplog):
+    (dht,) = make_dhts(1)
+    mode = _opt(dht, _model()).mode
+    try:
+        with caplog.at_level(logging.WARNING, logger="moshpit.training.modes.sync"):
+            play_epochs(mode, compute=5.0, round_=1.0)
+        assert len(mode.epoch_times) == 8 and all(c > r for c, r in mode.epoch_times)
+        assert "rounds take" not in caplog.text
+    finally:
+        mode.opt.shutdown()
+
+
+def test_each_epoch_records_its_compute_and_round_time(make_dhts):
+    dhts = make_dhts(2)
+    models = [_model() for _ in dhts]
+    peers = [
+        Peer(i, m, _opt(d, m, target_batch_size=2 * BATCH, target_group_size=2))
+        for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+    ]
+    try:
+        _train_all(peers, 4, lockstep=True)
+        for p in peers:
+            times = list(p.opt.mode.epoch_times)
+            assert len(times) == p.opt.mode.rounds_succeeded == 4, times
+            assert all(compute >= 0 and round_ > 0 for compute, round_ in times), times
     finally:
         for p in peers:
             p.opt.shutdown()

@@ -55,6 +55,9 @@ from moshpit.training.preemption import critical_section
 
 logger = logging.getLogger(__name__)
 
+SHORT_EPOCHS_AFTER = 4  # epochs measured before judging whether rounds dominate
+SHORT_EPOCHS_GOAL = 4.0  # suggest a target with compute >= 4x the round time
+
 
 class SyncMode(TrainingMode):
     """Knobs: ``refresh_period`` (s between two reads of the swarm's progress, default: the
@@ -145,6 +148,12 @@ class SyncMode(TrainingMode):
         self._dgc_snapshot: dict[str, Any] | None = None
         # counters (for users and tests)
         self.global_steps = 0
+        # (seconds of compute before the round, seconds the round took) of recent epochs: a
+        # swarm whose rounds cost more than its epochs' compute is told so, once
+        self.epoch_times: collections.deque[tuple[float, float]] = collections.deque(maxlen=8)
+        self._epoch_began = time.monotonic()
+        self._round_began: float | None = None
+        self._warned_short_epochs = False
         self.rounds_succeeded = 0
         self.rounds_failed = 0
         self.solo_steps = 0
@@ -243,6 +252,7 @@ class SyncMode(TrainingMode):
             self._apply(solo=True)
             return
         expected = self.rounds.expected(view, epoch)
+        self._round_began = time.monotonic()
         round_ = self.grads.start_round(
             epoch,
             weight=samples,
@@ -290,6 +300,7 @@ class SyncMode(TrainingMode):
             self.rounds_succeeded += 1
             self.last_group_size = result.group_size
             self._note_step(round_.epoch, result)
+            self._note_epoch_times()
             started = time.monotonic()
             self._apply()
             self.round_seconds["applied"] += time.monotonic() - started
@@ -341,8 +352,39 @@ class SyncMode(TrainingMode):
             self.step_samples.append((self.state.epoch, self.grads.samples))
         self._advance(None if solo else self.last_result)
 
+    def _note_epoch_times(self) -> None:
+        """Remember this epoch's compute and round time; say once when rounds dominate."""
+        if self._round_began is None:
+            return
+        now = time.monotonic()
+        compute = max(0.0, self._round_began - self._epoch_began)
+        self.epoch_times.append((compute, now - self._round_began))
+        if self._warned_short_epochs or len(self.epoch_times) < SHORT_EPOCHS_AFTER:
+            return
+        computes = sorted(c for c, _ in self.epoch_times)
+        rounds = sorted(r for _, r in self.epoch_times)
+        compute, round_ = computes[len(computes) // 2], rounds[len(rounds) // 2]
+        if round_ <= compute:
+            return
+        self._warned_short_epochs = True
+        suggested = int(self.target * SHORT_EPOCHS_GOAL * round_ / max(compute, 1e-3))
+        logger.warning(
+            "rounds take %.2f s (median of the last %d epochs) while an epoch's compute takes "
+            "%.2f s: the swarm averages %.0f%% of the time. Raise target_batch_size (now %d) "
+            "to about %d for rounds under a fifth of the time, or set delay_averaging=True to "
+            "run each round beside the next epoch's batches",
+            round_,
+            len(self.epoch_times),
+            compute,
+            100 * round_ / (round_ + compute),
+            self.target,
+            suggested,
+        )
+
     def _advance(self, result: Any = None) -> None:
         """Enter the next epoch (``result``: the round we stepped with, None if alone)."""
+        self._epoch_began = time.monotonic()
+        self._round_began = None
         self.global_steps += 1
         self.state.epoch += 1
         if result is not None and result.succeeded:
