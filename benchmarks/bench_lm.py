@@ -17,6 +17,14 @@ Methods (``--methods``):
   Nesterov step on the averaged pseudo-gradient (raw, 8-bit, 4-bit with error feedback).
 - ``streaming_4bit``: streaming DiLoCo, ``--fragments`` fragments on staggered schedules,
   each fragment's round overlapped with ``--overlap-steps`` inner steps, 4-bit outer gradients.
+- ``dilocoswarm`` / ``dilocoswarm_4bit``: swarm-wide outer epochs (``target_batch_size`` =
+  peers x batch x ``--inner-steps``, the samples of one lockstep outer step), rounds in the
+  background, pseudo-gradients weighted by samples.
+
+``--speeds 1 2 4 8`` makes the peers unequal: worker ``i`` times its own forward and backward
+pass before the race (the median of 3, no communication) and sleeps ``speeds[i] - 1`` times
+that after every step, so its compute takes that many times as long (a race of an H100
+against slower machines; DDP runs at the slowest one's pace).
 
 Measured per method: worker 0's parameters are copied every ``--snapshot-every`` seconds during
 the run (a memcpy, nothing else in the timed loop), and evaluated after it on a fixed
@@ -74,6 +82,8 @@ METHODS = [
     "diloco_8bit",
     "diloco_4bit",
     "streaming_4bit",
+    "dilocoswarm",
+    "dilocoswarm_4bit",
 ]
 LINKS = ["loopback", "100mbit", "1gbit"]
 FAST = dict(
@@ -112,6 +122,12 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
             options["delay_averaging"] = True
     elif base == "local":
         options = dict(average_every=args.average_every)
+    elif base == "dilocoswarm":
+        mode = "diloco"
+        samples = args.batch * args.world * args.inner_steps  # one lockstep outer step's
+        options = dict(target_batch_size=samples, refresh_period=0.1)
+        if codec:
+            options["compression"] = codec
     elif base in ("diloco", "streaming"):
         mode = "diloco"
         options = dict(inner_steps=args.inner_steps, refresh_period=0.1)
@@ -135,6 +151,21 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
     return inner, model, opt, dht
 
 
+def compute_seconds(model: Any, data: Any) -> float:
+    """This process's forward and backward pass on one batch (median of 3), without any
+    communication: the unit a slower peer's compute is a multiple of (``--speeds``)."""
+    from lm_task import loss_of
+
+    times = []
+    for _ in range(3):
+        x, y = next(data)
+        began = time.perf_counter()
+        loss_of(model, x, y).backward()
+        times.append(time.perf_counter() - began)
+        model.zero_grad(set_to_none=True)
+    return sorted(times)[1]
+
+
 def worker(args: argparse.Namespace) -> None:
     """One process: train for the budget, then report (worker 0 also evaluates snapshots)."""
     import torch
@@ -148,6 +179,7 @@ def worker(args: argparse.Namespace) -> None:
     in_netns = args.host != "127.0.0.1"
     tx0 = _eth0_tx_bytes() if in_netns else None
     inner, forward, opt, dht = _build(args, model)
+    pad = (args.speed - 1.0) * compute_seconds(model, batches(train, args.batch, CONTEXT, 7))
     _emit({"event": "ready"})
     while sys.stdin.readline().strip() not in ("go", ""):
         pass
@@ -187,6 +219,8 @@ def worker(args: argparse.Namespace) -> None:
             inner.step()
         steps += 1
         samples += len(x)
+        if pad > 0:
+            time.sleep(pad)
         done = stop.is_set() or time.perf_counter() - started >= args.budget
         if opt is None:  # DDP: every rank stops at the same step (a collective decides)
             import torch.distributed as dist
@@ -269,7 +303,8 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
                 "--inner-steps", str(args.inner_steps), "--fragments", str(args.fragments),
                 "--overlap-steps", str(args.overlap_steps),
                 "--average-every", str(args.average_every), "--refresh", str(args.refresh),
-                "--eval-windows", str(args.eval_windows)]  # fmt: skip
+                "--eval-windows", str(args.eval_windows),
+                "--speed", str(args.speeds[rank % len(args.speeds)])]  # fmt: skip
         if args.profile:
             argv += ["--profile", f"{args.profile}.{link}.{method}.txt"]
         return spawn(argv, rank, bootstrap, tb)
@@ -296,6 +331,8 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
         "numel": first["numel"],
         "batch_per_peer": args.batch,
         "budget_s": args.budget,
+        "speeds": args.speeds,
+        "local_steps_all": [r["steps"] for r in results],
         "optimizer_steps_worker0": first["epochs"],
         "local_steps_worker0": first["steps"],
         "samples_all": sum(r["samples"] for r in results),
@@ -314,6 +351,8 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
             row[f"{name}_worker0"] = first[name]
     if method.startswith(("diloco", "streaming")):
         row["inner_steps"] = args.inner_steps
+    if method.startswith("dilocoswarm"):
+        row["target_batch_size"] = args.batch * n * args.inner_steps
     if method.startswith("streaming"):
         row.update(fragments=args.fragments, overlap_steps=args.overlap_steps)
     return row
@@ -347,6 +386,16 @@ def summarize(rows: list[dict]) -> dict:
                 r["payload_bytes_sent_per_peer"] / max(1, ddp["payload_bytes_sent_per_peer"]), 4
             ),
         }
+    lockstep = next((r for r in rows if r["method"] == "diloco"), None)
+    if lockstep is not None:  # swarm-wide epochs against lockstep: time to its final loss
+        goal = lockstep["final_bpb_worker0"]
+        for r in rows:
+            if r["method"].startswith("dilocoswarm"):
+                took = time_to(r["curve_worker0"], goal)
+                out[r["method"]]["time_to_lockstep_diloco_loss_s"] = took
+                out[r["method"]]["time_vs_lockstep_diloco"] = (
+                    None if took is None else round(took / lockstep["budget_s"], 2)
+                )
     return out
 
 
@@ -389,6 +438,11 @@ def main() -> int:
     parser.add_argument("--overlap-steps", type=int, default=5, help="streaming: inner steps")
     parser.add_argument("--average-every", type=int, default=4, help="local: initial period")
     parser.add_argument("--refresh", type=float, default=0.05, help="s between progress reads")
+    parser.add_argument(
+        "--speeds", nargs="+", type=float, default=[1.0],
+        help="each peer's step takes this many times its compute (e.g. 1 2 4 8; default: 1)",
+    )  # fmt: skip
+    parser.add_argument("--speed", type=float, default=1.0, help=argparse.SUPPRESS)
     parser.add_argument("--plot", default=None, help="PNG of loss vs wall clock per link")
     parser.add_argument(
         "--profile", default=None, help="pyinstrument text of worker 1 to this file"
