@@ -715,3 +715,24 @@ def test_a_state_download_that_times_out_during_catch_up_does_not_stop_the_peer(
         assert all(p.isfinite().all() for p in model.parameters())
     finally:
         opt.shutdown()
+
+
+def test_an_epoch_that_keeps_waiting_says_why_once_a_minute(make_dhts, caplog):
+    """A stalled swarm once logged nothing at all: its peers kept stepping, retrying at INFO."""
+    (dht,) = make_dhts(1)
+    mode = _opt(dht, _model()).mode
+    try:
+        with caplog.at_level(logging.WARNING, logger="moshpit.training.modes.base"):
+            mode.waiting("no donor served its newer state yet")  # the first wait: quiet
+            assert "has not moved" not in caplog.text
+            epoch, since = mode._waiting_since
+            mode._waiting_since = (epoch, since - 31.0)  # 31 s of waiting in this epoch
+            for _ in range(5):
+                mode.waiting("no donor served its newer state yet")
+        lines = [r.getMessage() for r in caplog.records if "has not moved" in r.getMessage()]
+        assert lines == ["epoch 0 has not moved for 31 s: no donor served its newer state yet"]
+        mode.state.epoch = 1  # a new epoch starts its own count
+        mode.waiting("x")
+        assert mode._waiting_since[0] == 1
+    finally:
+        mode.opt.shutdown()

@@ -399,6 +399,7 @@ class DiLoCoMode(TrainingMode):
         else:  # the others are still in their inner steps: keep going, retry next step
             self.opt.tracker.mark_idle()  # the wait was not training time
             logger.info("no outer round at epoch %d (%s); retrying", epoch, result.reason)
+            self.waiting(f"its outer rounds do not hold every peer at the epoch ({result.reason})")
 
     def _load_deltas(self) -> None:
         """``Δ = θ - θ_local`` into the buffers the round averages."""
@@ -626,6 +627,7 @@ class DiLoCoMode(TrainingMode):
             self._apply_fragment(rnd.epoch, rnd.indices, rnd.start_local, solo=True)
         else:  # the others are still in their inner steps: start again at the next step
             logger.info("no outer round at epoch %d (%s); retrying", rnd.epoch, result.reason)
+            self.waiting(f"its outer rounds do not hold every peer at the epoch ({result.reason})")
             self.local_steps = self.period
             self.samples += rnd.samples  # its Δ is taken again from θ: so is its weight
 
@@ -695,6 +697,7 @@ class DiLoCoMode(TrainingMode):
             self._behind_since = now
         if now - self._behind_since < self.opt.load_state_timeout:
             self._next_catch_up = now + self.refresh_period
+            self.waiting(f"the swarm moved on ({why}) and no donor served its newer state yet")
             return
         # nobody serves a newer state (no checkpoint_dir anywhere?): do not stall forever
         self._behind_since = None

@@ -332,6 +332,10 @@ class SyncMode(TrainingMode):
             if self.dgc is not None and self._dgc_snapshot is not None:
                 self.dgc.load_state_dict(self._dgc_snapshot)
             logger.info("no gradient round at epoch %d (%s); retrying", round_.epoch, result.reason)
+            self.waiting(
+                f"its rounds do not hold every peer at the epoch ({result.reason}); waiting "
+                f"for {len(self.rounds.awaited(view, self.state.epoch))} other peer(s)"
+            )
 
     def _note_step(self, epoch: int, result: Any) -> None:
         """Record the samples the members put into this epoch's step, and who they were."""
@@ -447,6 +451,7 @@ class SyncMode(TrainingMode):
             self.state_loads += 1
         else:  # no donor serves a newer state yet: look again a little later, not every step
             self._next_catch_up = time.monotonic() + max(1.0, 2 * self.refresh_period)
+            self.waiting(f"the swarm moved on ({why}) and no donor served its newer state yet")
         self.on_state_loaded()
 
     # ------------------------------------------------------------------ state
