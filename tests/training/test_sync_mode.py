@@ -736,3 +736,39 @@ def test_an_epoch_that_keeps_waiting_says_why_once_a_minute(make_dhts, caplog):
         assert mode._waiting_since[0] == 1
     finally:
         mode.opt.shutdown()
+
+
+def test_a_checkpoint_skipped_while_the_last_one_was_written_is_written_at_the_next_step(
+    make_dhts, tmp_path, monkeypatch
+):
+    """The epoch moved while the previous checkpoint was still being written, so its own was
+    skipped; if the epoch then stops moving (the swarm waits for peers that must load this
+    very state), the next step must write it. A chaos run deadlocked so: three peers at 278
+    waited for three at 277, which waited for a donor of 278 that nobody ever wrote."""
+    from moshpit.training.state_averager import TrainingStateAverager
+
+    write = TrainingStateAverager._write_checkpoint
+
+    def slow_write(self, *args):
+        time.sleep(0.5)  # a slow disk (in the writer thread)
+        return write(self, *args)
+
+    monkeypatch.setattr(TrainingStateAverager, "_write_checkpoint", slow_write)
+    (dht,) = make_dhts(1)
+    model = _model()
+    quick = dict(FAST, min_matchmaking_time=0.5, request_timeout=0.5)  # alone: finds so fast
+    peer = Peer(0, model, _opt(dht, model, tmp_path, averager_options=quick))
+    state = peer.opt.mode.state
+    try:
+        peer.train(until_epoch=2, pause=0.0)  # epoch 1's write is still running at epoch 2
+        assert peer.opt.epoch == 2 and state.newest_checkpoint_epoch != 2
+        state._writing.result(timeout=10)
+        idx = peer.batch()
+        _loss(model, idx).backward()
+        peer.opt.step()  # one batch: the epoch does not move
+        peer.opt.zero_grad()
+        assert peer.opt.epoch == 2
+        state._writing.result(timeout=10)
+        assert state.newest_checkpoint_epoch == 2
+    finally:
+        peer.opt.shutdown()

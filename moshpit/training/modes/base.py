@@ -81,6 +81,15 @@ class TrainingMode:
     def step(self, batch_size: int) -> None:
         raise NotImplementedError
 
+    def checkpoint_if_due(self) -> None:
+        """After every step: write the checkpoint that is due, if the state is whole now.
+
+        Modes also check at each epoch change, but a checkpoint due while the previous one
+        was still being written is skipped there; if the epoch then stops moving (the swarm
+        waits for peers that must load this very state), nothing would ever write it, and
+        the peers behind would wait for a donor of it forever."""
+        self.state.maybe_checkpoint()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.inner.zero_grad(set_to_none=set_to_none)
 

@@ -400,6 +400,10 @@ class SyncMode(TrainingMode):
         if self._pending is None:  # delayed: checkpoint once the update is applied
             self.state.maybe_checkpoint()
 
+    def checkpoint_if_due(self) -> None:
+        if self._pending is None:  # delayed averaging: not while epoch e's update is missing
+            super().checkpoint_if_due()
+
     def _collect_delayed(self, wait: bool) -> None:
         """Delayed averaging: apply the finished round of the previous epoch (one step late)."""
         round_ = self._pending
