@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -608,8 +609,6 @@ def test_a_peer_training_another_model_is_neither_waited_for_nor_counted(make_dh
 def test_next_round_does_not_wait_for_members_that_failed_or_were_excluded():
     """A peer that joined our round and then failed (or sent bad input) is not awaited in the
     next one: otherwise one misbehaving peer would hold every round until it times out."""
-    from types import SimpleNamespace
-
     from moshpit.training.modes.epoch_rounds import EpochRounds
 
     rounds = EpochRounds("me", target_group_size=8)
@@ -622,6 +621,35 @@ def test_next_round_does_not_wait_for_members_that_failed_or_were_excluded():
     assert rounds.last_members == {"honest"}
     view = SimpleNamespace(peers=[], epoch=1)
     assert rounds.awaited(view, 1) == {"honest"}
+
+
+def test_peers_behind_are_awaited_for_a_while_not_forever():
+    """Peers one epoch behind that keep reporting are on their way (stepping into our epoch
+    or loading our state) and our round waits for them, but not forever: a chaos run sat
+    90 s with three peers at 278 waiting for three at 277 that could not load 278."""
+    from moshpit.training.modes.epoch_rounds import BEHIND_PATIENCE, EpochRounds
+    from moshpit.training.progress import PeerProgress
+
+    rounds = EpochRounds("me", target_group_size=8)
+    rounds.stepped_with(SimpleNamespace(members=["me", "m1"], failed=set(), excluded={}))
+    entered = rounds.epoch_started
+    behind = [
+        PeerProgress("m1", 277, 40, 10.0, entered),
+        PeerProgress("n1", 277, 40, 10.0, entered),
+    ]
+    here = PeerProgress("h1", 278, 8, 10.0, entered)
+    view = SimpleNamespace(peers=[*behind, here], epoch=278)
+    # just entered 278: everyone reporting is awaited (reports 1 s old)
+    assert rounds.awaited(view, 278, now=entered + 1.0) == {"m1", "n1", "h1"}
+    # much later, still reporting (the reports are fresh), still behind: not any more
+    fresh = [PeerProgress(p.peer_id, p.epoch, p.samples, 10.0, entered + 100.0) for p in behind]
+    later = SimpleNamespace(peers=[*fresh, here], epoch=278)
+    assert rounds.awaited(later, 278, now=entered + BEHIND_PATIENCE + 1.0) == {"h1"}
+    # a peer with long steps gets its steps' worth more patience
+    slow = [PeerProgress("n1", 277, 40, 1.0, entered + 100.0, step_seconds=20.0), fresh[0]]
+    assert rounds.awaited(
+        SimpleNamespace(peers=slow, epoch=278), 278, now=entered + BEHIND_PATIENCE + 10.0
+    ) == {"n1"}
 
 
 def test_epoch_rounds_use_their_own_prefix():
