@@ -40,6 +40,9 @@ DEFAULT_CHECKPOINT_DIR = "moshpit-checkpoint"
 # is known (see limit_threads)
 DEFAULT_BATCH = 32
 DEFAULT_LR = 0.003
+# samples of the whole swarm per global step (sync) or outer step (diloco): about one or two
+# seconds of four demo peers (800 samples/s each)
+DEFAULT_TARGET = {"sync": 256, "diloco": 4096}
 
 
 def default_threads(cpu_count: int | None) -> int:
@@ -127,10 +130,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=("local", "sync"),
+        choices=("local", "sync", "diloco"),
         default="local",
-        help="local: local steps + background averaging; sync: one global batch "
-        "(default: %(default)s)",
+        help="local: local steps + background averaging; sync: one global batch; diloco: "
+        "local steps, and an outer step (8-bit pseudo-gradients) whenever the swarm processed "
+        "--target-batch-size samples, peers of any speed (default: %(default)s)",
     )
     parser.add_argument(
         "--batch-size",
@@ -141,9 +145,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-batch-size",
         type=int,
-        default=256,
-        help="mode sync: samples the whole swarm accumulates per optimizer step "
-        "(default: %(default)s)",
+        default=None,
+        help="samples the whole swarm processes per global step (sync) or outer step "
+        f"(diloco) (default: {DEFAULT_TARGET['sync']} in sync, {DEFAULT_TARGET['diloco']} in "
+        "diloco)",
     )
     parser.add_argument(
         "--lr", type=float, default=DEFAULT_LR, help="Adam learning rate (default: %(default)s)"
@@ -229,6 +234,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """A message for the first invalid argument, or None."""
+    if args.target_batch_size is None:
+        args.target_batch_size = DEFAULT_TARGET.get(args.mode, DEFAULT_TARGET["sync"])
     for name in ("batch_size", "target_batch_size", "group_size"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
@@ -241,7 +248,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--threads must be >= 0"
     if not args.lr > 0 or not args.report_every > 0 or not args.deadline > 0:
         return "--lr, --report-every and --deadline must be > 0"
-    if args.mode == "sync" and args.target_batch_size < args.batch_size:
+    if args.mode != "local" and args.target_batch_size < args.batch_size:
         return "--target-batch-size must be >= --batch-size"
     if args.name is not None:
         from moshpit.training.progress import check_name
@@ -381,7 +388,7 @@ def _make_optimizer(
         dht=dht,
         run_id=args.run_id,
         batch_size_per_step=args.batch_size,
-        target_batch_size=args.target_batch_size if args.mode == "sync" else None,
+        target_batch_size=args.target_batch_size if args.mode != "local" else None,
         mode=args.mode,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every_seconds=args.checkpoint_every or None,
@@ -512,6 +519,8 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
     model = make_model(seed=0)  # every peer starts from the same weights
     inner = make_optimizer(model, args.lr)
     mode_options: dict[str, Any] = {}
+    if args.mode == "diloco":
+        mode_options["compression"] = "8bit"
     try:
         opt = _make_optimizer(args, dht, inner, mode_options)
     except CheckpointError as e:  # e.g. a checkpoint of a newer moshpit, or the disk failed
