@@ -155,6 +155,8 @@ class PeerProgress:
     # whose epoch stopped moving from one that is merely slow
     epoch_since: float | None = None
     epoch_seconds: float | None = None
+    # the epoch whose state it is loading from donors (None: it is not loading)
+    catching_up: int | None = None
 
     @property
     def problem(self) -> str | None:
@@ -257,6 +259,9 @@ def parse_progress_record(
         _is_number(step) and math.isfinite(step) and 0 < step <= MAX_STEP_SECONDS
     ):
         return None, f"spt {step!r} is not a number of seconds in (0, {MAX_STEP_SECONDS:g}]"
+    catching_up = value.get("cu")
+    if catching_up is not None and not _is_int(catching_up, 0, MAX_EPOCH):
+        return None, f"cu {catching_up!r} is not an epoch"
     since, per_epoch = value.get("es"), value.get("et")
     if since is not None and not (
         _is_number(since) and math.isfinite(since) and since <= now + max_clock_skew
@@ -281,6 +286,7 @@ def parse_progress_record(
         float(step) if step is not None else None,
         float(since) if since is not None else None,
         float(per_epoch) if per_epoch is not None else None,
+        catching_up,
     )
     return record, None
 
@@ -539,6 +545,7 @@ class ProgressTracker:
         self._ewma_samples = 0.0
         self._ewma_seconds = 0.0
         self._ewma_reports = 0.0  # the reports behind those sums: seconds per step
+        self._catching_up: int | None = None  # the epoch whose state we are loading
         self._epoch_since: float | None = None  # when we entered our epoch (DHT time)
         self._epoch_seconds: float | None = None  # our recent seconds per epoch
         self._reports = 0
@@ -693,6 +700,20 @@ class ProgressTracker:
     def name(self) -> str | None:
         return self._name
 
+    def set_catching_up(self, epoch: int | None) -> None:
+        """Publish (at once) that this peer is loading the state of ``epoch`` (None: it is
+        not): the peers at that epoch then wait for it for a while, instead of moving on
+        while it downloads and leaving it behind again (see ``epoch_rounds``)."""
+        if epoch is not None and not _is_int(epoch, 0, MAX_EPOCH):
+            raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
+        with self._lock:
+            changed = epoch != self._catching_up
+            if changed:
+                self._catching_up = epoch
+                self._version += 1
+        if changed:
+            self._wake()
+
     def set_name(self, name: str | None) -> None:
         """Publish ``name`` (or none) as this peer's display name with the next record."""
         name = check_name(name)
@@ -739,6 +760,7 @@ class ProgressTracker:
                 step_seconds=step,
                 epoch_since=self._epoch_since,
                 epoch_seconds=self._epoch_seconds,
+                catching_up=self._catching_up,
             )
 
     @property
@@ -936,6 +958,8 @@ class ProgressTracker:
                 value["es"] = mine.epoch_since
             if mine.epoch_seconds is not None:
                 value["et"] = min(mine.epoch_seconds, MAX_STEP_SECONDS)
+            if mine.catching_up is not None:
+                value["cu"] = mine.catching_up
             node = self._get_node()
             client = getattr(node, "client_mode", None)
             if isinstance(client, bool):

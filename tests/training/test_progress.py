@@ -314,12 +314,21 @@ def test_epoch_timing_is_published_with_the_record():
         mine = tracker.local_progress()
         assert mine.epoch_since == clock.now
         assert mine.epoch_seconds == pytest.approx(0.7 * 4.0 + 0.3 * 10.0)
+        assert mine.catching_up is None
+        tracker.set_catching_up(9)
+        assert tracker.local_progress().catching_up == 9
+        tracker.set_catching_up(None)
+        assert tracker.local_progress().catching_up is None
     value = {"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "es": 90.0, "et": 4.0}
     record, why = parse_progress_record(
         "p", value, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
     )
     assert why is None and record.epoch_since == 90.0 and record.epoch_seconds == 4.0
-    for bad in ({"es": 1000.0}, {"es": "x"}, {"et": 0}, {"et": math.nan}):
+    record, why = parse_progress_record(
+        "p", {**value, "cu": 7}, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
+    )
+    assert why is None and record.catching_up == 7
+    for bad in ({"es": 1000.0}, {"es": "x"}, {"et": 0}, {"et": math.nan}, {"cu": -1}):
         record, why = parse_progress_record(
             "p", {**value, **bad}, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
         )

@@ -645,6 +645,12 @@ def test_peers_behind_are_awaited_for_a_while_not_forever():
     fresh = [PeerProgress(p.peer_id, p.epoch, p.samples, 10.0, entered + 100.0) for p in behind]
     later = SimpleNamespace(peers=[*fresh, here], epoch=278)
     assert rounds.awaited(later, 278, now=entered + BEHIND_PATIENCE + 1.0) == {"h1"}
+    # a peer loading the state of our epoch reports nothing while it downloads: awaited (for
+    # as long), though its last report is old and its epoch far behind
+    loading = PeerProgress("l1", 12, 0, 10.0, entered - 50.0, catching_up=278)
+    view = SimpleNamespace(peers=[here, loading], epoch=278)
+    assert "l1" in rounds.awaited(view, 278, now=entered + 10.0)
+    assert "l1" not in rounds.awaited(view, 278, now=entered + BEHIND_PATIENCE + 1.0)
     # a peer with long steps gets its steps' worth more patience
     slow = [PeerProgress("n1", 277, 40, 1.0, entered + 100.0, step_seconds=20.0), fresh[0]]
     assert rounds.awaited(

@@ -682,10 +682,14 @@ class DiLoCoMode(TrainingMode):
         before = self.state.epoch
         self.blocked_steps += 1  # a state download: this step waits for it
         logger.info("outer epoch %d is behind (%s): loading state from peers", before, why)
+        tracker = self.opt.tracker
+        tracker.set_catching_up(max(tracker.global_progress.epoch, before + 1))
         try:
             self.state.synchronize(again=True)
         except (NoDonorError, StateDownloadError) as e:  # donors gone or failing: retry later
             logger.warning("could not load state (%s)", e)
+        finally:
+            tracker.set_catching_up(None)
         if self.state.epoch != before:
             self.state_loads += 1
             self._behind_since = None

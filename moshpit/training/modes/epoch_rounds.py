@@ -80,13 +80,18 @@ class EpochRounds:
     def awaited(self, view: Any, epoch: int, now: float | None = None) -> set[str]:
         """The other peers this epoch's round must hold: the peers at our epoch
         that are stepping, those one epoch behind in the view that reported recently (on
-        their way, for a while: see ``_worth_waiting``), and the members of our last round
+        their way, for a while: see ``_worth_waiting``), those loading the state of this epoch
+        (for as long: a laggard that downloads while the swarm moves on arrives behind again,
+        and on a slow link never catches up), and the members of our last round
         unless the view shows them ahead, or behind or idle with a report older than
         ``RECENT_REPORT`` s (paused: waiting for them would stall every round)."""
         now = get_dht_time() if now is None else now
         same, _ = self.others(view, epoch)
         peers = {p.peer_id for p in self.contributing(same, now)}
         peers |= {p.peer_id for p in self.near(view, epoch) if self._worth_waiting(p, now)}
+        # peers loading the state of this very epoch: they report nothing while they download
+        patient = now - self.epoch_started < BEHIND_PATIENCE
+        peers |= {p.peer_id for p in view.peers if p.catching_up == epoch and patient}
         shown = {p.peer_id: p for p in view.peers}
         for member in self.last_members:
             p = shown.get(member)

@@ -447,10 +447,14 @@ class SyncMode(TrainingMode):
             self._pending = None
         logger.info("epoch %d is behind (%s): loading state from peers", self.state.epoch, why)
         before = self.state.epoch
+        tracker = self.opt.tracker
+        tracker.set_catching_up(max(tracker.global_progress.epoch, before + 1))
         try:
             self.state.synchronize(again=True)
         except (NoDonorError, StateDownloadError) as e:  # donors gone, slow or failing
             logger.warning("could not load state (%s): keeping ours, looking again later", e)
+        finally:
+            tracker.set_catching_up(None)
         if self.state.epoch != before:
             self.state_loads += 1
         else:  # no donor serves a newer state yet: look again a little later, not every step
