@@ -52,6 +52,7 @@ from compression import (
     Float16,
     GraVAC,
     TopK,
+    TopK2Bit,
     TwoWayCompression,
     Uniform8Bit,
 )
@@ -78,7 +79,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DiLoCoMode", "outer_prefix"]
 
-COMPRESSION_NAMES = ("none", "fp16", "8bit", "4bit", "topk")
+COMPRESSION_NAMES = ("none", "fp16", "8bit", "4bit", "topk", "sparse2bit")
 DEFAULT_INNER_STEPS = 500
 
 
@@ -123,9 +124,11 @@ def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC
             return _two_way(Uniform8Bit(outliers=False), Uniform8Bit(outliers=False)), None
         if compression == "4bit":
             return _two_way(Blockwise4Bit(), Blockwise4Bit()), None
-        if compression == "topk":
+        if compression in ("topk", "sparse2bit"):
             if not 0 < topk_density <= 1:
                 raise ValueError(f"topk_density must be in (0, 1], got {topk_density!r}")
+            if compression == "sparse2bit":  # top-k of every 4096 values, 2 bits each
+                return _two_way(TopK2Bit(topk_density), TopK2Bit(topk_density)), None
             codec = TopK(topk_density)
             return _two_way(codec, TopK(topk_density)), None
         raise ValueError(
