@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -58,7 +59,7 @@ def scratch_len(n: int, device: torch.device) -> int:
     return min(n, slice_elems(device))
 
 
-def spans(n: int, device: torch.device):
+def spans(n: int, device: torch.device) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` slices covering ``range(n)`` (slice lengths are multiples of 8)."""
     step = slice_elems(device)
     for start in range(0, n, step):
@@ -80,7 +81,7 @@ def typed(buf: torch.Tensor, dtype: torch.dtype, count: int, offset: int = 0) ->
 
 def payload(buf: torch.Tensor) -> memoryview:
     """The buffer as a zero-copy ``memoryview`` (msgpack packs it as ``bin``)."""
-    return memoryview(buf.numpy())
+    return memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 # 8 bytes holding 0/1, read as one little-endian int64, times this constant: bits land in

@@ -26,10 +26,12 @@ class _Selector(Codec):
     def compress(self, tensor: torch.Tensor, **kwargs: Any) -> CompressedTensor:
         return self._pick(tensor, **kwargs).compress(tensor)
 
-    def roundtrip(self, tensor: torch.Tensor, **kwargs: Any):
+    def roundtrip(
+        self, tensor: torch.Tensor, **kwargs: Any
+    ) -> tuple[CompressedTensor, torch.Tensor]:
         return self._pick(tensor, **kwargs).roundtrip(tensor)
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytes, dict[str, MetaValue]]:
+    def encode(self, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, MetaValue]]:
         raise TypeError(f"{type(self).__name__} delegates; call compress()")
 
     @classmethod
@@ -158,7 +160,9 @@ class GraVAC:
         ct, _ = self.compress_with_decoded(tensor, key)
         return ct
 
-    def compress_with_decoded(self, tensor: torch.Tensor, key: Hashable = None):
+    def compress_with_decoded(
+        self, tensor: torch.Tensor, key: Hashable = None
+    ) -> tuple[CompressedTensor, torch.Tensor]:
         """Like :meth:`compress`, also returning the float32 tensor the receiver decodes."""
         g = tensor.detach().to(torch.float32, copy=True)
         residual = self._residuals.get(key)
@@ -253,7 +257,9 @@ class GraVAC:
             "residuals": {k: v.cpu().clone() for k, v in self._residuals.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None):
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
         floor, cand = int(state["floor"]), int(state["cand"])
         if not 0 <= floor <= cand < len(self.factors):
             raise CompressionError("GraVAC state does not match the candidate factors")
@@ -284,5 +290,7 @@ class _GraVACCodec(_Selector):
     def compress(self, tensor: torch.Tensor, **kwargs: Any) -> CompressedTensor:
         return self.controller.select(tensor)[0]
 
-    def roundtrip(self, tensor: torch.Tensor, **kwargs: Any):
+    def roundtrip(
+        self, tensor: torch.Tensor, **kwargs: Any
+    ) -> tuple[CompressedTensor, torch.Tensor]:
         return self.controller.select(tensor)

@@ -172,7 +172,7 @@ def meta_int(ct: CompressedTensor, key: str, lo: int, hi: int) -> int:
 def meta_float(ct: CompressedTensor, key: str, *, positive: bool = False) -> float:
     """A finite float meta field (ints accepted; msgpack may turn 1.0 into 1 elsewhere)."""
     value = ct.meta.get(key)
-    if type(value) not in (int, float) or not math.isfinite(value):
+    if not isinstance(value, (int, float)) or type(value) is bool or not math.isfinite(value):
         raise MalformedMessageError(f"meta[{key!r}]={value!r} must be a finite number")
     if positive and not value > 0:
         raise MalformedMessageError(f"meta[{key!r}]={value!r} must be positive")
@@ -219,12 +219,13 @@ class Codec(abc.ABC):
         name = dtype_name(tensor.dtype)
         if name not in self.allowed_dtypes:
             raise CompressionError(f"{type(self).__name__} does not accept {tensor.dtype}")
-        payload, meta = self.encode(tensor.detach(), **kwargs)
-        if isinstance(payload, torch.Tensor):
-            payload = _bytes.payload(payload)
+        encoded, meta = self.encode(tensor.detach(), **kwargs)
+        payload = _bytes.payload(encoded) if isinstance(encoded, torch.Tensor) else encoded
         return CompressedTensor(self.codec_id, name, tuple(tensor.shape), payload, meta)
 
-    def decompress(self, ct: CompressedTensor, device: torch.device | str | None = None):
+    def decompress(
+        self, ct: CompressedTensor, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         return decompress(ct, device)
 
     def roundtrip(

@@ -34,7 +34,7 @@ def dgc_density_schedule(
     if warmup_epochs <= 0 or epoch >= warmup_epochs:
         return final_density
     stage = math.floor(max(epoch, 0.0))
-    return initial_density * (final_density / initial_density) ** (stage / warmup_epochs)
+    return float(initial_density * (final_density / initial_density) ** (stage / warmup_epochs))
 
 
 class DGCMomentum:
@@ -131,7 +131,9 @@ class DGCMomentum:
             "density": self.density,
         }
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None):
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
         if set(state.get("u", {})) != set(state.get("v", {})):
             raise CompressionError("DGC state: u and v must have the same keys")
         to = {"device": device or "cpu", "dtype": torch.float32, "copy": True}

@@ -81,7 +81,9 @@ class ErrorFeedback:
         """Residuals as CPU tensors (suitable for ``torch.save``)."""
         return {"residuals": {k: v.detach().cpu().clone() for k, v in self._residuals.items()}}
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None):
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
         """Restore residuals saved by :meth:`state_dict`, onto ``device`` (CPU by default)."""
         residuals = state.get("residuals") if isinstance(state, dict) else None
         if not isinstance(residuals, dict) or len(residuals) > self.max_keys:
@@ -137,7 +139,9 @@ class TwoWayCompression:
             "lr": self._lr,
         }
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None):
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
         self.sender.load_state_dict(state["sender"], device)
         self.reducer.load_state_dict(state["reducer"], device)
         lr = state.get("lr")

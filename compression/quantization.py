@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -76,7 +77,9 @@ def _not_equal(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Ten
     return torch.ne(a, b, out=out)
 
 
-def _scratch(n: int, device: torch.device, dtype=torch.float32, slot: int = 0) -> torch.Tensor:
+def _scratch(
+    n: int, device: torch.device, dtype: torch.dtype = torch.float32, slot: int = 0
+) -> torch.Tensor:
     """A temporary for one slice of an ``n``-element tensor; valid until this thread asks
     again for the same ``(dtype, slot)`` (callers that need two of a dtype use two slots)."""
     size = _bytes.scratch_len(n, device)
@@ -97,7 +100,9 @@ def _store(dst: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> None:
     dst.copy_(src if src.device.type == "cpu" else src.to(dtype))
 
 
-def _codes_on(ct: CompressedTensor, dtype: torch.dtype, offset: int, device: torch.device):
+def _codes_on(
+    ct: CompressedTensor, dtype: torch.dtype, offset: int, device: torch.device
+) -> torch.Tensor:
     """The 1-byte codes of a payload, moved (still narrow) to ``device``."""
     codes = _bytes.view(ct.payload, dtype, ct.numel, offset)
     return codes.to(device) if device.type != "cpu" else codes
@@ -150,7 +155,9 @@ class Uniform8Bit(Codec):
                 encoded = _encode_uniform(flat, r_lo, r_hi, clip=True, max_outliers=cap)
                 if encoded is not None:
                     return encoded
-        return _encode_uniform(flat, lo, hi, clip=False, max_outliers=None)
+        encoded = _encode_uniform(flat, lo, hi, clip=False, max_outliers=None)
+        assert encoded is not None  # without an outlier cap nothing is refused
+        return encoded
 
     @staticmethod
     def _layout(ct: CompressedTensor) -> tuple[int, int, int]:
@@ -225,10 +232,11 @@ def _encode_uniform(
         step = 1.0
     inv = 1.0 / step
     collect = max_outliers is not None
+    cap = max_outliers or 0
     pad = (-n) % 4
     # room for the worst accepted case (float32 value + 32-bit gap per outlier); pages never
     # written are never touched, and the payload is a prefix of this buffer
-    buf = _bytes.alloc(n + (pad + 8 * max_outliers if collect else 0))
+    buf = _bytes.alloc(n + (pad + 8 * cap if collect else 0))
     codes = buf[:n]
     found: list[torch.Tensor] = []
     count = 0
@@ -252,7 +260,7 @@ def _encode_uniform(
                 t = c
                 if hits.numel():
                     count += hits.numel()
-                    if count > max_outliers:
+                    if count > cap:
                         return None
                     found.append(hits.add_(start))
             elif clip:
@@ -451,7 +459,7 @@ class Blockwise8Bit(Codec):
             raise ValueError(f"block_size must be in [1, {self.MAX_BLOCK}]")
         self.block_size = block_size
 
-    def _blocks(self, n: int, device: torch.device):
+    def _blocks(self, n: int, device: torch.device) -> Iterator[tuple[int, int, int]]:
         """(first element, element count, block count) per slice of whole blocks + tail."""
         bs = self.block_size
         full = n // bs

@@ -56,13 +56,22 @@ def _encode_values(values: torch.Tensor, vbits: int, buf: torch.Tensor) -> float
     return encode_scaled_fp16(values, _bytes.typed(buf, torch.float16, k))
 
 
-def _decode_values(ct: CompressedTensor, count: int, vbits: int, device: torch.device):
+def _decode_values(
+    ct: CompressedTensor, count: int, vbits: int, device: torch.device | str
+) -> torch.Tensor:
     scale = meta_float(ct, "scale", positive=True)
     dtype = torch.float16 if vbits == 16 else torch.float32
     # copy=True: for float32 on the CPU ``.to`` would return the payload view itself, and the
     # in-place scaling wrote into the message's bytes (a second decode then scaled twice)
     values = _bytes.view(ct.payload, dtype, count).to(device, torch.float32, copy=True)
     return values.mul_(scale) if scale != 1.0 else values
+
+
+def _k_width_vbits(ct: CompressedTensor) -> tuple[int, int, int]:
+    """A TopK message's value count, index width and value bits (checked again: cheap, and
+    it keeps the decoder honest about what it reads)."""
+    k = meta_int(ct, "k", 0, ct.numel)
+    return k, meta_int(ct, "width", 0, 32), meta_int(ct, "vbits", 16, 32)
 
 
 def _validate_scale(ct: CompressedTensor) -> None:
@@ -182,7 +191,9 @@ class TopK(Codec):
         _check_finite(flat)
         return self.encode_selected(flat, self.select(flat))
 
-    def encode_selected(self, flat: torch.Tensor, indices: torch.Tensor):
+    def encode_selected(
+        self, flat: torch.Tensor, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, MetaValue]]:
         """Payload and meta sending ``flat[indices]`` (sorted, unique) and nothing else."""
         packed, width = pack_indices(indices)
         k = indices.numel()
@@ -216,7 +227,7 @@ class TopK(Codec):
     @classmethod
     def indices(cls, ct: CompressedTensor) -> torch.Tensor:
         """The (validated, sorted, unique) indices a message carries, as CPU int64."""
-        k, width, vbits = ct.meta["k"], ct.meta["width"], ct.meta["vbits"]
+        k, width, vbits = _k_width_vbits(ct)
         return unpack_indices(ct, k, width, k * vbits // 8)
 
     @classmethod
@@ -226,13 +237,13 @@ class TopK(Codec):
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
         out = torch.zeros(ct.numel, device=device)
-        k, vbits = ct.meta["k"], ct.meta["vbits"]
+        k, _, vbits = _k_width_vbits(ct)
         if k:
             out[cls.indices(ct).to(device)] = _decode_values(ct, k, vbits, device)
         return out
 
 
-def random_k_indices(n: int, k: int, seed: int, device: torch.device | str = "cpu"):
+def random_k_indices(n: int, k: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``k`` sorted distinct indices of ``range(n)``, a pure function of ``(n, k, seed)``.
 
     Stratified: one uniformly random index in each of ``k`` near-equal strata, so every
@@ -302,7 +313,9 @@ class RandomK(Codec):
 
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:
-        k, seed, vbits = ct.meta["k"], ct.meta["seed"], ct.meta["vbits"]
+        k = meta_int(ct, "k", 0, ct.numel)
+        seed = meta_int(ct, "seed", 0, _MAX_SEED)
+        vbits = meta_int(ct, "vbits", 16, 32)
         out = torch.zeros(ct.numel, device=device)
         if k:
             out[random_k_indices(ct.numel, k, seed, device)] = _decode_values(ct, k, vbits, device)

@@ -207,7 +207,9 @@ class TopK2Bit(Codec):
         nfull, tail, kt, m = _layout(n, c, k)
         nchunks = nfull + (tail > 0)
         scales = _bytes.view(ct.payload, torch.float32, 2 * nchunks).view(nchunks, 2)
-        bad = ~(torch.isfinite(scales).all(1) & (scales[:, 0] >= 0) & (scales[:, 0] <= scales[:, 1]))
+        bad = ~(
+            torch.isfinite(scales).all(1) & (scales[:, 0] >= 0) & (scales[:, 0] <= scales[:, 1])
+        )
         if nchunks and bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             lo, hi = (float(v) for v in scales[i])
@@ -225,7 +227,9 @@ class TopK2Bit(Codec):
         return positions, codes, scales
 
     @staticmethod
-    def _from_gaps(ct, at, c, k, width, nfull, tail, kt) -> torch.Tensor:
+    def _from_gaps(
+        ct: CompressedTensor, at: int, c: int, k: int, width: int, nfull: int, tail: int, kt: int
+    ) -> torch.Tensor:
         m = nfull * k + kt
         packed = _bytes.view(ct.payload, torch.uint8, _bytes.packed_bits_nbytes(m * width), at)
         gaps = _bytes.unpack_uint(packed, m, width) if width else torch.zeros(m, dtype=torch.int64)
@@ -246,7 +250,9 @@ class TopK2Bit(Codec):
         return torch.cat([(full + starts).view(-1), last + nfull * c])
 
     @staticmethod
-    def _from_bitmap(ct, at, c, k, nfull, tail, kt) -> torch.Tensor:
+    def _from_bitmap(
+        ct: CompressedTensor, at: int, c: int, k: int, nfull: int, tail: int, kt: int
+    ) -> torch.Tensor:
         n = ct.numel
         packed = _bytes.view(ct.payload, torch.uint8, _bytes.packed_bits_nbytes(n), at)
         bits = _bytes.unpack_bits(packed, n)
@@ -268,7 +274,7 @@ class TopK2Bit(Codec):
         positions, codes, scales = cls.parse(ct)
         out = torch.zeros(ct.numel, device=device)
         if positions.numel():
-            c = ct.meta["chunk"]
+            c = meta_int(ct, "chunk", 1, TopK2Bit.MAX_CHUNK)
             level = scales.reshape(-1)[(positions // c) * 2 + (codes >> 1).to(torch.int64)]
             values = torch.where((codes & 1).bool(), -level, level)
             out[positions.to(device)] = values.to(device)
