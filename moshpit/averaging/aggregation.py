@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -146,7 +147,9 @@ class WeightedMean(Aggregator):
 class _StoredChunk(ChunkAggregation):
     """Keeps all contributions; subclasses compute a robust center from them."""
 
-    def __init__(self, numel: int, combine) -> None:
+    def __init__(
+        self, numel: int, combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> None:
         super().__init__(numel)
         self.values: list[torch.Tensor] = []
         self.weights: list[float] = []

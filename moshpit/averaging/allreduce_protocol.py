@@ -266,7 +266,7 @@ def raw_float32_destination(numel: int, target: torch.Tensor | None = None) -> D
         if ct.get("codec") != RAW_CODEC_ID or ct.get("dtype") != "float32" or n != 4 * numel:
             return None
         into = torch.empty(numel, dtype=torch.float32) if target is None else target
-        return memoryview(into.view(torch.uint8).numpy())
+        return memoryview(into.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
     return choose
 
@@ -426,5 +426,5 @@ def raw_float32(values: torch.Tensor) -> CompressedTensor:
     for the caller's tensors during a round and for finalized chunk results).
     """
     flat = values.reshape(-1)
-    payload = memoryview(flat.view(torch.uint8).numpy())
+    payload = memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
     return CompressedTensor(RAW_CODEC_ID, "float32", (flat.numel(),), payload, {})

@@ -215,9 +215,7 @@ class PartReducer:
         """The senders whose contribution chunk ``k`` lacks: every sender but those that were
         added to it and those that declared weight 0 (they never contribute)."""
         return tuple(
-            s
-            for s in self.senders
-            if s not in self._added[k] and self.declared.get(s, 1.0) > 0
+            s for s in self.senders if s not in self._added[k] and self.declared.get(s, 1.0) > 0
         )
 
     async def _add_deferred(self) -> None:

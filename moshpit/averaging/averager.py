@@ -31,9 +31,9 @@ import torch
 import trio
 
 from moshpit.averaging.aggregation import make_aggregator
-from moshpit.averaging.allreduce import AllReduceService
+from moshpit.averaging.allreduce import AllReduceResult, AllReduceService
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
-from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE
+from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE, GroupInfo
 from moshpit.averaging.group_keys import GroupKeyManager
 from moshpit.averaging.matchmaking import (
     MAX_GATHER_BYTES,
@@ -162,7 +162,7 @@ class _CountingBackend(DHTMatchmakingBackend):
         self.schema = schema
         self.seen: dict[str, set[Any]] = {}
 
-    async def list_candidates(self, key: str) -> list:
+    async def list_candidates(self, key: str) -> list[Any]:
         found = await super().list_candidates(key)
         seen = self.seen.setdefault(key, set())
         if len(seen) < 1 << 16:  # bounded: a key holds at most max_subkeys_per_key records
@@ -570,7 +570,7 @@ class Averager:
         gather: Any = None,
         timeout: float | None = None,
         wait: bool = True,
-    ) -> StepResult | concurrent.futures.Future:
+    ) -> StepResult | concurrent.futures.Future[StepResult]:
         """Average once (sync API). With ``wait=False`` returns a ``concurrent.futures.Future``.
 
         Only for averagers built on a ``DHT`` facade; trio code awaits :meth:`astep`.
@@ -594,6 +594,7 @@ class Averager:
         async def run(_dht: Any, _node: Any) -> StepResult:
             return await self.astep(weight=weight, gather=gather, timeout=timeout)
 
+        future: concurrent.futures.Future[StepResult]
         future = self._facade.run_coroutine(run, return_future=True)
         return future.result() if wait else future
 
@@ -685,14 +686,23 @@ class Averager:
     async def _count_declared(self, key: str, out: list[int]) -> None:
         """Distinct peers of our schema declared under ``key`` (appended to ``out``)."""
         with trio.move_on_after(self.request_timeout):
-            found = await self._mm_backend.list_candidates(key)  # not counted: other key
-            out.append(len({c.peer for c in found if self.schema is None or c.schema == self.schema}))
+            found = await self._attached()[1].list_candidates(key)  # not counted: other key
+            out.append(
+                len({c.peer for c in found if self.schema is None or c.schema == self.schema})
+            )
 
     def _hard_step_bound(self) -> float:
         """The longest a step without ``timeout`` should take: its phases' timeouts. A step
         is abandoned ``HARD_STEP_SLACK`` seconds after this (or after its own ``timeout``),
         whatever it waits for; the phases' own timeouts should always end it before."""
         return self.matchmaking_timeout + self.allreduce_timeout + 4 * self.request_timeout
+
+    def _attached(self) -> tuple[Matchmaker, _CountingBackend, AllReduceService, Any]:
+        """The parts :meth:`start` attached (a step before it is a bug in the caller)."""
+        mm, backend, allreduce = self.matchmaker, self._mm_backend, self._allreduce
+        if mm is None or backend is None or allreduce is None or self._host is None:
+            raise RuntimeError("the averager is not started: call .start() first")
+        return mm, backend, allreduce, self._host
 
     async def _step(
         self, key: str, weight: float, gather: Any, started: float, end: float
@@ -702,44 +712,11 @@ class Averager:
         mode, why = self._round_mode()
         if mode is None:
             return StepResult(False, key, reason=why, next_group_key=key)
-        if mode != self.matchmaker.mode:
-            logger.info("averaging in %s mode%s", mode, f": {why}" if why else "")
-            self.matchmaker.mode = mode
-        # the key length may have changed since the last round (adaptive grid)
-        self.matchmaker.start_when_all_joined = self.keys.num_bits == 0
-        self._mm_backend.seen.clear()
-        longer_key = self.keys.longer_key()  # adaptive grids: is the swarm ahead of us?
-        longer_count: list[int] = []
-        async with trio.open_nursery() as probing:
-            if longer_key is not None:
-                probing.start_soon(self._count_declared, longer_key, longer_count)
-            group = await self.matchmaker.look_for_group(key, matchmaking_deadline, gather)
-            # evidence only: worth a short wait at most (one round in PROBE_EVERY)
-            probing.cancel_scope.deadline = trio.current_time() + PROBE_WAIT_SECONDS
-        self.in_group = group is not None
+        group, declared = await self._find_group(key, mode, why, matchmaking_deadline, gather)
         matchmaking_seconds = trio.current_time() - started
-        declared = self._mm_backend.take_count(key)
-        if longer_count:
-            self.keys.observe_longer(longer_count[0], declared)
-        conflicts = self.matchmaker.last_schema_conflicts
-        # a conflict is logged once (WARNING when it leaves us alone), then at DEBUG: the
-        # peer stays under the key round after round, and nothing new is learned
-        first_time = bool(self._schema_memory.first_warning(conflicts))
         if group is None:
             next_key = self.keys.update_without_group(declared)
-            reason = (
-                f"no group of >= {self.min_group_size} formed under {key} "
-                f"within {matchmaking_deadline - started:.3g}s"
-            )
-            if conflicts:
-                reason += (
-                    f"; {len(conflicts)} peer(s) there average tensors of another schema, so "
-                    f"they are never grouped with this peer ({self.schema_description}, "
-                    f"schema {self.schema.hex()[:12]}): {next(iter(conflicts.values()))}. "
-                    "Check that every peer under this prefix averages the same model"
-                )
-                log = logger.warning if first_time else logger.debug
-                log("averaging step under %s: %s", key, reason)
+            reason = self._alone_reason(key, matchmaking_deadline - started)
             return StepResult(
                 False,
                 key,
@@ -748,19 +725,13 @@ class Averager:
                 timed_out=True,
                 next_group_key=next_key,
             )
-        if conflicts:
-            (logger.info if first_time else logger.debug)(
-                "%d peer(s) under %s average tensors of another schema (not grouped with)",
-                len(conflicts),
-                key,
-            )
-        me = self._host.peer_id
         if self._before_allreduce is not None:  # test/demo hook (e.g. die mid-round)
             await self._before_allreduce(group)
         # waiting for the tensor lock counts against the all-reduce's time (and the step's)
         allreduce_end = trio.current_time() + min(
             self.allreduce_timeout, max(end - trio.current_time(), 1e-3)
         )
+        me = self._attached()[3].peer_id
         if not await self._acquire_lock(allreduce_end):
             next_key = self.keys.update_after_round(group.group_id, group.members, me, declared)
             reason = (
@@ -779,26 +750,8 @@ class Averager:
                 timed_out=True,
                 next_group_key=next_key,
             )
-        allreduce_timeout = max(allreduce_end - trio.current_time(), 1e-3)
         try:
-            result = await self._allreduce.run(
-                group,
-                self._tensors,
-                weight=0.0 if self.mode == MODE_AUX else weight,
-                compression=self.compression,
-                timeout=allreduce_timeout,
-                sender_timeout=self.sender_timeout,
-                reducer_timeout=self.reducer_timeout,
-                numel=self._numel,
-                out=self._out_buffers(),
-                uplink_rate=self.bandwidth if self.pace_uplink else None,
-                aggregation=self.aggregation,
-            )
-            if result.wire_bytes_per_value is not None:
-                # the next groups learn how dense our codec is (it sizes their chunks)
-                self.matchmaker.bytes_per_value = result.wire_bytes_per_value
-            if result.averaged is not None:
-                await self._write(result.averaged)
+            result = await self._run_allreduce(group, weight, allreduce_end)
         finally:
             self._lock.release()
         failed = result.failed_peers
@@ -826,6 +779,82 @@ class Averager:
             next_group_key=next_key,
             group_deviation=result.deviation,
         )
+
+    async def _find_group(
+        self, key: str, mode: str, why: str, deadline: float, gather: Any
+    ) -> tuple[GroupInfo | None, int]:
+        """Matchmaking under ``key`` until ``deadline``: the group (None: none formed) and
+        how many peers of our schema declared there (the grid's evidence)."""
+        matchmaker, backend, _, _ = self._attached()
+        if mode != matchmaker.mode:
+            logger.info("averaging in %s mode%s", mode, f": {why}" if why else "")
+            matchmaker.mode = mode
+        # the key length may have changed since the last round (adaptive grid)
+        matchmaker.start_when_all_joined = self.keys.num_bits == 0
+        backend.seen.clear()
+        longer_key = self.keys.longer_key()  # adaptive grids: is the swarm ahead of us?
+        longer_count: list[int] = []
+        async with trio.open_nursery() as probing:
+            if longer_key is not None:
+                probing.start_soon(self._count_declared, longer_key, longer_count)
+            group = await matchmaker.look_for_group(key, deadline, gather)
+            # evidence only: worth a short wait at most (one round in PROBE_EVERY)
+            probing.cancel_scope.deadline = trio.current_time() + PROBE_WAIT_SECONDS
+        self.in_group = group is not None
+        declared = backend.take_count(key)
+        if longer_count:
+            self.keys.observe_longer(longer_count[0], declared)
+        conflicts = matchmaker.last_schema_conflicts
+        if conflicts and group is not None:
+            # logged once at INFO, then at DEBUG: the peer stays under the key round after
+            # round, and nothing new is learned (alone, _alone_reason says it as a WARNING)
+            (logger.info if self._schema_memory.first_warning(conflicts) else logger.debug)(
+                "%d peer(s) under %s average tensors of another schema (not grouped with)",
+                len(conflicts),
+                key,
+            )
+        return group, declared
+
+    def _alone_reason(self, key: str, waited: float) -> str:
+        """Why no group formed under ``key``; a schema conflict is logged (WARNING once)."""
+        reason = f"no group of >= {self.min_group_size} formed under {key} within {waited:.3g}s"
+        conflicts = self._attached()[0].last_schema_conflicts
+        if conflicts:
+            reason += (
+                f"; {len(conflicts)} peer(s) there average tensors of another schema, so "
+                f"they are never grouped with this peer ({self.schema_description}, "
+                f"schema {self.schema.hex()[:12]}): {next(iter(conflicts.values()))}. "
+                "Check that every peer under this prefix averages the same model"
+            )
+            first_time = bool(self._schema_memory.first_warning(conflicts))
+            (logger.warning if first_time else logger.debug)(
+                "averaging step under %s: %s", key, reason
+            )
+        return reason
+
+    async def _run_allreduce(self, group: GroupInfo, weight: float, end: float) -> AllReduceResult:
+        """All-reduce with ``group`` until ``end`` and write the average into our tensors
+        (the caller holds the tensor lock)."""
+        matchmaker, _, allreduce, _ = self._attached()
+        result = await allreduce.run(
+            group,
+            self._tensors,
+            weight=0.0 if self.mode == MODE_AUX else weight,
+            compression=self.compression,
+            timeout=max(end - trio.current_time(), 1e-3),
+            sender_timeout=self.sender_timeout,
+            reducer_timeout=self.reducer_timeout,
+            numel=self._numel,
+            out=self._out_buffers(),
+            uplink_rate=self.bandwidth if self.pace_uplink else None,
+            aggregation=self.aggregation,
+        )
+        if result.wire_bytes_per_value is not None:
+            # the next groups learn how dense our codec is (it sizes their chunks)
+            matchmaker.bytes_per_value = result.wire_bytes_per_value
+        if result.averaged is not None:
+            await self._write(result.averaged)
+        return result
 
     def _round_mode(self) -> tuple[str | None, str]:
         """This round's mode and why it differs from ``self.mode`` (None: sit it out).

@@ -49,7 +49,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -66,6 +66,10 @@ from moshpit.averaging.group_info import (
     valid_bytes_per_value,
 )
 from moshpit.netutil import is_network_error, short
+
+if TYPE_CHECKING:
+    from dht.p2p.host import Host
+    from dht.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,8 @@ MAX_TRIES = 3  # join attempts per declaration that answered "busy"/timed out/re
 MAX_SCHEMA_BYTES = 64  # a tensor-schema hash (the averager sends 16 bytes)
 MAX_WHY_CHARS = 512  # a reject reason we keep from another peer
 RETRY = "retry"  # outcome of a join attempt worth repeating later in the round
+# what one join attempt ends with: a group, RETRY, a redirect (peer, its addresses) or None
+JoinOutcome = GroupInfo | tuple[Any, tuple[str, ...]] | str | None
 BUSY = "busy: asking another leader, retry shortly"
 SCHEMA_MISMATCH = "tensor schema mismatch"  # prefix of the reject reason for other tensors
 MAX_SCHEMA_MEMORY = 1024  # peers of another schema remembered across rounds (oldest dropped)
@@ -215,7 +221,7 @@ class MatchmakingBackend(Protocol):
     def decode_group(self, msg: Any) -> GroupInfo: ...
 
     def register(
-        self, prefix: str, handler: Callable[[MsgStream, dict], Awaitable[None]]
+        self, prefix: str, handler: Callable[[MsgStream, dict[str, Any]], Awaitable[None]]
     ) -> None: ...
 
     def unregister(self, prefix: str) -> None: ...
@@ -286,7 +292,7 @@ class JoinRequest:
         return msg
 
     @classmethod
-    def from_msg(cls, msg: Mapping) -> JoinRequest:
+    def from_msg(cls, msg: Mapping[str, Any]) -> JoinRequest:
         try:
             key, mode, bw, size = msg["key"], msg["m"], msg.get("bw"), msg.get("n", 1)
             order = _finite(msg["x"], "order")
@@ -346,10 +352,10 @@ class _Lead:
     """The followers we currently lead and what we will tell them; replaced when we merge away."""
 
     followers: dict[Any, _Member] = field(default_factory=dict)
-    outcome: dict | None = None  # group / redirect / reject
+    outcome: dict[str, Any] | None = None  # group / redirect / reject
     outcome_event: trio.Event = field(default_factory=trio.Event)
 
-    def conclude(self, outcome: dict) -> None:
+    def conclude(self, outcome: dict[str, Any]) -> None:
         if self.outcome is None:
             self.outcome = outcome
             self.outcome_event.set()
@@ -370,7 +376,7 @@ class _Round:
     changed: trio.Event = field(default_factory=trio.Event)
     # peers declared under the key at the last read that began after the newest follower
     # joined (None: no such read yet); when all of them follow us we need not wait longer
-    declared: frozenset | None = None
+    declared: frozenset[Any] | None = None
     joins: int = 0  # followers accepted so far (a read that overlaps a join is not trusted)
     # peers that average tensors of another schema: never grouped with, reported if alone
     schema_conflicts: dict[Any, str] = field(default_factory=dict)
@@ -738,8 +744,11 @@ class Matchmaker:
                 break
         return RETRY if retry else None
 
-    async def _try_join(self, rnd: _Round, peer: Any, addrs: tuple[str, ...]):
-        """One join attempt. Returns a GroupInfo, None (failed) or ``(peer, addrs)`` to try next."""
+    async def _try_join(
+        self, rnd: _Round, peer: Any, addrs: tuple[str, ...]
+    ) -> JoinOutcome:
+        """One join attempt. Returns a GroupInfo, None (failed), :data:`RETRY` or
+        ``(peer, addrs)`` to try next."""
         remaining = rnd.deadline - trio.current_time()
         if remaining <= 0:
             return None
@@ -820,7 +829,7 @@ class Matchmaker:
                         if not is_network_error(e):
                             raise
 
-    def _silence_limit(self, accepted: Mapping) -> float:
+    def _silence_limit(self, accepted: Mapping[str, Any]) -> float:
         """How long a follower waits for a word from its leader (inf: it sends none)."""
         interval = accepted.get("hb")
         if interval is None:
@@ -831,7 +840,7 @@ class Matchmaker:
             raise MatchmakingError(f"bad 'accepted' reply: {e}") from None
         return max(3 * interval, self.request_timeout)
 
-    def _parse_reply(self, reply: Any, accepted_ok: bool = True):
+    def _parse_reply(self, reply: Any, accepted_ok: bool = True) -> tuple[str, JoinOutcome]:
         if not isinstance(reply, Mapping):
             raise MatchmakingError("matchmaking reply must be a map")
         kind = reply.get("t")
@@ -859,7 +868,7 @@ class Matchmaker:
 
     # ---- the leading side ----
 
-    async def handle_join(self, stream: MsgStream, msg: dict) -> None:
+    async def handle_join(self, stream: MsgStream, msg: dict[str, Any]) -> None:
         """Serve one join request (the dispatcher already read ``msg`` from ``stream``)."""
         peer = stream.remote_peer
         try:
@@ -873,7 +882,7 @@ class Matchmaker:
             return
         rnd = self._round
         why = self._refusal(rnd, peer, request)
-        if why == "redirect":
+        if why == "redirect" and rnd is not None:
             await stream.send_msg(
                 {
                     "t": "redirect",
@@ -882,8 +891,8 @@ class Matchmaker:
                 }
             )
             return
-        if why is not None:
-            await stream.send_msg({"t": "reject", "why": why})
+        if why is not None or rnd is None:  # (_refusal says why whenever there is no round)
+            await stream.send_msg({"t": "reject", "why": why or "not looking for a group"})
             return
         member = _Member(
             peer,
@@ -894,19 +903,26 @@ class Matchmaker:
             request.addrs,
             request.bytes_per_value,
         )
-        lead = rnd.lead
-        lead.followers[peer] = member
+        rnd.lead.followers[peer] = member
         rnd.joins += 1
         rnd.declared = None  # someone else may be on the way: read the key again first
         rnd.notify()
+        await self._serve_follower(stream, rnd, member, request.heartbeats)
+
+    async def _serve_follower(
+        self, stream: MsgStream, rnd: _Round, member: _Member, heartbeats: bool
+    ) -> None:
+        """Hold an accepted follower's stream until the group forms (then send it the group),
+        the follower leaves, or its deadline passes; heartbeats tell it we are still here."""
+        lead, peer = rnd.lead, member.peer
         interval = min(HEARTBEAT_SECONDS, self.request_timeout / 3)
         try:
             accepted: dict[str, Any] = {"t": "accepted"}
-            if request.heartbeats:
+            if heartbeats:
                 accepted["hb"] = interval
             await stream.send_msg(accepted)
             async with trio.open_nursery() as nursery:
-                if request.heartbeats:
+                if heartbeats:
 
                     async def heartbeat() -> None:
                         while lead.outcome is None:
@@ -1011,7 +1027,7 @@ class MatchmakingDispatcher:
     registered under its prefix, so several averagers can share one Host."""
 
     def __init__(self, first_message_timeout: float = 10.0):
-        self.handlers: dict[str, Callable[[MsgStream, dict], Awaitable[None]]] = {}
+        self.handlers: dict[str, Callable[[MsgStream, dict[str, Any]], Awaitable[None]]] = {}
         self.first_message_timeout = first_message_timeout
 
     async def handle_stream(self, stream: MsgStream) -> None:
@@ -1074,7 +1090,9 @@ class DHTMatchmakingBackend:
 
         self._PeerID = PeerID
         self.node = node
-        self.host = node.host
+        if node.host is None:
+            raise ValueError("the DHT node has no Host (a loopback-fabric node cannot average)")
+        self.host: Host = node.host
         self.dispatcher = dispatcher_for_host(self.host)
 
     @property
@@ -1166,7 +1184,7 @@ class DHTMatchmakingBackend:
                 self.host.peerstore.add_addrs(peer, parsed)
         return await self.host.new_stream(peer, MATCHMAKING_PROTOCOL, timeout=dial_timeout)
 
-    def peer_to_bytes(self, peer: Any) -> bytes:
+    def peer_to_bytes(self, peer: PeerID) -> bytes:
         return peer.to_bytes()
 
     def peer_from_bytes(self, data: bytes) -> Any:
@@ -1175,7 +1193,9 @@ class DHTMatchmakingBackend:
     def decode_group(self, msg: Any) -> GroupInfo:
         return GroupInfo.from_msg(msg)
 
-    def register(self, prefix: str, handler: Callable[[MsgStream, dict], Awaitable[None]]) -> None:
+    def register(
+        self, prefix: str, handler: Callable[[MsgStream, dict[str, Any]], Awaitable[None]]
+    ) -> None:
         if prefix in self.dispatcher.handlers:
             raise ValueError(f"an averager with prefix {prefix!r} already runs on this host")
         self.dispatcher.handlers[prefix] = handler

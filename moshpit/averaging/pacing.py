@@ -121,7 +121,7 @@ class UplinkPacer:
             left = per_dest.get(dest, 0)
             cap = rate * left / total if left > 0 and rate is not None else None
             applied = self._applied.get(dest, _NEVER)
-            if applied is _NEVER or applied is None or cap is None:
+            if not isinstance(applied, float) or cap is None:  # never set, or no cap
                 changed = cap is not applied
             else:
                 changed = abs(cap - applied) > CHANGE_TO_APPLY * applied

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +51,7 @@ class TensorLayout:
     def numel(self) -> int:
         return self.offsets[-1]
 
-    def _pieces(self, start: int, end: int):
+    def _pieces(self, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
         """Yield (tensor index, start within tensor, end within tensor, flat start) covering [start, end)."""
         if not 0 <= start <= end <= self.numel:
             raise IndexError(f"range [{start}, {end}) outside a flat vector of {self.numel}")
@@ -77,7 +77,8 @@ def single_view(
     t = tensors[i]
     if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
         return None
-    return t.detach().view(-1)[lo:hi]
+    view: torch.Tensor = t.detach().view(-1)[lo:hi]
+    return view
 
 
 def gather_copies(
@@ -148,11 +149,10 @@ def part_sizes(group: GroupInfo, total: int) -> list[int]:
     reducers = group.reducer_indices
     if not reducers:
         raise GroupInfoError("the group has no member that can reduce (all are clients)")
-    known = [group.bandwidths[i] for i in reducers if group.bandwidths[i] is not None]
+    given = [group.bandwidths[i] for i in reducers]
+    known = [b for b in given if b is not None]
     fill = sum(known) / len(known) if known else 1.0
-    shares = [
-        float(group.bandwidths[i]) if group.bandwidths[i] is not None else fill for i in reducers
-    ]
+    shares = [float(b) if b is not None else fill for b in given]
     norm = sum(shares)
     exact = [total * s / norm for s in shares]
     sizes = [int(x) for x in exact]
