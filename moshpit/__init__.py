@@ -31,6 +31,7 @@ _LAZY = {
     "NoDonorError": "moshpit.training.errors",
     "StateDownloadError": "moshpit.training.errors",
     "NonFiniteStateError": "moshpit.training.health",
+    "AveragingError": "moshpit.averaging.errors",
     "AveragerLockError": "moshpit.averaging.averager",
     "BootstrapError": "dht.kademlia.errors",
     "IdentityInUseError": "dht.p2p.errors",

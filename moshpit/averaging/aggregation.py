@@ -40,8 +40,10 @@ from collections.abc import Callable
 
 import torch
 
+from moshpit.averaging.errors import AveragingError
 
-class NonFiniteContribution(ValueError):
+
+class NonFiniteContribution(AveragingError, ValueError):
     """A contribution holds NaN or +-Inf; :meth:`ChunkAggregation.add` changed nothing."""
 
 

@@ -42,6 +42,7 @@ from compression import (
     decompress_into,
 )
 from dht.p2p.errors import MessageTooLargeError
+from moshpit.averaging.errors import AveragingError
 
 if TYPE_CHECKING:
     from dht.p2p import P2PStream
@@ -68,11 +69,11 @@ with warnings.catch_warnings():
     torch.frombuffer(bytes(4), dtype=torch.float32)
 
 
-class ProtocolError(Exception):
+class ProtocolError(AveragingError):
     """A peer sent something invalid; ``str(e)`` is the reason recorded in the result."""
 
 
-class RemoteAbort(Exception):
+class RemoteAbort(AveragingError):
     """The other side ended our exchange with an error message (its reason is the text).
 
     ``left_out``: the reducer says it left our contribution out of its part (we stalled or

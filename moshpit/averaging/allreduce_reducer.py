@@ -40,6 +40,7 @@ import trio
 
 from moshpit.averaging.aggregation import Aggregator, NonFiniteContribution
 from moshpit.averaging.allreduce_protocol import all_finite
+from moshpit.averaging.errors import AveragingError
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def effective_weights(declared: dict[int, float], max_ratio: float) -> dict[int,
     return {s: (w / total if total > 0 else 0.0) for s, w in clipped.items()}
 
 
-class SenderFailed(Exception):
+class SenderFailed(AveragingError):
     """This sender was left out of the part (its reason is the text)."""
 
 

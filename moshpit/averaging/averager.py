@@ -33,6 +33,7 @@ import trio
 from moshpit.averaging.aggregation import make_aggregator
 from moshpit.averaging.allreduce import AllReduceResult, AllReduceService
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
+from moshpit.averaging.errors import AveragingError
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE, GroupInfo
 from moshpit.averaging.group_keys import GroupKeyManager
 from moshpit.averaging.matchmaking import (
@@ -84,7 +85,7 @@ def default_matchmaking_timeout(min_matchmaking_time: float, request_timeout: fl
     return max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)
 
 
-class AveragerLockError(RuntimeError):
+class AveragerLockError(AveragingError, RuntimeError):
     """A call would wait for the tensor lock that this same thread holds (a certain deadlock),
     or would block the DHT's event loop, which the running step needs to finish."""
 

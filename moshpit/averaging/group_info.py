@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from moshpit.averaging.errors import AveragingError
+
 if TYPE_CHECKING:  # dht.p2p is imported lazily so this module stays cheap to import
     from dht.p2p import PeerID
 
@@ -37,7 +39,7 @@ def valid_bytes_per_value(value: object) -> bool:
     )
 
 
-class GroupInfoError(ValueError):
+class GroupInfoError(AveragingError, ValueError):
     """A GroupInfo (built locally or received from the network) is inconsistent."""
 
 

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from moshpit.averaging.errors import AveragingError
 from moshpit.averaging.group_info import (
     MAX_ADDR_CHARS,
     MAX_ADDRS_PER_MEMBER,
@@ -102,7 +103,7 @@ SCHEMA_MISMATCH = "tensor schema mismatch"  # prefix of the reject reason for ot
 MAX_SCHEMA_MEMORY = 1024  # peers of another schema remembered across rounds (oldest dropped)
 
 
-class MatchmakingError(Exception):
+class MatchmakingError(AveragingError):
     """A matchmaking message from another peer was malformed."""
 
 
@@ -744,9 +745,7 @@ class Matchmaker:
                 break
         return RETRY if retry else None
 
-    async def _try_join(
-        self, rnd: _Round, peer: Any, addrs: tuple[str, ...]
-    ) -> JoinOutcome:
+    async def _try_join(self, rnd: _Round, peer: Any, addrs: tuple[str, ...]) -> JoinOutcome:
         """One join attempt. Returns a GroupInfo, None (failed), :data:`RETRY` or
         ``(peer, addrs)`` to try next."""
         remaining = rnd.deadline - trio.current_time()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 # the record reading moved to moshpit/training/run_records.py (shared with the dashboard)
+from moshpit.netutil import short
 from moshpit.training.run_records import (  # noqa: F401 - re-exported names
     DIGEST_BYTES,
     MAX_DONOR_RECORDS,
@@ -183,7 +184,7 @@ def health_verdict(snapshot: Snapshot, stall_after: float) -> tuple[bool, str]:
     if sick:
         problems.append(
             f"{len(sick)} unhealthy peer(s): "
-            + ", ".join(f"{_short(p.peer_id)} ({p.problem})" for p in sick[:4])
+            + ", ".join(f"{short(p.peer_id)} ({p.problem})" for p in sick[:4])
             + (", ..." if len(sick) > 4 else "")
         )
     complete = [d.epoch for d in snapshot.donors if d.complete]
@@ -257,10 +258,6 @@ def to_json(snapshot: Snapshot, healthy: bool, verdict: str) -> dict[str, Any]:
     }
 
 
-def _short(peer_id: str) -> str:
-    return peer_id[-6:]  # as PeerID.short() shows it in logs
-
-
 def _age(seconds: float) -> str:
     return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
 
@@ -289,7 +286,7 @@ def print_table(snapshot: Snapshot, verdict: str) -> None:
         donor = donor_of.get(p.peer_id)
         listed.add(p.peer_id)
         # a name is the peer's own text: a Text, never parsed as rich markup
-        peer = Text(_short(p.peer_id) + (f" {p.name}" if p.name else ""))
+        peer = Text(short(p.peer_id) + (f" {p.name}" if p.name else ""))
         table.add_row(
             peer,
             str(p.epoch),
@@ -302,7 +299,7 @@ def print_table(snapshot: Snapshot, verdict: str) -> None:
         )
     for donor in snapshot.donors:  # donors that do not train (no progress record)
         if donor.peer_id not in listed:
-            table.add_row(_short(donor.peer_id), "-", "-", "-", "-", "-", _donor_cell(donor), "")
+            table.add_row(short(donor.peer_id), "-", "-", "-", "-", "-", _donor_cell(donor), "")
     console = Console(width=max(100, Console().width))
     console.print(table)
     eta = "" if view.eta_seconds is None else f", next global step in ~{view.eta_seconds:.0f}s"
@@ -314,7 +311,7 @@ def print_table(snapshot: Snapshot, verdict: str) -> None:
         highlight=False,
     )
     for peer, reason in sorted({**view.ignored, **snapshot.ignored_donors}.items())[:10]:
-        console.print(f"note: {_short(peer)}: {reason}", markup=False, highlight=False)
+        console.print(f"note: {short(peer)}: {reason}", markup=False, highlight=False)
     sys.stdout.write(verdict + "\n")  # plain, unwrapped: the last line is the verdict
     sys.stdout.flush()
 

@@ -19,6 +19,7 @@ USER_ERRORS = [
     "NoDonorError",
     "StateDownloadError",
     "NonFiniteStateError",
+    "AveragingError",
     "AveragerLockError",
     "BootstrapError",
     "IdentityInUseError",
@@ -35,6 +36,25 @@ def test_user_facing_errors_are_exported_from_moshpit_and_documented():
         assert re.search(rf"^::: [\w.]+\.{name}$", API, re.M), f"{name} is not in docs/api.md"
     assert issubclass(moshpit.CheckpointDirInUseError, moshpit.CheckpointError)
     assert issubclass(moshpit.NonFiniteStateError, moshpit.StateError)
+
+
+def test_every_error_of_the_averaging_layer_derives_from_averaging_error():
+    """One ``except moshpit.AveragingError`` catches whatever the layer raises on purpose."""
+    import moshpit.averaging as package
+
+    found = []
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        module = importlib.import_module(f"moshpit.averaging.{path.stem}")
+        for name, value in vars(module).items():
+            if (
+                not name.startswith("_")  # internal control flow (a round that ended)
+                and isinstance(value, type)
+                and issubclass(value, Exception)
+                and value.__module__ == module.__name__
+            ):
+                found.append(value)
+                assert issubclass(value, moshpit.AveragingError), value
+    assert len(found) >= 6, found  # GroupInfoError, MatchmakingError, ProtocolError, ...
 
 
 def load_hook():
