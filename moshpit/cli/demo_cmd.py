@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+from moshpit.cli.signals import sigint_ignored
+
 CODECS = ("none", "float16", "uint8", "blockwise8", "topk")
 WORKER_STARTUP_TIMEOUT = 60.0
 
@@ -543,22 +545,10 @@ def _run(args: argparse.Namespace, console: Any, progress: _Progress) -> int:
         return 0 if converged else 1
     finally:
         # a second Ctrl-C must not leave peers running: finish the clean-up first
-        with _sigint_ignored():
+        with sigint_ignored():
             _stop_workers(workers)
             if bootstrap is not None:
                 bootstrap.shutdown()
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Any:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _stop_workers(workers: list[Worker], grace: float = 5.0) -> None:

@@ -48,8 +48,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from moshpit.cli.demo_cmd import _sigint_ignored
 from moshpit.cli.render import SpareColumns
+from moshpit.cli.signals import sigint_ignored
 
 STARTUP_TIMEOUT = 90.0
 SYNC_TARGET_BATCH = 256  # mode sync: samples per global optimizer step
@@ -359,7 +359,7 @@ def _run(args: argparse.Namespace, console: Any, data: Any, record: Record) -> i
             outcome = _drive(args, console, swarm, record)
         finally:
             # a second Ctrl-C must not leave peers running: finish the clean-up first
-            with _sigint_ignored():
+            with sigint_ignored():
                 if dashboard is not None:
                     dashboard.stop()
                 if swarm is not None:
