@@ -40,7 +40,6 @@ LONG_FUNCTIONS = {
     "moshpit/averaging/matchmaking.py:_try_join": 82,
     "moshpit/cli/demo_cmd.py:worker_main": 128,
     "moshpit/cli/demo_cmd.py:_run": 124,
-    "moshpit/cli/train_cmd.py:configure_parser": 140,
     "moshpit/cli/train_demo.py:_drive": 117,
     "moshpit/cli/train_demo.py:_conclude": 133,
     "moshpit/cli/train_demo.py:_plot": 97,

@@ -89,6 +89,20 @@ def limit_threads(threads: int | None) -> None:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """The options of ``moshpit train``, in groups as ``--help`` lists them."""
+    _add_swarm_options(parser.add_argument_group("the swarm"))
+    _add_training_options(parser.add_argument_group("training"))
+    _add_run_options(parser.add_argument_group("how long, checkpoints and output"))
+    from moshpit.cli.dht_cmd import add_metrics_arguments
+
+    add_metrics_arguments(parser)
+    # used by `moshpit demo` for its peer processes
+    parser.add_argument("--stdin-control", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ignore-sigint", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--send-params", action="store_true", help=argparse.SUPPRESS)
+
+
+def _add_swarm_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--initial-peers",
         nargs="*",
@@ -111,21 +125,28 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "default: none, a new PeerID each start)",
     )
     parser.add_argument(
-        "--checkpoint-dir",
-        default=DEFAULT_CHECKPOINT_DIR,
-        metavar="DIR",
-        help="checkpoints of this peer, restored on restart (default: ./%(default)s)",
-    )
-    parser.add_argument(
-        "--checkpoint-every",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="seconds between checkpoints; one more is written on SIGTERM (default: %(default)s)",
-    )
-    parser.add_argument(
         "--run-id", default=DEFAULT_RUN_ID, help="the run's name (default: %(default)s)"
     )
+    parser.add_argument(
+        "--group-size", type=int, default=4, help="averaging group size (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--uplink-mbit",
+        type=float,
+        default=0.0,
+        metavar="MBIT_PER_S",
+        help="this peer's uplink; averaging rounds pace their connections to it "
+        "(default: %(default)s = unknown, TCP shares the link)",
+    )
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="your display name on the run's dashboard (moshpit dashboard): up to 32 printable "
+        "characters (default: none, the dashboard shows the PeerID)",
+    )
+
+
+def _add_training_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--mode",
         choices=("local", "sync", "diloco"),
@@ -152,15 +173,44 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--lr", type=float, default=DEFAULT_LR, help="Adam learning rate (default: %(default)s)"
     )
     parser.add_argument(
-        "--group-size", type=int, default=4, help="averaging group size (default: %(default)s)"
+        "--seed", type=int, default=None, help="seed of this peer's batch order (default: random)"
     )
     parser.add_argument(
-        "--uplink-mbit",
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads, in every thread of this peer (default: all cores but one, here "
+        f"{default_threads(available_cpus())}, so the machine stays usable; an exported "
+        "OMP_NUM_THREADS is used instead when --threads is not given; 0: torch's default, "
+        "every core)",
+    )
+    parser.add_argument(
+        "--max-rate",
         type=float,
         default=0.0,
-        metavar="MBIT_PER_S",
-        help="this peer's uplink; averaging rounds pace their connections to it "
-        "(default: %(default)s = unknown, TCP shares the link)",
+        metavar="SAMPLES_PER_S",
+        help="train at most this many samples/s (default: %(default)s = no cap, as fast as the "
+        "cores allow). Use it when this peer shares the machine: to keep it responsive or cool, "
+        "or to keep several peers on one machine at the same pace (moshpit demo gives each of "
+        "its peers 800). --threads bounds the cores a step may use, --max-rate how often steps "
+        "run",
+    )
+
+
+def _add_run_options(parser: argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=DEFAULT_CHECKPOINT_DIR,
+        metavar="DIR",
+        help="checkpoints of this peer, restored on restart (default: ./%(default)s)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between checkpoints; one more is written on SIGTERM (default: %(default)s)",
     )
     parser.add_argument(
         "--max-steps",
@@ -175,24 +225,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="stop after this many seconds (default: %(default)s = never)",
     )
     parser.add_argument(
-        "--max-rate",
+        "--deadline",
         type=float,
-        default=0.0,
-        metavar="SAMPLES_PER_S",
-        help="train at most this many samples/s (default: %(default)s = no cap, as fast as the "
-        "cores allow). Use it when this peer shares the machine: to keep it responsive or cool, "
-        "or to keep several peers on one machine at the same pace (moshpit demo gives each of "
-        "its peers 800). --threads bounds the cores a step may use, --max-rate how often steps "
-        "run",
-    )
-    parser.add_argument(
-        "--name",
-        default=None,
-        help="your display name on the run's dashboard (moshpit dashboard): up to 32 printable "
-        "characters (default: none, the dashboard shows the PeerID)",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=None, help="seed of this peer's batch order (default: random)"
+        default=25.0,
+        metavar="S",
+        help="seconds allowed for leaving after SIGTERM (default: %(default)s)",
     )
     parser.add_argument(
         "--report-every",
@@ -202,32 +239,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="seconds between reports (default: %(default)s)",
     )
     parser.add_argument(
-        "--deadline",
-        type=float,
-        default=25.0,
-        metavar="S",
-        help="seconds allowed for leaving after SIGTERM (default: %(default)s)",
-    )
-    parser.add_argument(
         "--json", action="store_true", help="one JSON object per line on stdout instead of a table"
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="torch threads, in every thread of this peer (default: all cores but one, here "
-        f"{default_threads(available_cpus())}, so the machine stays usable; an exported "
-        "OMP_NUM_THREADS is used instead when --threads is not given; 0: torch's default, "
-        "every core)",
-    )
-    from moshpit.cli.dht_cmd import add_metrics_arguments
-
-    add_metrics_arguments(parser)
-    # used by `moshpit demo` for its peer processes
-    parser.add_argument("--stdin-control", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--ignore-sigint", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--send-params", action="store_true", help=argparse.SUPPRESS)
 
 
 def check_args(args: argparse.Namespace) -> str | None:
