@@ -17,6 +17,9 @@ Methods (``--methods``):
   Nesterov step on the averaged pseudo-gradient (raw, 8-bit, 4-bit with error feedback).
 - ``streaming_4bit``: streaming DiLoCo, ``--fragments`` fragments on staggered schedules,
   each fragment's round overlapped with ``--overlap-steps`` inner steps, 4-bit outer gradients.
+- ``diloco_sparse2bit`` / ``dilocoswarm_sparse2bit``: the same with TopK2Bit both ways (the top
+  2% of every 4096 values, 2 bits each, error feedback); rows report bytes per peer per outer
+  step and the ratio to a dense float32 all-reduce.
 - ``dilocoswarm`` / ``dilocoswarm_4bit``: swarm-wide outer epochs (``target_batch_size`` =
   peers x batch x ``--inner-steps``, the samples of one lockstep outer step), rounds in the
   background, pseudo-gradients weighted by samples.
@@ -34,12 +37,15 @@ budget, and the wall-clock time until the loss first reached DDP's loss at the b
 (linear between snapshots; ``null`` when it never did). One JSON line per method, then a
 ``summary`` line per link with the ratios the issue's targets are stated in.
 
-Links (``--links``): ``loopback``; ``100mbit`` and ``1gbit`` put every process in its own
+Links (``--links``): ``loopback``; ``1gbit``, ``100mbit`` and the home uplinks ``10mbit``,
+``1mbit`` and ``200kbit`` (not run by default) put every process in its own
 network namespace of ``wan_testbed.WanTestbed`` (tc tbf up and down; root needed, otherwise one
 ``skipped`` line). ``--plot out.png`` draws loss against wall clock per link (matplotlib).
 
     python benchmarks/bench_lm.py                                   # all links, all methods
     python benchmarks/bench_lm.py --links loopback --methods ddp diloco --budget 30
+    python benchmarks/bench_lm.py --links 100mbit 1mbit 200kbit \
+        --methods diloco_4bit diloco_sparse2bit dilocoswarm_sparse2bit
 """
 
 from __future__ import annotations
@@ -81,11 +87,15 @@ METHODS = [
     "diloco",
     "diloco_8bit",
     "diloco_4bit",
+    "diloco_sparse2bit",
     "streaming_4bit",
     "dilocoswarm",
     "dilocoswarm_4bit",
+    "dilocoswarm_sparse2bit",
 ]
-LINKS = ["loopback", "100mbit", "1gbit"]
+# 1mbit with this 2.2M-parameter model is a 100M-parameter model's ratio on a 45 Mbit/s home
+# uplink, 200kbit a 500M-parameter one's
+LINKS = ["loopback", "1gbit", "100mbit", "10mbit", "1mbit", "200kbit"]
 FAST = dict(
     min_matchmaking_time=1.0, request_timeout=2.0, allreduce_timeout=30.0, initial_group_bits=""
 )
@@ -109,7 +119,7 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
 
     dht = join_dht(args)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    base, _, codec = method.partition("_")
+    base, _, codec = method.partition("_")  # e.g. dilocoswarm_sparse2bit
     options: dict[str, Any] = {}
     mode = base
     if base == "sync":
@@ -351,6 +361,12 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
             row[f"{name}_worker0"] = first[name]
     if method.startswith(("diloco", "streaming")):
         row["inner_steps"] = args.inner_steps
+        outer = first["epochs"]  # outer steps taken
+        if outer:  # what a home uplink has to carry per outer step, against dense float32
+            per_step = row["payload_bytes_sent_per_peer"] / outer
+            dense = 2 * (n - 1) / n * 4 * row["numel"]  # butterfly all-reduce of float32
+            row["bytes_per_outer_step_per_peer"] = round(per_step)
+            row["compression_vs_float32"] = round(dense / max(per_step, 1.0), 1)
     if method.startswith("dilocoswarm"):
         row["target_batch_size"] = args.batch * n * args.inner_steps
     if method.startswith("streaming"):
@@ -386,6 +402,9 @@ def summarize(rows: list[dict]) -> dict:
                 r["payload_bytes_sent_per_peer"] / max(1, ddp["payload_bytes_sent_per_peer"]), 4
             ),
         }
+        for name in ("bytes_per_outer_step_per_peer", "compression_vs_float32"):
+            if name in r:
+                out[r["method"]][name] = r[name]
     lockstep = next((r for r in rows if r["method"] == "diloco"), None)
     if lockstep is not None:  # swarm-wide epochs against lockstep: time to its final loss
         goal = lockstep["final_bpb_worker0"]
@@ -425,7 +444,7 @@ def main() -> int:
     parser.add_argument("--method", default="ddp", choices=METHODS, help=argparse.SUPPRESS)
     add_worker_arguments(parser)
     parser.add_argument("--eval-threads", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--links", nargs="+", choices=LINKS, default=LINKS)
+    parser.add_argument("--links", nargs="+", choices=LINKS, default=LINKS[:3])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16, help="windows per process and step")

@@ -1,0 +1,41 @@
+"""Chaos in CI: `moshpit train` volunteers SIGKILLed, SIGTERMed and SIGSTOPped at random
+(`benchmarks/chaos_volunteers.py`, real processes on loopback); the swarm's epoch must keep
+moving and every live peer must have caught up by the end of a quiet spell.
+
+This is the run that once stalled for good (three peers at epoch 278 waiting for three at 277
+that waited for a donor of 278, `moshpit status` saying healthy): what it checks is liveness,
+not speed, so its numbers are generous and its seed fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_swarm_under_random_kills_and_pauses_keeps_moving_and_every_peer_catches_up() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "chaos_volunteers.py"), "--peers", "4",
+         "--seconds", "80", "--seed", "3", "--target-batch-size", "2048", "--every", "10",
+         "--pause", "12", "--settle", "25", "--stall-after", "45", "--max-behind", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    faults = [e["event"] for e in lines if e.get("event") in ("SIGTERM", "SIGKILL", "SIGSTOP")]
+    summary = next((e for e in lines if e.get("summary") == "chaos"), None)
+    assert summary is not None, done.stdout[-2000:] + done.stderr[-3000:]
+    assert len(faults) >= 3 and "SIGSTOP" in faults, faults  # the chaos really happened
+    assert not summary["stalled"], summary
+    live = {p: s for p, s in summary["peers"].items() if s["live"]}
+    assert len(live) == 4, summary["peers"]  # every killed peer was restarted and rejoined
+    assert all(summary["behind"][p] <= 2 for p in live), summary["behind"]
+    assert summary["epochs_reached"] >= 10, summary  # epochs moved through the faults
+    assert done.returncode == 0, done.stderr[-3000:]
