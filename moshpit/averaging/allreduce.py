@@ -482,7 +482,12 @@ class _Round:
         pacer = self.pacer
         if pacer is not None:
             pacer.attach(peer, "results", stream)
-            reducer.on_fail(s, lambda: (scope.cancel(), pacer.ended(peer, "results")))
+
+            def cancel_and_unpace(peer: Any = peer, pacer: RoundPacing = pacer) -> None:
+                scope.cancel()
+                pacer.ended(peer, "results")
+
+            reducer.on_fail(s, cancel_and_unpace)
         else:
             reducer.on_fail(s, scope.cancel)
         self._scopes.add(scope)
@@ -665,16 +670,17 @@ class _Round:
     async def _send_chunks(
         self, stream: P2PStream, j: int, received: list[int], progress: list[trio.Event]
     ) -> None:
-        assert self.tensors is not None and self.layout is not None
+        tensors, layout = self.tensors, self.layout
+        assert tensors is not None and layout is not None  # senders always have tensors
         for k, (a, b) in enumerate(self.chunks[j]):
             while k >= received[0] + self.service.window:
                 await progress[0].wait()
 
             def compress(a: int = a, b: int = b) -> CompressedTensor:
-                return self.codecs.send(gather(self.tensors, self.layout, a, b), (a, b))
+                return self.codecs.send(gather(tensors, layout, a, b), (a, b))
 
             cost = self.codecs.cost(b - a)
-            if gather_copies(self.tensors, self.layout, a, b):
+            if gather_copies(tensors, layout, a, b):
                 cost += b - a
             ct = await self.service._run_cpu(compress, numel=cost)
             with trio.fail_after(self.reducer_timeout):

@@ -49,8 +49,11 @@ DEFAULT_MAX_WEIGHT_RATIO = 100.0
 # (chunk index, values, deviation, contributors, missing senders) -> (wire message, local
 # float32 result);
 # compresses in a worker thread; returns a None result if the compressed values are not finite
+# (chunk, its aggregate or None, deviation, contributors, senders missing from it) -> (the
+# result message, the local result)
 Finalizer = Callable[
-    [int, torch.Tensor | None, float, int], Awaitable[tuple[Any, torch.Tensor | None]]
+    [int, torch.Tensor | None, float, int, tuple[int, ...]],
+    Awaitable[tuple[Any, torch.Tensor | None]],
 ]
 
 

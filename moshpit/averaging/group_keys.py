@@ -181,7 +181,7 @@ class GroupKeyManager:
 
     def _keys_in_use(self) -> int:
         # coordinates are positions in groups of <= M (or random below 2**coord_bits)
-        return self.axis ** (self.dimensions - 1)
+        return int(self.axis ** (self.dimensions - 1))
 
     def observe_declared(self, count: int) -> None:
         """Record that ``count`` distinct peers (us included) were declared under our key."""
