@@ -285,4 +285,4 @@ def test_volunteer_behind_nat_trains_serves_its_state_to_a_newcomer_and_leaves(t
                     pass
                 print(proc.report(), file=sys.stderr)
             raise
-    assert time.monotonic() - started < 90
+    assert time.monotonic() - started < patience(90)  # no wait ran out its full timeout

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.timing import stretch
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,16 +145,21 @@ def test_uncapped_volunteers_with_slow_rounds_never_go_nan(tmp_path: Path):
     second joining after the first trained alone: the first used to go NaN at its first
     round (Adam's second moments decayed below the round's correction), then serve NaN."""
     uncapped = ("--max-rate", "0", "--uplink-mbit", "5", "--report-every", "0.5")
-    first = volunteer(tmp_path, "a", *uncapped, "--duration", "35")
+    # the durations stretch with the machine's load: at load 12 on 2 cores the second peer's
+    # 22 s went by in joining and loading, and neither peer ever averaged
+    slow = stretch()
+    first = volunteer(tmp_path, "a", *uncapped, "--duration", str(35 * slow))
     peers = [first]
     try:
         addr = first.wait_for(lambda e: e["event"] == "joined")["addr"]
-        first.wait_for(lambda e: e["event"] == "progress" and e["elapsed"] > 8)
-        second = volunteer(tmp_path, "bb", "--initial-peers", addr, *uncapped, "--duration", "22")
+        first.wait_for(lambda e: e["event"] == "progress" and e["elapsed"] > 8 * slow)
+        second = volunteer(
+            tmp_path, "bb", "--initial-peers", addr, *uncapped, "--duration", str(22 * slow)
+        )
         peers.append(second)
         finals = []
         for peer in peers:
-            assert peer.proc.wait(timeout=120) == 0, "".join(peer.stderr)[-3000:]
+            assert peer.proc.wait(timeout=120 * slow) == 0, "".join(peer.stderr)[-3000:]
             rows = []
             while not peer.events.empty():
                 rows.append(peer.events.get())
