@@ -145,8 +145,11 @@ def _grid_managers(side: int, dims: int, seed: int) -> list[GroupKeyManager]:
     return managers
 
 
-def _one_round(managers: list[GroupKeyManager], missing: set[int], rng: random.Random) -> None:
-    """Everyone but ``missing`` averages in the group of its key; the missing peers get none."""
+def _one_round(
+    managers: list[GroupKeyManager], missing: set[int], rng: random.Random, saw_key: bool = True
+) -> None:
+    """Everyone but ``missing`` averages in the group of its key; the missing peers get none
+    (``saw_key``: they read their key and count the peers there; else they saw nothing)."""
     groups = defaultdict(list)
     for i, m in enumerate(managers):
         if i not in missing:
@@ -157,7 +160,7 @@ def _one_round(managers: list[GroupKeyManager], missing: set[int], rng: random.R
         for i in g:
             managers[i].update_after_round(group_id, g, i)
     for i in missing:
-        managers[i].update_without_group(declared=sizes[i])
+        managers[i].update_without_group(declared=sizes[i] if saw_key else None)
 
 
 @pytest.mark.parametrize("side, dims", [(4, 2), (8, 2), (4, 3)])
@@ -174,6 +177,51 @@ def test_a_peer_that_missed_a_round_moves_into_the_hole_its_line_leaves(side, di
         for m in managers:
             counts[m.key] += 1
         assert sorted(counts.values()) == [side] * side ** (dims - 1), (missing, dict(counts))
+
+
+def _line_managers(peers: int, side: int, seed: int) -> list[GroupKeyManager]:
+    """``peers`` on a partly filled ``side x side`` grid, peer i on line i mod side (as
+    benchmarks/sim_swarm.py --grid places them): lines alternate between two lengths."""
+    b = coordinate_bits(side)
+    return [
+        GroupKeyManager("g", side, initial_group_bits=format(i % side, f"0{b}b"),
+                        rng=random.Random(seed + i))  # fmt: skip
+        for i in range(peers)
+    ]
+
+
+def _key_counts(managers: list[GroupKeyManager]) -> list[int]:
+    counts: dict[str, int] = defaultdict(int)
+    for m in managers:
+        counts[m.key] += 1
+    return sorted(counts.values())
+
+
+@pytest.mark.parametrize("saw_key", [True, False])
+@pytest.mark.parametrize("peers", [32, 48, 56])
+def test_a_peer_that_missed_a_round_of_a_partly_filled_grid_lands_on_a_line_that_exists(
+    peers, saw_key
+):
+    # 8 x 8 at the paper's fill ratios (512, 768, 900 of 1024): 32 peers alternate between
+    # lines of 4 (8 keys) and lines of 8 (keys 0-3). The hole a peer's line leaves is at the
+    # length of *this* round's line; the last group ran along the other axis, twice or half as
+    # long. Sized from it, a peer that missed a round of short lines went to key 7, empty in
+    # the next round (lines of 8 sit under keys 0-3), and was alone every second round.
+    # saw_key: the peer read its key (it counts the peers there); else it read nothing (cut
+    # off) and knows only its own history.
+    side = 8
+    for missed_round in (3, 4):  # after a round of short lines and after one of long lines
+        for missing in range(0, peers, 5):
+            managers = _line_managers(peers, side, seed=1000 * missing)
+            full = _line_managers(peers, side, seed=1000 * missing)
+            for r in range(1, missed_round + 1):
+                gone = {missing} if r == missed_round else set()
+                _one_round(managers, gone, random.Random(r), saw_key=saw_key)
+                _one_round(full, set(), random.Random(r))
+            # the next round's keys hold what they would have held had the peer been there
+            assert _key_counts(managers) == _key_counts(full), (missed_round, missing)
+            keys = [m.key for m in managers]
+            assert keys.count(keys[missing]) > 1, (missed_round, missing)  # not alone
 
 
 def test_a_peer_missing_round_after_round_wanders_at_random():
