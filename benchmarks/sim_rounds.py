@@ -41,7 +41,10 @@ Placements for our rules on a ``side x side`` grid (the key holds one coordinate
 ``cells`` (the paper's: N distinct random cells; the key is the cell's row), ``lines`` (peer i
 on line i mod side: every line equally full, as ``sim_swarm.py --grid`` places them),
 ``random`` (``expected_num_peers=N``: random key bits, the averager's default with a size
-hint). ``--adaptive`` runs the grid without a size hint (0 bits, grows with the estimates).
+hint). ``cells`` and ``lines`` pass ``expected_num_peers=N`` with the bits too (a user who lays
+out a grid knows its size; it gives the hole rule the first round's line length for a peer
+cut off in that round); ``--no-size-hint`` leaves it out. ``--adaptive`` runs the grid
+without a size hint (0 bits, grows with the estimates).
 
 One JSON object per line: ``{"kind": "result", ...}`` per configuration (mean, standard
 deviation, median, max, share above 8 rounds, next to the paper's number);
@@ -102,6 +105,8 @@ class Config:
     failed_sees: str = "nothing"  # nothing | key (sitout: what the failed peer read)
     numel: int = 1
     max_rounds: int = MAX_ROUNDS
+    rotate: bool | str = "default"  # GroupKeyManager's rotate_lines ("default": its own)
+    size_hint: bool = True  # cells / lines: also pass expected_num_peers = N with the bits
 
 
 @dataclass
@@ -140,13 +145,13 @@ def make_managers(cfg: Config, rng: random.Random) -> list[GroupKeyManager]:
     """One GroupKeyManager per peer, placed as ``cfg`` says."""
     m = cfg.group_size
     if cfg.adaptive:
-        return [GroupKeyManager("sim", m, rng=random.Random(rng.random())) for _ in range(cfg.peers)]
+        return [
+            GroupKeyManager("sim", m, rng=random.Random(rng.random())) for _ in range(cfg.peers)
+        ]
     side = cfg.grid or m
     if cfg.placement == "random":
         return [
-            GroupKeyManager(
-                "sim", m, expected_num_peers=cfg.peers, rng=random.Random(rng.random())
-            )
+            GroupKeyManager("sim", m, expected_num_peers=cfg.peers, rng=random.Random(rng.random()))
             for _ in range(cfg.peers)
         ]
     if cfg.placement == "cells":
@@ -157,8 +162,16 @@ def make_managers(cfg: Config, rng: random.Random) -> list[GroupKeyManager]:
         rows = [i % side for i in range(cfg.peers)]
     else:
         raise ValueError(f"unknown placement {cfg.placement!r}")
+    rotate = cfg.rotate if cfg.rotate != "default" else None
     return [
-        GroupKeyManager("sim", m, initial_group_bits=_bits(r, side), rng=random.Random(rng.random()))
+        GroupKeyManager(
+            "sim",
+            m,
+            initial_group_bits=_bits(r, side),
+            rng=random.Random(rng.random()),
+            rotate_lines=rotate,
+            expected_num_peers=cfg.peers if cfg.size_hint else None,
+        )
         for r in rows
     ]
 
@@ -226,7 +239,8 @@ class RulesSwarm:
         keys_before = [m.key for m in self.managers]
 
         def declared(i: int) -> int:
-            # a failed peer that read nothing counts itself only, as take_count does
+            # a failed peer that read nothing counts itself only, as take_count does (the hole
+            # rule reads a count of 1 as no count: GroupKeyManager._line_length)
             if i in failing and cfg.failure == "sitout":
                 if cfg.failed_sees == "nothing":
                     return 1
@@ -395,6 +409,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fail", type=float, default=0.01, help="per peer per round")
     p.add_argument("--failure", choices=["sitout", "midround"], default="sitout")
     p.add_argument("--failed-sees", choices=["nothing", "key"], default="nothing")
+    p.add_argument(
+        "--rotate", choices=["default", "yes", "no"], default="default",
+        help="GroupKeyManager rotate_lines (default: rotate unless the bits are given)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-size-hint", action="store_true",
+        help="cells / lines: give the bits without expected_num_peers (the hole rule then "
+        "has no line length for a peer cut off in the first round)",
+    )  # fmt: skip
     p.add_argument("--numel", type=int, default=None, help="elements per peer (midround: 32)")
     p.add_argument("--seeds", type=int, default=20, help="seeds 0..n-1")
     p.add_argument("--max-rounds", type=int, default=MAX_ROUNDS)
@@ -419,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
         failed_sees=args.failed_sees,
         numel=numel,
         max_rounds=args.max_rounds,
+        rotate={"default": "default", "yes": True, "no": False}[args.rotate],
+        size_hint=not args.no_size_hint,
     )
     if cfg.group_size is None or math.isnan(cfg.group_size):
         p.error("--adaptive needs --group-size")

@@ -141,7 +141,9 @@ def _grid_managers(side: int, dims: int, seed: int) -> list[GroupKeyManager]:
     for i in range(side**dims):
         coords = [(i // side**k) % side for k in range(1, dims)]
         bits = "".join(format(c, f"0{b}b") for c in coords)
-        managers.append(GroupKeyManager("g", side, initial_group_bits=bits, rng=random.Random(seed + i)))
+        managers.append(
+            GroupKeyManager("g", side, initial_group_bits=bits, rng=random.Random(seed + i))
+        )
     return managers
 
 
@@ -179,13 +181,19 @@ def test_a_peer_that_missed_a_round_moves_into_the_hole_its_line_leaves(side, di
         assert sorted(counts.values()) == [side] * side ** (dims - 1), (missing, dict(counts))
 
 
-def _line_managers(peers: int, side: int, seed: int) -> list[GroupKeyManager]:
+def _line_managers(peers: int, side: int, seed: int, hint: bool = True) -> list[GroupKeyManager]:
     """``peers`` on a partly filled ``side x side`` grid, peer i on line i mod side (as
-    benchmarks/sim_swarm.py --grid places them): lines alternate between two lengths."""
+    benchmarks/sim_swarm.py --grid places them): lines alternate between two lengths.
+    ``hint``: the size is passed too (``expected_num_peers``), as a user laying out a grid can."""
     b = coordinate_bits(side)
     return [
-        GroupKeyManager("g", side, initial_group_bits=format(i % side, f"0{b}b"),
-                        rng=random.Random(seed + i))  # fmt: skip
+        GroupKeyManager(
+            "g",
+            side,
+            initial_group_bits=format(i % side, f"0{b}b"),
+            expected_num_peers=peers if hint else None,
+            rng=random.Random(seed + i),
+        )  # fmt: skip
         for i in range(peers)
     ]
 
@@ -195,6 +203,20 @@ def _key_counts(managers: list[GroupKeyManager]) -> list[int]:
     for m in managers:
         counts[m.key] += 1
     return sorted(counts.values())
+
+
+def _run_with_misses(
+    peers: int, misses: dict[int, set[int]], saw_key: bool, hint: bool = True
+) -> tuple[list[GroupKeyManager], list[GroupKeyManager]]:
+    """8 x 8 lines, rounds 1..max(misses) with ``misses[r]`` missing round r, next to the same
+    swarm without misses (same seeds, same group IDs)."""
+    side, last = 8, max(misses)
+    managers = _line_managers(peers, side, seed=7 * peers, hint=hint)
+    full = _line_managers(peers, side, seed=7 * peers, hint=hint)
+    for r in range(1, last + 1):
+        _one_round(managers, misses.get(r, set()), random.Random(r), saw_key=saw_key)
+        _one_round(full, set(), random.Random(r))
+    return managers, full
 
 
 @pytest.mark.parametrize("saw_key", [True, False])
@@ -208,20 +230,42 @@ def test_a_peer_that_missed_a_round_of_a_partly_filled_grid_lands_on_a_line_that
     # long. Sized from it, a peer that missed a round of short lines went to key 7, empty in
     # the next round (lines of 8 sit under keys 0-3), and was alone every second round.
     # saw_key: the peer read its key (it counts the peers there); else it read nothing (cut
-    # off) and knows only its own history.
-    side = 8
-    for missed_round in (3, 4):  # after a round of short lines and after one of long lines
+    # off) and knows only its own history (and, in the first round, the size hint).
+    # Rounds 1 and 2 have no history along their axis yet.
+    for missed_round in (1, 2, 3, 4):
         for missing in range(0, peers, 5):
-            managers = _line_managers(peers, side, seed=1000 * missing)
-            full = _line_managers(peers, side, seed=1000 * missing)
-            for r in range(1, missed_round + 1):
-                gone = {missing} if r == missed_round else set()
-                _one_round(managers, gone, random.Random(r), saw_key=saw_key)
-                _one_round(full, set(), random.Random(r))
+            managers, full = _run_with_misses(peers, {missed_round: {missing}}, saw_key)
             # the next round's keys hold what they would have held had the peer been there
             assert _key_counts(managers) == _key_counts(full), (missed_round, missing)
             keys = [m.key for m in managers]
             assert keys.count(keys[missing]) > 1, (missed_round, missing)  # not alone
+
+
+@pytest.mark.parametrize("peers", [32, 48])
+def test_the_hole_is_sized_from_the_line_not_from_a_group_short_of_a_member(peers):
+    # A peer's group is shorter than its line when another member missed that round. Sized
+    # from that group alone, the line's hole two rounds later was one place short: the peer
+    # landed on a line one too long (a group of M and a peer alone) and the grid kept that
+    # shape, one peer alone every second round, until the run ended. Of the last two rounds
+    # along the axis, the longer one sizes the line.
+    for a in range(0, peers, 7):
+        mates = [i for i in range(peers) if i != a]
+        rng = random.Random(a)
+        for _ in range(3):
+            b = rng.choice(mates)  # misses round 4: a's line of 8 may be a group of 7 for a
+            managers, full = _run_with_misses(peers, {4: {b}, 6: {a}}, saw_key=False)
+            assert _key_counts(managers) == _key_counts(full), (a, b)
+
+
+@pytest.mark.parametrize("peers", [32, 48])
+def test_a_peer_cut_off_in_the_first_round_needs_the_size_hint(peers):
+    # Before any group, a peer that read nothing has no line length; with the grid's size
+    # (expected_num_peers) it has the first round's (N / M per key), without it none, and it
+    # moves at random (in rounds 2..d of a user's grid every line is full: no hint needed)
+    managers, full = _run_with_misses(peers, {1: {0}}, saw_key=False, hint=True)
+    assert _key_counts(managers) == _key_counts(full)
+    managers, full = _run_with_misses(peers, {2: {0}}, saw_key=False, hint=False)
+    assert _key_counts(managers) == _key_counts(full)
 
 
 def test_a_peer_missing_round_after_round_wanders_at_random():
