@@ -394,7 +394,7 @@ def table(seeds: Sequence[int], fail: float) -> Iterable[tuple[str, Config]]:
     for peers in (32, 48, 56):  # the paper's fill ratios on 8 x 8
         yield "ours", Config(peers, 8, grid=8, placement="cells", fail=fail)
         yield "ours", Config(peers, 8, grid=8, placement="lines", fail=fail)
-    for m in (32, 8):
+    for m in (32, 16, 8):
         yield "ours", Config(1024, m, adaptive=True, placement="none", fail=fail)
 
 

@@ -45,6 +45,12 @@ def test_default_num_bits():
     assert default_num_bits(16, expected_num_peers=4096) == 8  # 16^3
     assert default_num_bits(16, expected_num_peers=10) == 0  # one group is enough
     assert len(GroupKeyManager("p", 4, expected_num_peers=256).bits) == 6  # 4^4
+    # a key holds at least max(2, M/2) peers on average: half full is fine, a few is not
+    assert default_num_bits(32, expected_num_peers=512) == 5  # 32 x 32, keys of 16
+    assert default_num_bits(16, expected_num_peers=300) == 4  # not 16^3: keys of ~1.2
+    assert default_num_bits(16, expected_num_peers=1024) == 4  # not 16^3: keys of 4
+    assert default_num_bits(32, expected_num_peers=150) == 0  # not 32 keys of ~4.7
+    assert default_num_bits(2, expected_num_peers=16) == 3  # 2^4, keys of 2
 
 
 @settings(max_examples=50, deadline=None)

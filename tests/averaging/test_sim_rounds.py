@@ -96,3 +96,12 @@ def test_results_carry_both_metrics_and_the_share_above_8_rounds():
     assert row["rounds_to_variance_1e-9"]["mean"] >= 2
     assert row["rounds_to_max_error_1e-6"]["mean"] >= row["rounds_to_variance_1e-9"]["min"]
     assert 0.0 <= row["share_above_8_rounds"] <= 1.0
+
+
+def test_a_size_hint_between_powers_of_m_gives_keys_that_fill_groups():
+    # 300 peers in groups of 16 with the hint: d = ceil(log_16 300) = 3 made 256 keys of ~1.2
+    # peers and took 40 rounds to a variance of 1e-9 (10 seeds); 16 keys of ~19 take 8-9
+    cfg = Config(300, 16, grid=16, placement="random", fail=0.01, max_rounds=14)
+    for seed in range(2):
+        result = RulesSwarm(cfg, seed).run(seed)
+        assert result.rounds_to(result.variances, VARIANCE_TARGET, 99) <= 11, result.variances
