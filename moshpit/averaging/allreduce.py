@@ -456,16 +456,22 @@ class _Round:
         if self.reducer is not None and peer in self.group.members:
             self.reducer.fail(self.group.members.index(peer), reason, excluded=True)
 
+    def waits_for(self, peer: PeerID) -> bool:
+        """True if this member's part still waits for ``peer``'s first stream."""
+        if self.reducer is None or self.closed or peer not in self.group.members:
+            return False
+        s = self.group.members.index(peer)
+        return s != self.me and s not in self._connected and s in self.reducer.active
+
     def sender_gone(self, peer: PeerID, reason: str) -> bool:
         """The transport says ``peer`` is gone (its stream to us broke before its hello, or
         it refused a connection): leave it out of this member's part now, not when
         ``sender_timeout`` runs out. Only a sender that has not connected for this part: one
         that did has its own stream, whose end reports it. True if it was left out now."""
-        if self.reducer is None or self.closed or peer not in self.group.members:
+        if not self.waits_for(peer):
             return False
+        assert self.reducer is not None
         s = self.group.members.index(peer)
-        if s == self.me or s in self._connected or s not in self.reducer.active:
-            return False
         logger.info("sender %s is gone (%s); left out of part %d at once", peer, reason, self.me)
         self.reducer.fail(s, f"gone: {reason}")
         return True
@@ -1027,17 +1033,13 @@ class AllReduceService:
 
     def _sender_gone(self, peer: PeerID, round_: _Round | None, reason: str) -> None:
         """Tell the round ``peer``'s broken stream was for that it brings nothing. Without
-        its hello the group is unknown: a round where ``peer`` is a member that has not
-        connected yet, if there is one such round, or all of them once no connection to
-        ``peer`` is left (it is gone for every round)."""
+        its hello the group is unknown: the round still waiting for ``peer``'s stream, if
+        there is one such round, or all of them once no connection to ``peer`` is left (it
+        is gone for every round)."""
         if round_ is not None:
             round_.sender_gone(peer, reason)
             return
-        candidates = [
-            r
-            for r in self._rounds.values()
-            if r.reducer is not None and peer in r.group.members and not r.closed
-        ]
+        candidates = [r for r in self._rounds.values() if r.waits_for(peer)]
         if len(candidates) == 1 or not self.host.is_connected(peer):
             for r in candidates:
                 r.sender_gone(peer, reason)
