@@ -378,7 +378,13 @@ class GroupKeyManager:
         """How many peers our line held this round, us included (None: no idea).
 
         ``declared`` (the peers a read of our key saw, us included) counts them when it saw
-        anyone else. Otherwise (we read nothing, or we were alone) our own history answers:
+        anyone else, but only from below: a read early in the round misses the peers that
+        declare later (the full stack, 32 peers on 8 x 8: a peer cut off in round 1 had
+        seen part of its line, went to a taken place, and left one line too long and a peer
+        alone every second round for the rest of the run). On a grid the user laid out the
+        larger of the count and our history below answers; with rotated lines, whose lengths
+        differ from key to key, the count alone. Without a count (we read nothing, or we
+        were alone) our own history answers:
         on a ``d``-dimensional grid the key cycles through the axes, and on a partly filled
         one each axis has its own line length (a half-full 8 x 8 grid alternates between
         lines of 4 and of 8), so the last group, which ran along another axis, gives the
@@ -392,19 +398,24 @@ class GroupKeyManager:
         - rotated lines are all about as long as each other, every round: the last group;
         - in the first round, the size hint (``expected_num_peers``) spread over the keys.
         """
-        if declared is not None and declared > 1:
-            return declared
+        counted = declared if declared is not None and declared > 1 else None
+        if counted is not None and self.rotate_lines:
+            return counted  # rotated lines differ from key to key: our history says little
         d = self.dimensions
         history = list(self._line_lengths)
         # a group is shorter than its line when a member of it missed the round: of the last
         # two rounds along this axis, the longer one
         same_axis = [n for n in history[len(history) - d :: -d][:SAME_AXIS_ROUNDS] if n]
-        if len(history) >= d and same_axis:
-            return max(same_axis)
         known = [n for n in history if n]
-        if not known:
-            return self._first_line
-        return known[-1] if self.rotate_lines else self.axis
+        if len(history) >= d and same_axis:
+            guess = max(same_axis)
+        elif not known:
+            guess = self._first_line
+        else:
+            guess = known[-1] if self.rotate_lines else self.axis
+        if counted is None:
+            return guess
+        return max(counted, guess or 0)
 
     def update_without_group(self, declared: int | None = None) -> str:
         """No group formed: move to the key where this peer's line leaves a free place.

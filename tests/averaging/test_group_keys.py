@@ -263,6 +263,34 @@ def test_the_hole_is_sized_from_the_line_not_from_a_group_short_of_a_member(peer
             assert _key_counts(managers) == _key_counts(full), (a, b)
 
 
+@pytest.mark.parametrize("missed_round", [1, 2, 3, 4])
+def test_a_read_that_saw_part_of_the_line_does_not_shrink_its_hole(missed_round):
+    # A read early in the round sees only the peers that had declared by then: a count of 2
+    # in a line of 4 or 8. Taken as the line's length, it sent the peer to a place another
+    # member took (full stack, 32 peers on 8 x 8: one line too long and a peer alone every
+    # second round for the rest of the run); the count is a lower bound.
+    peers, side = 32, 8
+    for missing in range(0, peers, 3):
+        managers = _line_managers(peers, side, seed=missing)
+        full = _line_managers(peers, side, seed=missing)
+        for r in range(1, missed_round + 1):
+            rng = random.Random(r)
+            if r < missed_round:
+                _one_round(managers, set(), rng)
+            else:
+                groups = defaultdict(list)
+                for i, m in enumerate(managers):
+                    if i != missing:
+                        groups[m.key].append(i)
+                for g in groups.values():
+                    group_id = rng.randbytes(16)
+                    for i in g:
+                        managers[i].update_after_round(group_id, g, i)
+                managers[missing].update_without_group(declared=2)  # saw one other
+            _one_round(full, set(), random.Random(r))
+        assert _key_counts(managers) == _key_counts(full), (missed_round, missing)
+
+
 @pytest.mark.parametrize("peers", [32, 48])
 def test_a_peer_cut_off_in_the_first_round_needs_the_size_hint(peers):
     # Before any group, a peer that read nothing has no line length; with the grid's size
