@@ -50,7 +50,7 @@ One JSON object per line: ``{"kind": "result", ...}`` per configuration (mean, s
 deviation, median, max, share above 8 rounds, next to the paper's number);
 ``--runs`` adds ``{"kind": "run", ...}`` per seed with the per-round variance.
 
-    python benchmarks/sim_rounds.py                       # the whole table (~2-4 min)
+    python benchmarks/sim_rounds.py                       # the whole table (~5-12 min)
     python benchmarks/sim_rounds.py --peers 512 --grid 32 --placement cells --seeds 50
     python benchmarks/sim_rounds.py --peers 1024 --group-size 32 --adaptive
     python benchmarks/sim_rounds.py --peers 48 --grid 8 --failure midround --runs
