@@ -226,7 +226,8 @@ async def open_sim(
 ) -> AsyncIterator[Sim]:
     """``n`` DHT nodes + Averagers on a WanNetwork; call inside ``dht_clock(trio_clock)``.
 
-    ``grid``: put the peers on a ``grid x grid`` grid (initial_group_bits, groups of ``grid``);
+    ``grid``: put the peers on a ``grid x grid`` grid (initial_group_bits and expected_num_peers,
+    groups of ``grid``);
     None: the averager's defaults (no hints; ``target_group_size`` default 32).
     """
     net = WanNetwork(seed) if net is None else net
@@ -251,6 +252,9 @@ async def open_sim(
                 prefix="sim",
                 target_group_size=m,
                 initial_group_bits=bits[i],
+                # the grid's size too, as a user who lays out a grid can: the hole rule's line
+                # length for a peer cut off in the first round (GroupKeyManager._line_length)
+                expected_num_peers=n if grid else None,
                 **averager_kwargs,
             )
             for i, node in enumerate(swarm.nodes)

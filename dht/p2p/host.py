@@ -470,6 +470,13 @@ class Host:
         ``on_disconnect(peer)`` when its last one closes."""
         self._table.observers.append((on_connect, on_disconnect))
 
+    def remove_connection_observer(
+        self, on_connect: Callable[[PeerID], None], on_disconnect: Callable[[PeerID], None]
+    ) -> None:
+        """Stop calling a pair given to :meth:`add_connection_observer` (no-op if absent)."""
+        pair = (on_connect, on_disconnect)
+        self._table.observers[:] = [o for o in self._table.observers if o != pair]
+
     def connections(self, peer_id: PeerID | None = None) -> list[Connection]:
         """The live connections to ``peer_id`` (to every peer if None), oldest first.
 

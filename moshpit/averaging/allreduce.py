@@ -52,7 +52,13 @@ import torch
 import trio
 
 from compression import Codec, CompressedTensor, NoCompression, TwoWayCompression
-from dht.p2p.errors import MessageTooLargeError, P2PError, ProtocolViolationError
+from dht.p2p.errors import (
+    DialRefusedError,
+    MessageTooLargeError,
+    P2PError,
+    ProtocolViolationError,
+    StreamClosedError,
+)
 from moshpit.averaging.aggregation import Aggregator, WeightedMean
 from moshpit.averaging.allreduce_protocol import (
     ERROR_MAX_BYTES,
@@ -450,6 +456,26 @@ class _Round:
         if self.reducer is not None and peer in self.group.members:
             self.reducer.fail(self.group.members.index(peer), reason, excluded=True)
 
+    def waits_for(self, peer: PeerID) -> bool:
+        """True if this member's part still waits for ``peer``'s first stream."""
+        if self.reducer is None or self.closed or peer not in self.group.members:
+            return False
+        s = self.group.members.index(peer)
+        return s != self.me and s not in self._connected and s in self.reducer.active
+
+    def sender_gone(self, peer: PeerID, reason: str) -> bool:
+        """The transport says ``peer`` is gone (its stream to us broke before its hello, or
+        it refused a connection): leave it out of this member's part now, not when
+        ``sender_timeout`` runs out. Only a sender that has not connected for this part: one
+        that did has its own stream, whose end reports it. True if it was left out now."""
+        if not self.waits_for(peer):
+            return False
+        assert self.reducer is not None
+        s = self.group.members.index(peer)
+        logger.info("sender %s is gone (%s); left out of part %d at once", peer, reason, self.me)
+        self.reducer.fail(s, f"gone: {reason}")
+        return True
+
     async def serve(self, stream: P2PStream, hello: Any) -> None:
         """Serve a remote sender's stream for this member's part."""
         group, reducer = self.group, self.reducer
@@ -636,6 +662,13 @@ class _Round:
         except (P2PError, OSError, trio.TooSlowError) as e:
             self.failed_reducers[j] = f"cannot open stream: {type(e).__name__}: {e}"
             logger.info("part %d: cannot reach reducer %s: %s", j, peer, e)
+            if isinstance(e, DialRefusedError) or (
+                isinstance(e, StreamClosedError) and not self.service.host.is_connected(peer)
+            ):
+                # its host answered and nothing listens (the member is not running), or the
+                # connection broke under the new stream: it sends nothing either. A dial
+                # timeout says less (a peer behind NAT may still reach us): not here
+                self.sender_gone(peer, f"{type(e).__name__}: {e}")
             return
         error: BaseException | None = _RoundEnded("round ended")
         if self.pacer is not None:
@@ -652,6 +685,11 @@ class _Round:
                     await _quietly(stream.aclose())
             else:
                 await self._give_up(stream, j, error)
+                if isinstance(error, StreamClosedError) and not self.service.host.is_connected(
+                    peer
+                ):
+                    # our stream to it broke with its connection: it is not sending either
+                    self.sender_gone(peer, f"{type(error).__name__}: {error}")
 
     async def _exchange_part(self, stream: P2PStream, j: int) -> None:
         with trio.fail_after(self.reducer_timeout):
@@ -909,12 +947,21 @@ class AllReduceService:
         self._registered = register
         if register:
             host.set_stream_handler(protocol, self.handle_stream)
+        # a member whose last connection closes mid-round sends nothing more: its stream (if
+        # any) breaks by itself; one that had not connected yet is left out here, at once
+        self._observer = (_ignore_peer, self._on_disconnect)
+        host.add_connection_observer(*self._observer)
+
+    def _on_disconnect(self, peer: PeerID) -> None:
+        for round_ in list(self._rounds.values()):
+            round_.sender_gone(peer, "its last connection to us closed")
 
     def close(self) -> None:
         """Stop serving the protocol (if this service registered it) and end running rounds."""
         if self._registered:
             self.host.set_stream_handler(self.protocol, None)
             self._registered = False
+        self.host.remove_connection_observer(*self._observer)
         for round_ in self._rounds.values():
             round_.close()
 
@@ -961,7 +1008,11 @@ class AllReduceService:
             hello = parse_hello(msg)
         except (ProtocolError, P2PError, RemoteAbort) as e:
             logger.info("bad all-reduce hello from %s: %s", peer, e)
-            if round_ is not None:
+            if isinstance(e, StreamClosedError):
+                # the stream ended before its hello (reset: the peer died, or closed): it
+                # brings no chunks, and its reducer must not wait sender_timeout for them
+                self._sender_gone(peer, round_, f"stream ended before its hello: {e}")
+            elif round_ is not None:
                 round_.exclude_peer(peer, f"bad hello: {e}")
             await self._refuse(
                 stream, str(e), left_out=round_ is not None and round_.left_out(peer)
@@ -985,6 +1036,19 @@ class AllReduceService:
         except (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             logger.info("all-reduce stream from %s broke: %s", peer, e)
             await self._refuse(stream, str(e), left_out=round_.left_out(peer))
+
+    def _sender_gone(self, peer: PeerID, round_: _Round | None, reason: str) -> None:
+        """Tell the round ``peer``'s broken stream was for that it brings nothing. Without
+        its hello the group is unknown: the round still waiting for ``peer``'s stream, if
+        there is one such round, or all of them once no connection to ``peer`` is left (it
+        is gone for every round)."""
+        if round_ is not None:
+            round_.sender_gone(peer, reason)
+            return
+        candidates = [r for r in self._rounds.values() if r.waits_for(peer)]
+        if len(candidates) == 1 or not self.host.is_connected(peer):
+            for r in candidates:
+                r.sender_gone(peer, reason)
 
     async def _refuse(self, stream: P2PStream, reason: str, left_out: bool = False) -> None:
         """Best effort: tell the peer why (and whether we left its contribution out of our
@@ -1082,6 +1146,10 @@ class AllReduceService:
                 "all-reduce round %s timed out after %.3gs", group.group_id.hex()[:8], timeout
             )
         return await round_.finish(trio.current_time() - started, timed_out)
+
+
+def _ignore_peer(peer: PeerID) -> None:
+    """A connection observer's half that has nothing to do."""
 
 
 def _check_out(tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:

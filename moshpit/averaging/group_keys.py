@@ -32,6 +32,9 @@ __all__ = [
     "coordinate_bits",
     "default_num_bits",
     "group_position",
+    "hole_coordinate",
+    "key_offset",
+    "line_coordinate",
     "make_group_key",
     "parse_group_key",
 ]
@@ -50,6 +53,10 @@ DIMENSION_MARGIN = 0.75
 # rounds between two looks at the grid one dimension longer (GroupKeyManager.longer_key):
 # a split heals within this many rounds, and the other rounds cost no extra DHT read
 PROBE_EVERY = 4
+MAX_PROBE_DIMS = 3  # an empty longer key sends the next probe up to this many dimensions on
+# rounds along an axis that size its line for the hole rule (GroupKeyManager._line_length): a
+# member of the line missed one of them with chance ~8% at p = 0.01 and lines of 8
+SAME_AXIS_ROUNDS = 2
 
 
 def coordinate_bits(target_group_size: int) -> int:
@@ -62,11 +69,17 @@ def coordinate_bits(target_group_size: int) -> int:
 def default_num_bits(target_group_size: int, expected_num_peers: int | None = None) -> int:
     """Number of key bits for a swarm of about ``expected_num_peers`` peers.
 
-    A grid with ``M = target_group_size`` peers per side needs ``d = ceil(log_M(N))``
-    dimensions; the key holds the other ``d - 1`` coordinates. Without an estimate we use
-    0 bits: every peer declares under the same key and groups of up to ``M`` form at random
-    each round. That is what small swarms need (with more bits than the swarm can fill,
-    peers would sit alone under empty keys); large swarms should pass ``expected_num_peers``.
+    A grid with ``M = target_group_size`` peers per side and ``d`` dimensions spreads the
+    peers over ``M**(d-1)`` keys; the key holds the other ``d - 1`` coordinates. ``d`` is the
+    largest for which a key holds at least ``max(2, M / 2)`` peers on average: a half-full
+    grid still averages well (the paper's 512 peers on 32 x 32), a crowded key forms several
+    full groups, but keys of a few peers form groups of a few, round after round. With
+    ``d = ceil(log_M N)``, 300 peers in groups of 16 got a 3-d grid of 256 keys (~1.2 peers
+    each) and took 40 rounds to a variance of 1e-9; 1024 in groups of 16, 15; 150 in groups
+    of 32, 32. With this rule: 8.6, 7.9 and 6.4 (``benchmarks/sim_rounds.py --placement
+    random``). Without an estimate we use 0 bits: every peer declares under the same key
+    and groups of up to ``M`` form at random each round. That is what small swarms need;
+    large swarms should pass ``expected_num_peers`` (or let the grid adapt).
     """
     b = coordinate_bits(target_group_size)
     if expected_num_peers is None:
@@ -74,8 +87,11 @@ def default_num_bits(target_group_size: int, expected_num_peers: int | None = No
     if expected_num_peers <= max(target_group_size, 1):
         return 0
     m = max(2, target_group_size)
-    dims = math.ceil(math.log(expected_num_peers) / math.log(m) - 1e-9)
-    return min(MAX_GROUP_BITS, max(0, (dims - 1) * b))
+    per_key = max(2.0, m / 2)
+    dims = 1
+    while dims * b < MAX_GROUP_BITS and expected_num_peers >= per_key * m**dims:
+        dims += 1
+    return min(MAX_GROUP_BITS, (dims - 1) * b)
 
 
 def make_group_key(prefix: str, bits: str) -> str:
@@ -109,6 +125,41 @@ def group_position(group_id: bytes, num_members: int, index: int) -> int:
     return order.index(index)
 
 
+def key_offset(key: str, axis: int) -> int:
+    """A coordinate in ``range(axis)`` drawn from the key (SHA-256): the rotation of
+    :func:`line_coordinate`, the same for every member of the line."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % axis
+
+
+def line_coordinate(key: str, position: int, axis: int, rotate: bool) -> int:
+    """The coordinate a member at ``position`` of a group under ``key`` shifts in.
+
+    Without ``rotate`` it is the position itself: a line of ``n`` peers takes coordinates
+    ``0..n-1``. That keeps a balanced grid exact (a half-full 32 x 32 grid of lines of 16
+    becomes 16 lines of 32, each holding one peer of every line of 16: the exact mean after 2
+    rounds), but it packs uneven lines: the next round's key ``k`` holds one peer of each line
+    longer than ``k`` (the line lengths' conjugate), so low keys are crowded, high keys hold a
+    peer or two, and that shape stays round after round. With ``rotate`` every line starts at
+    its own offset (:func:`key_offset`, modulo ``axis``), so uneven lines spread over all the
+    keys: random key bits (``expected_num_peers``) at the paper's sizes, 512 / 768 / 900 peers
+    on 32 x 32 with p = 0.01, took 9.4 / 8.5 / 7.4 rounds to a variance of 1e-9 packed and
+    7.0 / 6.3 / 6.1 rotated (20 seeds) (the paper: 8.8 / 6.9 / 6.5; ``benchmarks/sim_rounds.py``). A
+    whole line (``axis`` peers) takes every coordinate either way, so a full grid is exact
+    after ``d`` rounds with or without rotation.
+    """
+    if not 0 <= position < axis:
+        raise ValueError(f"position {position} out of range for an axis of {axis}")
+    return (position + key_offset(key, axis)) % axis if rotate else position
+
+
+def hole_coordinate(key: str, line: int, axis: int, rotate: bool) -> int:
+    """Where a peer goes after missing a round in which its line (under ``key``) held
+    ``line`` peers, itself included: the others took :func:`line_coordinate` of positions
+    ``0..line-2``; position ``line - 1`` is the one nobody took, so the next round's lines are
+    what they would have been with the peer there (on a full grid, every group whole)."""
+    return line_coordinate(key, min(max(line, 1), axis) - 1, axis, rotate)
+
+
 class GroupKeyManager:
     """Holds one peer's current group bits and moves them after each round."""
 
@@ -121,6 +172,7 @@ class GroupKeyManager:
         expected_num_peers: int | None = None,
         rng: random.Random | None = None,
         adaptive: bool | None = None,
+        rotate_lines: bool | None = None,
     ):
         if not prefix or ".0b" in prefix:
             raise ValueError(f"invalid averaging prefix {prefix!r} (non-empty, without '.0b')")
@@ -129,6 +181,9 @@ class GroupKeyManager:
         self._rng = rng or random.Random()
         if adaptive is None:
             adaptive = initial_group_bits is None and expected_num_peers is None
+        # random key bits make uneven lines: spread them over the keys (line_coordinate);
+        # a grid the user laid out keeps its lines (a balanced partial grid stays exact)
+        self.rotate_lines = initial_group_bits is None if rotate_lines is None else rotate_lines
         if initial_group_bits is None:
             n = default_num_bits(target_group_size, expected_num_peers)
             initial_group_bits = "".join(self._rng.choice("01") for _ in range(n))
@@ -144,14 +199,22 @@ class GroupKeyManager:
         self.adaptive = adaptive
         self._estimates: deque[float] = deque(maxlen=ESTIMATE_WINDOW)
         self._since_resize = 0
-        # size of the last group we averaged in (None before the first), and rounds missed
-        # since: they say where a peer that missed one round finds a free place (see
-        # update_without_group)
-        self._last_group_size: int | None = None
+        # the length of our line in recent rounds (the group we averaged in, or the line we
+        # missed), newest last, and rounds missed since the last group: they say where a peer
+        # that missed one round finds a free place (see update_without_group)
+        self._line_lengths: deque[int] = deque(maxlen=MAX_GROUP_BITS + 1)  # 0: unknown
         self._missed = 0
-        # peers were seen on a grid one dimension longer than ours (see observe_longer)
-        self._grid_grew_without_us = False
+        # the first round's line length, from the size hint (None: unknown)
+        self._first_line = (
+            min(self.axis, -(-expected_num_peers // self._keys_in_use()))
+            if expected_num_peers
+            else None
+        )
+        # peers were seen on a grid this many dimensions longer than ours (observe_longer)
+        self._grow_by = 0
         self._rounds_to_probe = PROBE_EVERY
+        self._probe_dims = 1  # dimensions the next longer_key adds
+        self._probing = 0  # dimensions the last longer_key added (0: none yet)
 
     @property
     def axis(self) -> int:
@@ -202,37 +265,55 @@ class GroupKeyManager:
         return min(max_dims, max(1, round(level)))
 
     def longer_key(self) -> str | None:
-        """A key one grid dimension longer than ours (ours plus a random coordinate), or None
-        (a fixed grid, no room, or not this round: one call in ``PROBE_EVERY`` gives a key).
-        The averager reads it: peers that grew their grid before us sit under such keys, and
-        we never meet them under ours."""
-        if not self.adaptive or self.num_bits + self.coord_bits > MAX_GROUP_BITS:
+        """A key one or more grid dimensions longer than ours (ours plus random coordinates;
+        see :meth:`observe_longer` for how many), or None (a fixed grid, no room, or not this round: one call in
+        ``PROBE_EVERY`` gives a key, every call while we find no group). The averager reads
+        it: peers that grew their grid before us sit under such keys, and we never meet them
+        under ours."""
+        if not self.adaptive:
+            return None
+        dims = min(self._probe_dims, (MAX_GROUP_BITS - self.num_bits) // self.coord_bits)
+        if dims < 1:
             return None
         self._rounds_to_probe -= 1
-        if self._rounds_to_probe > 0:
+        # alone round after round: the swarm may have left our key for good (a peer that
+        # missed the first round stays on the shared key while the rest grow their grid)
+        if self._rounds_to_probe > 0 and self._missed < 2:
             return None
         self._rounds_to_probe = PROBE_EVERY
-        coordinate = self._rng.randrange(self.axis)
-        return make_group_key(self.prefix, self.bits + format(coordinate, f"0{self.coord_bits}b"))
+        self._probing = dims
+        coords = (self._rng.randrange(self.axis) for _ in range(dims))
+        return make_group_key(
+            self.prefix, self.bits + "".join(format(c, f"0{self.coord_bits}b") for c in coords)
+        )
 
     def observe_longer(self, count: int, own: int) -> None:
         """``count`` distinct peers were under :meth:`longer_key` this round, ``own`` under
-        ours (us included). The longer grid has ``M`` times our number of keys, so it holds
-        about ``count * M`` peers for our ``own``: if that is more (and ``count >= 2``), most
-        of the swarm grew its grid without us (our estimates, from a crowded key read early,
-        stayed low), and the two parts would average apart for good, never meeting under one
-        key. We follow the larger part after this round."""
-        if self.adaptive and count >= 2 and count * self.axis > own:
-            self._grid_grew_without_us = True
+        ours (us included). The longer grid has ``M**k`` times our number of keys (``k``
+        dimensions more), so it holds about ``count * M**k`` peers for our ``own``: if that
+        is more (and ``count >= 2``), most of the swarm grew its grid without us (our
+        estimates, from a crowded key read early, stayed low), and the two parts would
+        average apart for good, never meeting under one key. We follow the larger part after
+        this round. An empty longer key sends the next probe one dimension further (up to
+        ``MAX_PROBE_DIMS``): a swarm that grew by two dimensions at once (1024 peers in
+        groups of 8 go from the shared key to 6 bits) leaves nobody one dimension longer."""
+        dims = self._probing
+        if not self.adaptive or dims < 1:
+            return
+        if count >= 2 and count * self.axis**dims > own:
+            self._grow_by = max(self._grow_by, dims)
+            self._probe_dims = 1
+        elif count < 2:
+            self._probe_dims = dims % MAX_PROBE_DIMS + 1
 
     def _resize(self, first_coordinate: int | None) -> None:
         """Grow or shrink the key to the wanted number of dimensions after a round."""
         wanted = self._wanted_dimensions()
-        if self._grid_grew_without_us:
-            self._grid_grew_without_us = False
-            if wanted <= self.dimensions:
-                wanted = self.dimensions + 1
+        if self._grow_by:
+            if wanted < self.dimensions + self._grow_by:
+                wanted = self.dimensions + self._grow_by
                 self._estimates.clear()  # they were why we stayed behind
+            self._grow_by = 0
         if wanted == self.dimensions:
             return
         old_key, old_dims = self.key, self.dimensions
@@ -252,6 +333,10 @@ class GroupKeyManager:
             self.bits = self.bits[len(self.bits) - keep :] if keep else ""  # drop the oldest
         self.num_bits = len(self.bits)
         self._since_resize = 0
+        # the axes changed: older line lengths belong to another grid (the newest one stays,
+        # a rough guess until this grid has its own)
+        while len(self._line_lengths) > 1:
+            self._line_lengths.popleft()
         logger.info(
             "swarm size estimate %.0f peers (group size %d): grid of %d -> %d dimension(s), "
             "key %s -> %s",
@@ -276,23 +361,79 @@ class GroupKeyManager:
         """
         members = list(members)
         position = group_position(group_id, len(members), members.index(me))
-        self._last_group_size, self._missed = len(members), 0
+        self._line_lengths.append(len(members))
+        self._missed = 0
         if declared is not None:
             self.observe_declared(declared)
-        self._shift_in(position)
+        coordinate = self._coordinate(position)
+        self._shift_in(coordinate)
         if self.adaptive:
-            self._resize(position)
+            self._resize(coordinate)
         return self.key
+
+    def _coordinate(self, position: int) -> int:
+        return line_coordinate(self.key, position % self.axis, self.axis, self.rotate_lines)
+
+    def _line_length(self, declared: int | None) -> int | None:
+        """How many peers our line held this round, us included (None: no idea).
+
+        ``declared`` (the peers a read of our key saw, us included) counts them when it saw
+        anyone else, but only from below: a read early in the round misses the peers that
+        declare later (the full stack, 32 peers on 8 x 8: a peer cut off in round 1 had
+        seen part of its line, went to a taken place, and left one line too long and a peer
+        alone every second round for the rest of the run). On a grid the user laid out the
+        larger of the count and our history below answers; with rotated lines, whose lengths
+        differ from key to key, the count alone. Without a count (we read nothing, or we
+        were alone) our own history answers:
+        on a ``d``-dimensional grid the key cycles through the axes, and on a partly filled
+        one each axis has its own line length (a half-full 8 x 8 grid alternates between
+        lines of 4 and of 8), so the last group, which ran along another axis, gives the
+        wrong length; the line we ran along ``d`` rounds ago, the last time our key ran along
+        this axis, gives the right one. Before ``d`` rounds of history:
+
+        - lines that keep their positions (``rotate_lines`` off, a grid the user laid out)
+          are full from the second round on: the first round's lines of ``n`` hand out
+          positions ``0..n-1``, and the next ``d - 1`` rounds' keys hold one peer of every
+          line that reached them, ``M`` per key while the swarm is below ``M**d``;
+        - rotated lines are all about as long as each other, every round: the last group;
+        - in the first round, the size hint (``expected_num_peers``) spread over the keys.
+        """
+        counted = declared if declared is not None and declared > 1 else None
+        if counted is not None and self.rotate_lines:
+            return counted  # rotated lines differ from key to key: our history says little
+        d = self.dimensions
+        history = list(self._line_lengths)
+        # a group is shorter than its line when a member of it missed the round: of the last
+        # two rounds along this axis, the longer one
+        same_axis = [n for n in history[len(history) - d :: -d][:SAME_AXIS_ROUNDS] if n]
+        known = [n for n in history if n]
+        if len(history) >= d and same_axis:
+            guess = max(same_axis)
+        elif not known:
+            guess = self._first_line
+        else:
+            guess = known[-1] if self.rotate_lines else self.axis
+        if counted is None:
+            return guess
+        return max(counted, guess or 0)
 
     def update_without_group(self, declared: int | None = None) -> str:
         """No group formed: move to the key where this peer's line leaves a free place.
 
         The peers of our line that did form a group shift in positions ``0..n-2`` of a group
-        of ``n - 1``; position ``n - 1`` is the one nobody takes. On a full grid that is the
-        only key of the next round short of a peer, so moving there makes every group whole
-        again at once; a random key would be full (its group starts without us) with chance
-        ``(M - 1) / M``, round after round. ``n`` is the larger of our last group's size and
-        the peers seen under the key this round (``declared``, us included).
+        of ``n - 1``; position ``n - 1`` is the one nobody takes. Next round that key holds
+        one peer less than it would have held with us, so moving there keeps every line of
+        the next round as long as a round without the miss would have made it; on a full grid
+        it is the only key short of a peer, and every group is whole again at once. A random
+        key would be full (its group starts without us) with chance ``(M - 1) / M``, round
+        after round. ``n`` is the length of our line this round (:meth:`_line_length`): the
+        peers a read of our key counted (``declared``, us included) when it saw anyone else,
+        or else the line we ran along the last time our key ran along this axis (``d`` rounds
+        ago). The last group ran along another axis, whose lines on a partly filled grid are
+        twice or half as long: sized from it, a peer that missed a round of short lines went
+        to a key that is empty in the next round, and was alone every second round (8 x 8 at
+        32 / 48 / 56 peers, p = 0.01: 33 / 30 / 10% of runs above 8 rounds to a variance of
+        1e-9, now 1 / 1 / 0%; ``benchmarks/sim_rounds.py --placement lines``).
 
         After a second miss in a row the line is not the explanation (an empty corner of the
         grid, a full key): move to a random neighbouring key, so lonely peers find company.
@@ -300,11 +441,12 @@ class GroupKeyManager:
         if declared is not None:
             self.observe_declared(declared)
         self._missed += 1
-        line = max(self._last_group_size or 0, declared or 0)
-        if self._missed == 1 and line >= 1:
-            coordinate = min(line, self.axis) - 1
+        line = self._line_length(declared)
+        if self._missed == 1 and line is not None:
+            coordinate = hole_coordinate(self.key, line, self.axis, self.rotate_lines)
         else:
             coordinate = self._rng.randrange(1 << self.coord_bits)
+        self._line_lengths.append(line if line is not None else 0)
         self._shift_in(coordinate)
         if self.adaptive:
             self._resize(None)

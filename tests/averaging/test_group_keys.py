@@ -45,6 +45,12 @@ def test_default_num_bits():
     assert default_num_bits(16, expected_num_peers=4096) == 8  # 16^3
     assert default_num_bits(16, expected_num_peers=10) == 0  # one group is enough
     assert len(GroupKeyManager("p", 4, expected_num_peers=256).bits) == 6  # 4^4
+    # a key holds at least max(2, M/2) peers on average: half full is fine, a few is not
+    assert default_num_bits(32, expected_num_peers=512) == 5  # 32 x 32, keys of 16
+    assert default_num_bits(16, expected_num_peers=300) == 4  # not 16^3: keys of ~1.2
+    assert default_num_bits(16, expected_num_peers=1024) == 4  # not 16^3: keys of 4
+    assert default_num_bits(32, expected_num_peers=150) == 0  # not 32 keys of ~4.7
+    assert default_num_bits(2, expected_num_peers=16) == 3  # 2^4, keys of 2
 
 
 @settings(max_examples=50, deadline=None)
@@ -141,12 +147,17 @@ def _grid_managers(side: int, dims: int, seed: int) -> list[GroupKeyManager]:
     for i in range(side**dims):
         coords = [(i // side**k) % side for k in range(1, dims)]
         bits = "".join(format(c, f"0{b}b") for c in coords)
-        managers.append(GroupKeyManager("g", side, initial_group_bits=bits, rng=random.Random(seed + i)))
+        managers.append(
+            GroupKeyManager("g", side, initial_group_bits=bits, rng=random.Random(seed + i))
+        )
     return managers
 
 
-def _one_round(managers: list[GroupKeyManager], missing: set[int], rng: random.Random) -> None:
-    """Everyone but ``missing`` averages in the group of its key; the missing peers get none."""
+def _one_round(
+    managers: list[GroupKeyManager], missing: set[int], rng: random.Random, saw_key: bool = True
+) -> None:
+    """Everyone but ``missing`` averages in the group of its key; the missing peers get none
+    (``saw_key``: they read their key and count the peers there; else they saw nothing)."""
     groups = defaultdict(list)
     for i, m in enumerate(managers):
         if i not in missing:
@@ -157,7 +168,7 @@ def _one_round(managers: list[GroupKeyManager], missing: set[int], rng: random.R
         for i in g:
             managers[i].update_after_round(group_id, g, i)
     for i in missing:
-        managers[i].update_without_group(declared=sizes[i])
+        managers[i].update_without_group(declared=sizes[i] if saw_key else None)
 
 
 @pytest.mark.parametrize("side, dims", [(4, 2), (8, 2), (4, 3)])
@@ -174,6 +185,121 @@ def test_a_peer_that_missed_a_round_moves_into_the_hole_its_line_leaves(side, di
         for m in managers:
             counts[m.key] += 1
         assert sorted(counts.values()) == [side] * side ** (dims - 1), (missing, dict(counts))
+
+
+def _line_managers(peers: int, side: int, seed: int, hint: bool = True) -> list[GroupKeyManager]:
+    """``peers`` on a partly filled ``side x side`` grid, peer i on line i mod side (as
+    benchmarks/sim_swarm.py --grid places them): lines alternate between two lengths.
+    ``hint``: the size is passed too (``expected_num_peers``), as a user laying out a grid can."""
+    b = coordinate_bits(side)
+    return [
+        GroupKeyManager(
+            "g",
+            side,
+            initial_group_bits=format(i % side, f"0{b}b"),
+            expected_num_peers=peers if hint else None,
+            rng=random.Random(seed + i),
+        )  # fmt: skip
+        for i in range(peers)
+    ]
+
+
+def _key_counts(managers: list[GroupKeyManager]) -> list[int]:
+    counts: dict[str, int] = defaultdict(int)
+    for m in managers:
+        counts[m.key] += 1
+    return sorted(counts.values())
+
+
+def _run_with_misses(
+    peers: int, misses: dict[int, set[int]], saw_key: bool, hint: bool = True
+) -> tuple[list[GroupKeyManager], list[GroupKeyManager]]:
+    """8 x 8 lines, rounds 1..max(misses) with ``misses[r]`` missing round r, next to the same
+    swarm without misses (same seeds, same group IDs)."""
+    side, last = 8, max(misses)
+    managers = _line_managers(peers, side, seed=7 * peers, hint=hint)
+    full = _line_managers(peers, side, seed=7 * peers, hint=hint)
+    for r in range(1, last + 1):
+        _one_round(managers, misses.get(r, set()), random.Random(r), saw_key=saw_key)
+        _one_round(full, set(), random.Random(r))
+    return managers, full
+
+
+@pytest.mark.parametrize("saw_key", [True, False])
+@pytest.mark.parametrize("peers", [32, 48, 56])
+def test_a_peer_that_missed_a_round_of_a_partly_filled_grid_lands_on_a_line_that_exists(
+    peers, saw_key
+):
+    # 8 x 8 at the paper's fill ratios (512, 768, 900 of 1024): 32 peers alternate between
+    # lines of 4 (8 keys) and lines of 8 (keys 0-3). The hole a peer's line leaves is at the
+    # length of *this* round's line; the last group ran along the other axis, twice or half as
+    # long. Sized from it, a peer that missed a round of short lines went to key 7, empty in
+    # the next round (lines of 8 sit under keys 0-3), and was alone every second round.
+    # saw_key: the peer read its key (it counts the peers there); else it read nothing (cut
+    # off) and knows only its own history (and, in the first round, the size hint).
+    # Rounds 1 and 2 have no history along their axis yet.
+    for missed_round in (1, 2, 3, 4):
+        for missing in range(0, peers, 5):
+            managers, full = _run_with_misses(peers, {missed_round: {missing}}, saw_key)
+            # the next round's keys hold what they would have held had the peer been there
+            assert _key_counts(managers) == _key_counts(full), (missed_round, missing)
+            keys = [m.key for m in managers]
+            assert keys.count(keys[missing]) > 1, (missed_round, missing)  # not alone
+
+
+@pytest.mark.parametrize("peers", [32, 48])
+def test_the_hole_is_sized_from_the_line_not_from_a_group_short_of_a_member(peers):
+    # A peer's group is shorter than its line when another member missed that round. Sized
+    # from that group alone, the line's hole two rounds later was one place short: the peer
+    # landed on a line one too long (a group of M and a peer alone) and the grid kept that
+    # shape, one peer alone every second round, until the run ended. Of the last two rounds
+    # along the axis, the longer one sizes the line.
+    for a in range(0, peers, 7):
+        mates = [i for i in range(peers) if i != a]
+        rng = random.Random(a)
+        for _ in range(3):
+            b = rng.choice(mates)  # misses round 4: a's line of 8 may be a group of 7 for a
+            managers, full = _run_with_misses(peers, {4: {b}, 6: {a}}, saw_key=False)
+            assert _key_counts(managers) == _key_counts(full), (a, b)
+
+
+@pytest.mark.parametrize("missed_round", [1, 2, 3, 4])
+def test_a_read_that_saw_part_of_the_line_does_not_shrink_its_hole(missed_round):
+    # A read early in the round sees only the peers that had declared by then: a count of 2
+    # in a line of 4 or 8. Taken as the line's length, it sent the peer to a place another
+    # member took (full stack, 32 peers on 8 x 8: one line too long and a peer alone every
+    # second round for the rest of the run); the count is a lower bound.
+    peers, side = 32, 8
+    for missing in range(0, peers, 3):
+        managers = _line_managers(peers, side, seed=missing)
+        full = _line_managers(peers, side, seed=missing)
+        for r in range(1, missed_round + 1):
+            rng = random.Random(r)
+            if r < missed_round:
+                _one_round(managers, set(), rng)
+            else:
+                groups = defaultdict(list)
+                for i, m in enumerate(managers):
+                    if i != missing:
+                        groups[m.key].append(i)
+                for g in groups.values():
+                    group_id = rng.randbytes(16)
+                    for i in g:
+                        managers[i].update_after_round(group_id, g, i)
+                managers[missing].update_without_group(declared=2)  # saw one other
+            _one_round(full, set(), random.Random(r))
+        assert _key_counts(managers) == _key_counts(full), (missed_round, missing)
+
+
+@pytest.mark.parametrize("peers", [32, 48])
+def test_a_peer_cut_off_in_the_first_round_needs_the_size_hint(peers):
+    # Before any group, a peer that read nothing has no line length; with the grid's size
+    # (expected_num_peers) it has the first round's (N / M per key), without it none, and it
+    # moves at random (in rounds 2..d of a user's grid every line is full: no hint needed)
+    managers, full = _run_with_misses(peers, {1: {0}}, saw_key=False, hint=True)
+    assert _key_counts(managers) == _key_counts(full)
+    managers, full = _run_with_misses(peers, {2: {0}}, saw_key=False, hint=False)
+    assert _key_counts(managers) == _key_counts(full)
 
 
 def test_a_peer_missing_round_after_round_wanders_at_random():

@@ -185,9 +185,8 @@ async def test_observers_and_disconnect():
     events = []
     async with Host.open() as a, Host.open() as b:
         addrs = await b.listen(LOCAL)
-        a.add_connection_observer(
-            lambda p: events.append(("up", p)), lambda p: events.append(("down", p))
-        )
+        observer = (lambda p: events.append(("up", p)), lambda p: events.append(("down", p)))
+        a.add_connection_observer(*observer)
         pid = await a.connect(addrs)
         assert events == [("up", pid)]
         await a.disconnect(pid)
@@ -197,6 +196,13 @@ async def test_observers_and_disconnect():
         # reconnects on demand
         b.set_rpc_handler("/echo/1.0.0", echo_rpc)
         assert (await a.call(pid, "/echo/1.0.0", 3))["echo"] == 3
+        assert events[-1] == ("up", pid)
+        # removed: told of nothing more
+        a.remove_connection_observer(*observer)
+        a.remove_connection_observer(*observer)  # absent: no-op
+        await a.disconnect(pid)
+        await trio.sleep(0.1)
+        assert events[-1] == ("up", pid) and len(events) == 3
 
 
 async def test_thousand_concurrent_streams_between_hosts():
