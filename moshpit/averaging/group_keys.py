@@ -407,6 +407,7 @@ class GroupKeyManager:
         # two rounds along this axis, the longer one
         same_axis = [n for n in history[len(history) - d :: -d][:SAME_AXIS_ROUNDS] if n]
         known = [n for n in history if n]
+        guess: int | None
         if len(history) >= d and same_axis:
             guess = max(same_axis)
         elif not known:
