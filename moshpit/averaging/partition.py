@@ -177,24 +177,17 @@ def part_bounds(group: GroupInfo, total: int) -> list[tuple[int, int]]:
 
 MIN_CHUNK_NUMEL = 1 << 14  # 64 KiB of float32: smaller chunks cost more in per-message overhead
 # Chunks per (sender, reducer) pair on vectors too small for full-size chunks: more chunks
-# pipeline better on slow links (a shorter fill and drain), fewer cost less per-message CPU.
-# 16 made every 8-bit chunk of a 4M-value round pay its fixed costs (sampling, message, decode
-# setup) twice as often: at 1 Gbit/s 8-bit took 1.04-1.06x gloo's time, 0.78-0.82x with 8,
-# while uncompressed float32 went from 1.13-1.17x to 1.16-1.26x (benchmarks/bench_wan.py).
+# pipeline better on slow links (a shorter fill and drain), fewer cost less per-message CPU
+# (sampling, message, decode setup per chunk; 16 made 8-bit rounds slower than gloo at 1 Gbit/s).
 CHUNKS_PER_PEER = 8
-# Where the group's links, by what its members state, take a while to carry a round, more
-# chunks per pair: the pipeline's fill and drain each take about one chunk per sender pair,
-# L/c of a round whose transfers take L seconds with c chunks per pair, while every chunk
-# costs each member ~2(s-1) messages of CPU (chunks out to s-1 reducers, results out to s-1
-# senders), at PER_MESSAGE_SECONDS each (measured: top-k rounds of 4 x 4M spent 45 ms more
-# CPU per peer with 24 chunks per pair than with 8, ~0.5 ms per extra message). The sum
+# Where the members' stated links take a while to carry a round, more chunks per pair: the
+# pipeline's fill and drain each take about one chunk per sender pair, L/c of a round whose
+# transfers take L seconds with c chunks per pair, while every chunk costs each member
+# ~2(s-1) messages of CPU at PER_MESSAGE_SECONDS each (measured: ~0.5 ms per extra message).
 # L/c + 2(s-1)*p*c is smallest at c = sqrt(L / (2(s-1)p)); never fewer than CHUNKS_PER_PEER.
-# 4 x 4M at 100 Mbit/s: uncompressed (L ~2 s) gets 26 per pair, 8-bit (0.5 s) 13, top-k
-# (0.015 s) 8; at 1 Gbit/s uncompressed (0.2 s) 8. Measured with pacing (bench_wan.py, time
-# / gloo's): uncompressed 1.07-1.12x with 8 per pair, 1.01-1.05x with this rule, 0.98-1.01x
-# with 24; 8-bit 0.27-0.29x, 0.27x, 0.25-0.26x. A flat 24 also made top-k 0.13x instead of
-# 0.09x, and 8 peers' 8-bit rounds on 2 shared cores (CPU-bound) 0.40x instead of 0.32x; with
-# the square root they take 0.09x and 0.29x.
+# Example, 4 x 4M values at 100 Mbit/s: uncompressed (L ~2 s) 26 per pair, 8-bit (0.5 s) 13,
+# top-k 8. The benchmark behind it (bench_wan.py, against gloo and fixed 8 or 24 per pair) is
+# in CHANGELOG.md.
 PER_MESSAGE_SECONDS = 0.5e-3
 MAX_CHUNKS_PER_PEER = 32
 
