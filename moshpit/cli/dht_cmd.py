@@ -236,6 +236,7 @@ async def _serve(
 ) -> None:
     """Run the peer until cancelled (by a signal)."""
     from dht.kademlia.node import DHTNode
+    from dht.kademlia.roles import public_by_configuration
 
     async with DHTNode.open(
         initial_peers=initial_peers,
@@ -246,6 +247,9 @@ async def _serve(
         bootstrap_timeout=args.bootstrap_timeout,
         refresh_period=args.refresh_period,
         num_replicas=args.num_replicas,
+        # a global listen address or explicit announce addresses: relay from the start, so
+        # that volunteers behind NATs joining a one-node swarm find a relay at once
+        public_by_configuration=public_by_configuration(host_maddrs, announce_maddrs),
     ) as node:
         _announce(node, args.client_mode)
         # one line per decision, once AutoNAT has decided: what, why, and the role it implies
@@ -310,9 +314,26 @@ async def _status_loop(node: Any, period: float) -> None:
     while True:
         await trio.sleep(period)
         logger.info(
-            "%d routing contacts, %d connections, %d records stored (%d bytes)",
+            "%d routing contacts, %d connections, %d records stored (%d bytes); %s",
             len(node.routing_table),
             len(node.host.connected_peers()),
             node.storage.num_records,
             node.storage.num_bytes,
+            relay_status(node),
         )
+
+
+def relay_status(node: Any) -> str:
+    """What the status line says of the relay: its limits and use, or why it does not run."""
+    from dht.kademlia.roles import describe_limit
+
+    service = node.relay_service
+    if service is None:
+        reach = node.host.reachability
+        return f"not relaying (reachability {reach.status.value})"
+    stats = service.stats
+    return (
+        f"relaying ({describe_limit(service.limits.limit)}): "
+        f"{service.reservation_count} reservation(s), {len(service.circuits)} circuit(s) open, "
+        f"{stats.circuits_opened} opened, {stats.bytes_forwarded} bytes forwarded"
+    )
