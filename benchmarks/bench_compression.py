@@ -6,7 +6,13 @@ from other processes affects both alike: ``tensor.clone()`` for every codec, and
 JSON object per line.
 
     PYTHONPATH=. python benchmarks/bench_compression.py [--numel 16777216] [--repeats 5]
-        [--threads 1] [--data gaussian|heavy|both] [--only SUBSTRING]
+        [--threads 1] [--data gaussian|heavy|both] [--only SUBSTRING[,SUBSTRING...]]
+
+The home-uplink comparison (docs/compression.md): 2.2M values, TopK2Bit at densities
+0.01/0.02/0.03 beside Blockwise4Bit and TopK at the same densities:
+
+    PYTHONPATH=. python benchmarks/bench_compression.py --numel 2200000 --repeats 9 \
+        --only Blockwise4Bit,TopK
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from compression import (
     BFloat16,
+    Blockwise4Bit,
     Blockwise8Bit,
     Float16,
     NoCompression,
@@ -28,6 +35,7 @@ from compression import (
     ScaledFloat16,
     ScaledSign,
     TopK,
+    TopK2Bit,
     Uniform8Bit,
     decompress,
 )
@@ -59,6 +67,13 @@ CODECS = [
     (TopK(0.01, seed=0), None, None, None, None),
     (RandomK(0.01, seed=0), None, None, None, None),
     (ScaledSign(), None, None, None, None),
+    # home uplinks: DiLoCo's "4bit" and "sparse2bit", with TopK at the same densities
+    (Blockwise4Bit(), None, None, None, None),
+    (TopK(0.02, seed=0), None, None, None, None),
+    (TopK(0.03, seed=0), None, None, None, None),
+    (TopK2Bit(0.01), None, None, None, None),
+    (TopK2Bit(0.02), None, None, None, None),
+    (TopK2Bit(0.03), None, None, None, None),
 ]
 
 
@@ -104,6 +119,10 @@ def bench(codec, x: torch.Tensor, repeats: int) -> dict:
         "compression_ratio": round(4 * x.numel() / max(ct.nbytes, 1), 2),
         "rel_error": round(rel, 6),
     }
+    if hasattr(codec, "density"):  # sparse: what one kept value costs, indices included
+        kept = int(torch.count_nonzero(y))
+        row["kept"] = kept
+        row["bits_per_kept"] = round(8 * ct.nbytes / max(kept, 1), 2)
     # paired: each repeat's round trip over the clone measured right before it, then the
     # median, so that load changes during the run cancel out
     paired = [(c + d) / b for c, d, b in zip(comp, decomp, clones, strict=True)]
@@ -140,7 +159,9 @@ def main() -> None:
         "stall on busy cores; 0 keeps torch's default)",
     )
     parser.add_argument("--data", choices=["gaussian", "heavy", "both"], default="both")
-    parser.add_argument("--only", default=None, help="substring of the codec repr to run")
+    parser.add_argument(
+        "--only", default=None, help="comma-separated substrings of the codec reprs to run"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -148,7 +169,7 @@ def main() -> None:
     for kind in kinds:
         x = make_data(kind, args.numel)
         for codec, target, max_time, max_bits, max_err in CODECS:
-            if args.only and args.only not in repr(codec):
+            if args.only and not any(part in repr(codec) for part in args.only.split(",")):
                 continue
             row = {"bench": "compression", "data": kind, "numel": args.numel}
             row["threads"] = torch.get_num_threads()

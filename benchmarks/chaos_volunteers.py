@@ -124,6 +124,10 @@ def main() -> int:
     parser.add_argument("--down", type=float, default=4.0, help="s before a restart")
     parser.add_argument("--pause", type=float, default=20.0, help="s a SIGSTOP lasts")
     parser.add_argument("--warmup", type=float, default=20.0, help="s before the first fault")
+    parser.add_argument(
+        "--settle", type=float, default=20.0,
+        help="s at the end without faults: every live peer must catch up by then",
+    )  # fmt: skip
     parser.add_argument("--stall-after", type=float, default=45.0)
     parser.add_argument("--max-behind", type=int, default=2)
     args = parser.parse_args()
@@ -157,7 +161,7 @@ def main() -> int:
                     peer.proc.send_signal(signal.SIGCONT)
                     peer.paused_until = 0.0
                     _emit({"event": "SIGCONT", "peer": peer.index, "t": round(now - started, 1)})
-            if now >= next_fault:
+            if now >= next_fault and now - started < args.seconds - args.settle:
                 candidates = [p for p in peers if p.live and p.index != 0]  # 0: the bootstrap
                 if candidates:
                     victim = rng.choice(candidates)
@@ -183,6 +187,15 @@ def main() -> int:
     finally:
         final = {p.index: p.epoch for p in peers}
         live = {p.index for p in peers if p.live}
+        peer_lines = {
+            p.index: {
+                "epoch": p.epoch,
+                "live": p.index in live,
+                "report_age_s": round(time.monotonic() - p.epoch_at, 1) if p.epoch_at else None,
+                "exits": list(p.exits),
+            }
+            for p in peers
+        }
         for peer in peers:
             if peer.proc is not None and peer.proc.poll() is None:
                 if peer.paused_until:
@@ -200,8 +213,8 @@ def main() -> int:
         "epochs_reached": last_epoch,
         "longest_stall_s": round(longest_stall, 1),
         "stalled": stalled,
-        "final_epochs": final,
         "behind": behind,
+        "peers": peer_lines,
         "epoch_history": history[-40:],
     }
     _emit(summary)

@@ -26,6 +26,7 @@ from .feedback import ErrorFeedback, TwoWayCompression
 from .floating import BFloat16, Float16, NoCompression, ScaledFloat16
 from .quantization import Blockwise4Bit, Blockwise8Bit, Quantile8Bit, Uniform8Bit
 from .sparse import RandomK, ScaledSign, TopK, dgc_select, random_k_indices
+from .sparse2bit import TopK2Bit
 
 __all__ = [
     "DEFAULT_MAX_NUMEL",
@@ -52,6 +53,7 @@ __all__ = [
     "Blockwise8Bit",
     "Blockwise4Bit",
     "TopK",
+    "TopK2Bit",
     "RandomK",
     "ScaledSign",
     "dgc_select",

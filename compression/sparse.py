@@ -59,7 +59,9 @@ def _encode_values(values: torch.Tensor, vbits: int, buf: torch.Tensor) -> float
 def _decode_values(ct: CompressedTensor, count: int, vbits: int, device: torch.device):
     scale = meta_float(ct, "scale", positive=True)
     dtype = torch.float16 if vbits == 16 else torch.float32
-    values = _bytes.view(ct.payload, dtype, count).to(device=device, dtype=torch.float32)
+    # copy=True: for float32 on the CPU ``.to`` would return the payload view itself, and the
+    # in-place scaling wrote into the message's bytes (a second decode then scaled twice)
+    values = _bytes.view(ct.payload, dtype, count).to(device, torch.float32, copy=True)
     return values.mul_(scale) if scale != 1.0 else values
 
 

@@ -93,6 +93,18 @@ def test_by_default_a_volunteer_leaves_one_core_to_the_user(cpus: int | None, th
     assert train_cmd.default_threads(cpus) == threads
 
 
+def test_the_target_batch_defaults_to_the_modes_own():
+    """sync's global step and diloco's outer step each have their own scale of samples."""
+    for mode, target in (("sync", 256), ("diloco", 4096)):
+        args = train_args("--mode", mode)
+        assert train_cmd.check_args(args) is None and args.target_batch_size == target
+    args = train_args("--mode", "diloco", "--target-batch-size", "1024")
+    assert train_cmd.check_args(args) is None and args.target_batch_size == 1024
+    assert train_cmd.check_args(train_args("--mode", "diloco", "--target-batch-size", "8")) == (
+        "--target-batch-size must be >= --batch-size"
+    )
+
+
 def test_threads_is_parsed_and_checked():
     assert train_args().threads is None
     assert train_args("--threads", "3").threads == 3

@@ -19,7 +19,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -128,6 +128,34 @@ async def collect(
 # ------------------------------------------------------------------------------ the verdict
 
 
+STALLED_EPOCHS = 5  # an epoch that lasts this many times the usual one has stopped moving
+
+
+if TYPE_CHECKING:
+    from moshpit.training.progress import GlobalProgress
+
+
+def epoch_stall(view: GlobalProgress, now: float, stall_after: float) -> str | None:
+    """Peers that keep stepping while their epoch does not move (they wait for each other,
+    or for a state nobody serves) look busy: the verdict compares how long the swarm's
+    epoch has lasted with how long epochs usually take, as the peers report them. Medians
+    over the peers: one peer's numbers cannot make a swarm look stalled, nor hide a stall."""
+    at_epoch = [p for p in view.peers if p.epoch == view.epoch and p.epoch_since is not None]
+    usual = sorted(p.epoch_seconds for p in view.peers if p.epoch_seconds is not None)
+    if not at_epoch or not usual:
+        return None
+    since = sorted(p.epoch_since for p in at_epoch)[len(at_epoch) // 2]  # type: ignore[type-var]
+    per_epoch = usual[len(usual) // 2]
+    lasted = now - since
+    if lasted <= max(STALLED_EPOCHS * per_epoch, stall_after):
+        return None
+    return (
+        f"stalled: epoch {view.epoch} began {lasted:.0f} s ago and epochs took {per_epoch:.1f} s "
+        f"before, while {len(view.peers)} peers keep reporting (they wait for each other, or "
+        "for a state no donor serves: see their logs)"
+    )
+
+
 def health_verdict(snapshot: Snapshot, stall_after: float) -> tuple[bool, str]:
     """(healthy, one line for the operator).
 
@@ -147,6 +175,9 @@ def health_verdict(snapshot: Snapshot, stall_after: float) -> tuple[bool, str]:
     quiet = snapshot.now - max(p.time for p in view.peers)
     if quiet > stall_after:
         return False, f"stalled: no progress for {quiet:.0f} s ({len(view.peers)} peers listed)"
+    stuck = epoch_stall(view, snapshot.now, stall_after)
+    if stuck is not None:
+        return False, stuck
     problems = []
     sick = [p for p in view.peers if p.problem is not None]
     if sick:

@@ -29,8 +29,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from moshpit.cli.preflight import listen_failure
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_RUN_ID = "digits"
@@ -40,6 +38,9 @@ DEFAULT_CHECKPOINT_DIR = "moshpit-checkpoint"
 # is known (see limit_threads)
 DEFAULT_BATCH = 32
 DEFAULT_LR = 0.003
+# samples of the whole swarm per global step (sync) or outer step (diloco): about one or two
+# seconds of four demo peers (800 samples/s each)
+DEFAULT_TARGET = {"sync": 256, "diloco": 4096}
 
 
 def default_threads(cpu_count: int | None) -> int:
@@ -127,10 +128,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=("local", "sync"),
+        choices=("local", "sync", "diloco"),
         default="local",
-        help="local: local steps + background averaging; sync: one global batch "
-        "(default: %(default)s)",
+        help="local: local steps + background averaging; sync: one global batch; diloco: "
+        "local steps, and an outer step (8-bit pseudo-gradients) whenever the swarm processed "
+        "--target-batch-size samples, peers of any speed (default: %(default)s)",
     )
     parser.add_argument(
         "--batch-size",
@@ -141,9 +143,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-batch-size",
         type=int,
-        default=256,
-        help="mode sync: samples the whole swarm accumulates per optimizer step "
-        "(default: %(default)s)",
+        default=None,
+        help="samples the whole swarm processes per global step (sync) or outer step "
+        f"(diloco) (default: {DEFAULT_TARGET['sync']} in sync, {DEFAULT_TARGET['diloco']} in "
+        "diloco)",
     )
     parser.add_argument(
         "--lr", type=float, default=DEFAULT_LR, help="Adam learning rate (default: %(default)s)"
@@ -229,6 +232,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """A message for the first invalid argument, or None."""
+    if args.target_batch_size is None:
+        args.target_batch_size = DEFAULT_TARGET.get(args.mode, DEFAULT_TARGET["sync"])
     for name in ("batch_size", "target_batch_size", "group_size"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
@@ -241,7 +246,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--threads must be >= 0"
     if not args.lr > 0 or not args.report_every > 0 or not args.deadline > 0:
         return "--lr, --report-every and --deadline must be > 0"
-    if args.mode == "sync" and args.target_batch_size < args.batch_size:
+    if args.mode != "local" and args.target_batch_size < args.batch_size:
         return "--target-batch-size must be >= --batch-size"
     if args.name is not None:
         from moshpit.training.progress import check_name
@@ -381,7 +386,7 @@ def _make_optimizer(
         dht=dht,
         run_id=args.run_id,
         batch_size_per_step=args.batch_size,
-        target_batch_size=args.target_batch_size if args.mode == "sync" else None,
+        target_batch_size=args.target_batch_size if args.mode != "local" else None,
         mode=args.mode,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every_seconds=args.checkpoint_every or None,
@@ -462,44 +467,62 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
-    import torch
-
+    """Join, train until done or preempted, leave; every way out has its exit status."""
     import moshpit
-    from dht import BootstrapError
-    from dht.p2p import IdentityError, MultiaddrError
-    from moshpit.training.demo_task import (
-        evaluate,
-        make_model,
-        make_optimizer,
-        params_to_text,
-    )
-    from moshpit.training.errors import (
-        CheckpointError,
-        NoDonorError,
-        StateDownloadError,
-        StateMismatchError,
-    )
-    from moshpit.training.health import NonFiniteStateError
+    from moshpit.cli.exit_codes import JOIN_FAILURES
+    from moshpit.training.demo_task import make_model, make_optimizer
+    from moshpit.training.errors import StateError
 
     started = time.monotonic()
+    dht = opt = None
     try:
         dht = _join(args)
-    except MultiaddrError as e:
-        print(f"moshpit train: bad address: {e}", file=sys.stderr)
-        return 2
-    except BootstrapError as e:
-        print(
-            f"moshpit train: could not join through {' '.join(args.initial_peers)}: {e}",
-            file=sys.stderr,
-        )
-        return 1
-    except IdentityError as e:
-        print(f"moshpit train: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # the port was taken since the check, or a network error
-        where = " ".join(args.host_maddrs)
-        print(f"moshpit train: cannot listen on {where}: {listen_failure(e)}", file=sys.stderr)
-        return 1
+        _report_joined(args, dht, reporter, started)
+        model = make_model(seed=0)  # every peer starts from the same weights
+        opt = _make_optimizer(args, dht, make_optimizer(model, args.lr), _mode_options(args))
+    except JOIN_FAILURES as e:
+        if dht is not None:
+            dht.shutdown()
+        return _fail(e, args)
+    from moshpit.training.volunteer import LoopProgress
+
+    _start(args, opt, dht, reporter)
+    reporter.start_live()
+    progress = LoopProgress()
+    try:
+        _loop(args, opt, model, data, reporter, started, progress)
+    except moshpit.Preempted as e:
+        reporter.stop_live()
+        return _preempted(args, opt, reporter, e, progress)
+    except StateError as e:  # diverged with nothing good to go back to, or another model's
+        reporter.stop_live()
+        return _abandon(args, opt, dht, e)
+    finally:
+        reporter.stop_live()
+    return _finish(args, opt, dht, model, data, reporter, progress, started)
+
+
+def _fail(error: BaseException, args: argparse.Namespace) -> int:
+    """One line on stderr and the exit status the table gives (moshpit/cli/exit_codes.py)."""
+    from moshpit.cli.exit_codes import failure_of
+
+    failure = failure_of(
+        error,
+        initial_peers=args.initial_peers or [],
+        host_maddrs=args.host_maddrs or [],
+        run_id=args.run_id,
+    )
+    if failure is None:
+        raise error
+    print(f"moshpit train: {failure.line}", file=sys.stderr)
+    return failure.status
+
+
+def _mode_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"compression": "8bit"} if args.mode == "diloco" else {}
+
+
+def _report_joined(args: argparse.Namespace, dht: Any, reporter: _Reporter, started: float) -> None:
     addrs = [str(a) for a in dht.get_visible_maddrs()]
     reporter.event(
         "joined",
@@ -509,19 +532,15 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
         startup_s=round(time.monotonic() - started, 2),
     )
     dht.add_role_observer(lambda decision: _report_role(reporter, decision))
-    model = make_model(seed=0)  # every peer starts from the same weights
-    inner = make_optimizer(model, args.lr)
-    mode_options: dict[str, Any] = {}
-    try:
-        opt = _make_optimizer(args, dht, inner, mode_options)
-    except CheckpointError as e:  # e.g. a checkpoint of a newer moshpit, or the disk failed
-        print(f"moshpit train: {e}", file=sys.stderr)
-        dht.shutdown()
-        return 1
-    restored = opt.epoch
-    # SIGTERM (preemption notice) and Ctrl-C: leave cleanly within the deadline, exit 0
+
+
+def _start(args: argparse.Namespace, opt: Any, dht: Any, reporter: _Reporter) -> None:
+    """Leave cleanly on SIGTERM (and Ctrl-C) within the deadline; say what runs."""
+    import moshpit
+
     signals = (signal.SIGTERM,) if args.ignore_sigint else (signal.SIGTERM, signal.SIGINT)
     moshpit.handle_preemption(opt, dht, deadline=args.deadline, signals=signals)
+    restored = opt.epoch
     reporter.event(
         "started",
         f"training run {args.run_id!r} in mode {args.mode}"
@@ -529,116 +548,114 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
         + f"; checkpoints in {args.checkpoint_dir}",
         restored_epoch=restored,
     )
+
+
+def _loop(
+    args: argparse.Namespace,
+    opt: Any,
+    model: Any,
+    data: Any,
+    reporter: _Reporter,
+    started: float,
+    progress: Any,
+) -> Any:
+    """The training layer's volunteer loop, reporting the demo task's test accuracy."""
+    from moshpit.training.demo_task import evaluate
+    from moshpit.training.volunteer import LoopLimits, run_volunteer_loop
+
     stop = threading.Event()
     if args.stdin_control:
         threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    stream = data.batches(args.batch_size, seed=seed)
-    steps = samples = 0
-    ema_loss: float | None = None
-    train_started = time.monotonic()
-    last_report = 0.0
-    reporter.start_live()
-    preempted = False
-    try:
-        while not stop.is_set():
-            x, y = next(stream)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            value = loss.item()
-            try:
-                opt.step(loss=value)
-            except (NoDonorError, StateDownloadError) as e:
-                # joining or catching up failed this time (donors left or were too slow): keep
-                # our state and train on; the next averaging round tries to catch up again
-                reporter.event(
-                    "warning",
-                    f"could not load the swarm's state ({e}); training on, will retry",
-                    message=str(e),
-                )
-            opt.zero_grad()
-            steps += 1
-            samples += args.batch_size
-            ema_loss = value if ema_loss is None else 0.9 * ema_loss + 0.1 * value
-            now = time.monotonic()
-            done = (args.max_steps and steps >= args.max_steps) or (
-                args.duration and now - train_started >= args.duration
-            )
-            if done or now - last_report >= args.report_every:
-                last_report = now
-                accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
-                reporter.progress(
-                    dict(
-                        elapsed=round(now - started, 2),
-                        epoch=opt.epoch,
-                        steps=steps,
-                        samples=samples,
-                        loss=round(ema_loss, 4),
-                        test_loss=round(test_loss, 4),
-                        accuracy=round(accuracy, 4),
-                        samples_per_s=round(samples / max(now - train_started, 1e-9), 1),
-                        peers=max(1, opt.tracker.global_progress.num_peers),
-                    )
-                )
-            if done:
-                break
-            if args.max_rate:
-                ahead = samples / args.max_rate - (time.monotonic() - train_started)
-                if ahead > 0:
-                    time.sleep(min(ahead, 1.0))
-    except moshpit.Preempted as e:
-        preempted = True
-        reporter.stop_live()
-        signame = signal.Signals(e.signum).name
-        if e.failures:  # left, withdrew and shut down, but e.g. the last save failed
-            # the failures were logged once (stderr) as they happened: not repeated here
-            reporter.event(
-                "preempted",
-                f"{signame}: left the swarm at epoch {opt.epoch} after {steps} steps, but not "
-                "cleanly (the error above); exit status 1",
-                clean=False,
-                failures=list(e.failures),
+
+    def report(progress: Any) -> None:
+        now = time.monotonic()
+        accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
+        reporter.progress(
+            dict(
+                elapsed=round(now - started, 2),
                 epoch=opt.epoch,
-                steps=steps,
-                samples=samples,
+                steps=progress.steps,
+                samples=progress.samples,
+                loss=round(progress.loss, 4),
+                test_loss=round(test_loss, 4),
+                accuracy=round(accuracy, 4),
+                samples_per_s=round(progress.samples_per_second(now), 1),
+                peers=max(1, opt.tracker.global_progress.num_peers),
             )
-            return 1
+        )
+
+    def warn(line: str) -> None:
+        reporter.event("warning", line, message=line)
+
+    limits = LoopLimits(args.max_steps, args.duration, args.max_rate, args.report_every)
+    batches = data.batches(args.batch_size, seed=seed)
+    return run_volunteer_loop(
+        opt, model, batches, args.batch_size, limits, report=report, warn=warn, stop=stop,
+        progress=progress,
+    )  # fmt: skip
+
+
+def _preempted(
+    args: argparse.Namespace, opt: Any, reporter: _Reporter, e: Any, progress: Any
+) -> int:
+    """SIGTERM or Ctrl-C: the peer left (see moshpit.handle_preemption); 1 if not cleanly."""
+    signame = signal.Signals(e.signum).name
+    steps = progress.steps
+    counts = dict(epoch=opt.epoch, steps=steps, samples=progress.samples)
+    if e.failures:  # left, withdrew and shut down, but e.g. the last save failed
+        # the failures were logged once (stderr) as they happened: not repeated here
         reporter.event(
             "preempted",
-            f"{signame}: left the swarm cleanly at epoch {opt.epoch} after "
-            f"{steps} steps; checkpoint in {args.checkpoint_dir}; restart with the same "
-            "--identity and --checkpoint-dir to resume",
-            clean=True,
-            epoch=opt.epoch,
-            steps=steps,
-            samples=samples,
+            f"{signame}: left the swarm at epoch {opt.epoch} after {steps} steps, but not "
+            "cleanly (the error above); exit status 1",
+            clean=False,
+            failures=list(e.failures),
+            **counts,
         )
-        return 0
-    except (NonFiniteStateError, StateMismatchError) as e:
-        # diverged with no good state to go back to, or the run's state is another model's
-        # (its run id names a run of another model): nothing this peer can train on
-        reporter.stop_live()
-        if isinstance(e, StateMismatchError):
-            e = StateMismatchError(
-                f"the swarm of run {args.run_id!r} trains another model: {e} (pick another "
-                "--run-id, or run the same model and options as its peers)"
-            )
-        print(f"moshpit train: {e}", file=sys.stderr)
-        from moshpit.training.preemption import critical_section
-
-        with critical_section():
-            opt.leave_swarm(args.deadline)
-            dht.shutdown()
         return 1
-    finally:
-        if not preempted:
-            reporter.stop_live()
-    # a normal end (steps/duration reached, or the demo said stop): report, checkpoint, leave
+    reporter.event(
+        "preempted",
+        f"{signame}: left the swarm cleanly at epoch {opt.epoch} after {steps} steps; "
+        f"checkpoint in {args.checkpoint_dir}; restart with the same --identity and "
+        "--checkpoint-dir to resume",
+        clean=True,
+        **counts,
+    )
+    return 0
+
+
+def _abandon(args: argparse.Namespace, opt: Any, dht: Any, error: BaseException) -> int:
+    """Nothing this peer can train on: say why, leave, exit 1."""
+    from moshpit.training.preemption import critical_section
+
+    status = _fail(error, args)
+    with critical_section():
+        opt.leave_swarm(args.deadline)
+        dht.shutdown()
+    return status
+
+
+def _finish(
+    args: argparse.Namespace,
+    opt: Any,
+    dht: Any,
+    model: Any,
+    data: Any,
+    reporter: _Reporter,
+    progress: Any,
+    started: float,
+) -> int:
+    """A normal end (steps or duration reached, or the demo said stop): report, leave."""
+    from moshpit.training.demo_task import evaluate, params_to_text
+    from moshpit.training.errors import CheckpointError
+    from moshpit.training.preemption import critical_section
+
     accuracy, test_loss = evaluate(model, data.x_test, data.y_test)
     final: dict[str, Any] = dict(
         epoch=opt.epoch,
-        steps=steps,
-        samples=samples,
+        steps=progress.steps,
+        samples=progress.samples,
         accuracy=round(accuracy, 4),
         test_loss=round(test_loss, 4),
         elapsed=round(time.monotonic() - started, 2),
@@ -647,18 +664,15 @@ def _train(args: argparse.Namespace, data: Any, reporter: _Reporter) -> int:
         final["params"] = params_to_text(model)
     reporter.event(
         "final",
-        f"done: {steps} steps, {samples} samples, epoch {opt.epoch}, test accuracy "
-        f"{accuracy:.3f}; checkpoint in {args.checkpoint_dir}",
+        f"done: {progress.steps} steps, {progress.samples} samples, epoch {opt.epoch}, test "
+        f"accuracy {accuracy:.3f}; checkpoint in {args.checkpoint_dir}",
         **final,
     )
-    from moshpit.training.preemption import critical_section
-
     with critical_section():  # a SIGTERM now waits for the clean exit below
         try:
             opt.leave_swarm(args.deadline)
         except CheckpointError as e:  # left and withdrew, but the last save failed
-            print(f"moshpit train: {e}", file=sys.stderr)
-            return 1
+            return _fail(e, args)
         finally:
             dht.shutdown()
     return 0

@@ -251,6 +251,7 @@ class Optimizer:
         with critical_section():
             try:
                 self.mode.step(batch_size)
+                self.mode.checkpoint_if_due()
             except NonFiniteStateError as e:  # a round or checkpoint found the state bad
                 self._recover(str(e))
             self.local_steps += 1

@@ -150,6 +150,13 @@ class PeerProgress:
     # seconds between its reports (one per step), averaged like samples/s; None when the
     # peer does not say: how long a round must wait for this peer's current step to end
     step_seconds: float | None = None
+    # DHT time at which it entered its epoch, and its recent seconds per epoch (None: the
+    # peer does not say, or has not seen two epochs yet): `moshpit status` tells a swarm
+    # whose epoch stopped moving from one that is merely slow
+    epoch_since: float | None = None
+    epoch_seconds: float | None = None
+    # the epoch whose state it is loading from donors (None: it is not loading)
+    catching_up: int | None = None
 
     @property
     def problem(self) -> str | None:
@@ -252,6 +259,18 @@ def parse_progress_record(
         _is_number(step) and math.isfinite(step) and 0 < step <= MAX_STEP_SECONDS
     ):
         return None, f"spt {step!r} is not a number of seconds in (0, {MAX_STEP_SECONDS:g}]"
+    catching_up = value.get("cu")
+    if catching_up is not None and not _is_int(catching_up, 0, MAX_EPOCH):
+        return None, f"cu {catching_up!r} is not an epoch"
+    since, per_epoch = value.get("es"), value.get("et")
+    if since is not None and not (
+        _is_number(since) and math.isfinite(since) and since <= now + max_clock_skew
+    ):
+        return None, f"es {since!r} is not a past DHT time"
+    if per_epoch is not None and not (
+        _is_number(per_epoch) and math.isfinite(per_epoch) and 0 < per_epoch <= MAX_STEP_SECONDS
+    ):
+        return None, f"et {per_epoch!r} is not a number of seconds in (0, {MAX_STEP_SECONDS:g}]"
     record = PeerProgress(
         peer_id,
         int(epoch),
@@ -265,6 +284,9 @@ def parse_progress_record(
         valid_name(value.get("name")),
         client if isinstance(client, bool) else None,
         float(step) if step is not None else None,
+        float(since) if since is not None else None,
+        float(per_epoch) if per_epoch is not None else None,
+        catching_up,
     )
     return record, None
 
@@ -523,6 +545,9 @@ class ProgressTracker:
         self._ewma_samples = 0.0
         self._ewma_seconds = 0.0
         self._ewma_reports = 0.0  # the reports behind those sums: seconds per step
+        self._catching_up: int | None = None  # the epoch whose state we are loading
+        self._epoch_since: float | None = None  # when we entered our epoch (DHT time)
+        self._epoch_seconds: float | None = None  # our recent seconds per epoch
         self._reports = 0
         self._version = 0  # bumped by every report that changed what we would publish
         self._published_version = -1
@@ -583,6 +608,9 @@ class ProgressTracker:
                 # not to producing these samples, so it does not enter samples/s
                 if self._epoch is not None and epoch > self._epoch:
                     self._epoch_started_at.setdefault(epoch, now)  # we saw it begin
+                    self._note_epoch_change(epoch - self._epoch, now)
+                else:
+                    self._epoch_since = now
             elif (self._samples == 0 and self._reports == 1) or self._discard_next:
                 # the first interval ever: a trainer reports 0 when it starts, right after
                 # computing its first batch, so this interval holds no compute time (it made
@@ -603,6 +631,14 @@ class ProgressTracker:
                 self._version += 1
         if changed:
             self._wake()
+
+    def _note_epoch_change(self, epochs: int, now: float) -> None:
+        """Seconds per epoch, averaged over the last few epochs (the caller holds the lock)."""
+        if self._epoch_since is not None:
+            took = (now - self._epoch_since) / epochs
+            previous = self._epoch_seconds
+            self._epoch_seconds = took if previous is None else 0.7 * previous + 0.3 * took
+        self._epoch_since = now
 
     def discard_next_interval(self) -> None:
         """The samples of the next report were made before now (the batch a training loop
@@ -664,6 +700,20 @@ class ProgressTracker:
     def name(self) -> str | None:
         return self._name
 
+    def set_catching_up(self, epoch: int | None) -> None:
+        """Publish (at once) that this peer is loading the state of ``epoch`` (None: it is
+        not): the peers at that epoch then wait for it for a while, instead of moving on
+        while it downloads and leaving it behind again (see ``epoch_rounds``)."""
+        if epoch is not None and not _is_int(epoch, 0, MAX_EPOCH):
+            raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
+        with self._lock:
+            changed = epoch != self._catching_up
+            if changed:
+                self._catching_up = epoch
+                self._version += 1
+        if changed:
+            self._wake()
+
     def set_name(self, name: str | None) -> None:
         """Publish ``name`` (or none) as this peer's display name with the next record."""
         name = check_name(name)
@@ -708,6 +758,9 @@ class ProgressTracker:
                 self._schema,
                 self._name,
                 step_seconds=step,
+                epoch_since=self._epoch_since,
+                epoch_seconds=self._epoch_seconds,
+                catching_up=self._catching_up,
             )
 
     @property
@@ -901,6 +954,12 @@ class ProgressTracker:
                 value["name"] = mine.name
             if mine.step_seconds is not None:
                 value["spt"] = min(mine.step_seconds, MAX_STEP_SECONDS)
+            if mine.epoch_since is not None:
+                value["es"] = mine.epoch_since
+            if mine.epoch_seconds is not None:
+                value["et"] = min(mine.epoch_seconds, MAX_STEP_SECONDS)
+            if mine.catching_up is not None:
+                value["cu"] = mine.catching_up
             node = self._get_node()
             client = getattr(node, "client_mode", None)
             if isinstance(client, bool):

@@ -113,6 +113,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SENDING_AT_ONCE = 2  # answers being transmitted at once (more wait their turn)
+# a download that keeps receiving verified chunks may run this many times its timeout in all
+MAX_DOWNLOAD_STRETCH = 30
 
 T = TypeVar("T")
 
@@ -165,7 +167,7 @@ class StateSharing:
         batch_bytes: int = 4 << 20,
         refresh_interval: float = 1.0,
         thread_min_bytes: int = 1 << 16,
-        min_rate: float = 64 * 1024,
+        min_rate: float = 16 * 1024,
     ) -> None:
         if not isinstance(prefix, str) or not 0 < len(prefix) <= MAX_PREFIX_CHARS:
             raise ValueError(f"prefix must be a string of 1..{MAX_PREFIX_CHARS} characters")
@@ -188,7 +190,9 @@ class StateSharing:
         self.request_timeout = request_timeout
         self.batch_bytes = batch_bytes
         self.refresh_interval = refresh_interval
-        self.min_rate = min_rate  # bytes/s below which a transfer counts as stalled
+        # bytes/s below which a transfer counts as stalled: 128 kbit/s, under the slowest home
+        # uplink worth training from (64 KiB/s cut every state download over 200 kbit/s)
+        self.min_rate = min_rate
         # CPU work on at least this many bytes (hashing, store reads) goes to a worker thread;
         # tests under an autojumping MockClock set it to infinity (a thread would let the
         # clock jump over timeouts)
@@ -487,28 +491,49 @@ class StateSharing:
         sink: ChunkSink | None = None,
     ) -> DownloadResult:
         """Fetch the swarm's newest state (module doc); nothing is returned before every
-        chunk verified. Raises NoDonorError, StateMismatchError, StateDownloadError."""
-        deadline = trio.current_time() + timeout
+        chunk verified. Raises NoDonorError, StateMismatchError, StateDownloadError.
+
+        ``timeout`` bounds finding donors and any stretch without progress, not a transfer
+        that keeps going: every verified chunk gives the download ``timeout`` more seconds,
+        up to ``MAX_DOWNLOAD_STRETCH`` times ``timeout`` in all. A fixed limit sized for a
+        fast link cut every download of a slow one (26 MB of state at 10 Mbit/s take 21 s:
+        a 20 s limit left a laggard behind for good, retrying)."""
+        started = trio.current_time()
         misbehaving: dict[PeerID, str] = {}
-        with trio.move_on_at(deadline):
-            return await self._download(local_schema, deadline, sink, misbehaving)
+        received = 0
+        with trio.CancelScope(deadline=started + timeout) as scope:
+
+            def progress(nbytes: int) -> None:
+                nonlocal received
+                received += nbytes
+                scope.deadline = min(
+                    max(scope.deadline, trio.current_time() + timeout),
+                    started + MAX_DOWNLOAD_STRETCH * timeout,
+                )
+
+            return await self._download(local_schema, scope, sink, misbehaving, progress)
         raise StateDownloadError(
-            f"the state download did not finish within {timeout:.1f}s"
+            f"the state download stopped after {trio.current_time() - started:.1f}s "
+            f"({received / 1e6:.1f} MB received; it may take {timeout:.1f}s without progress, "
+            f"{MAX_DOWNLOAD_STRETCH * timeout:.0f}s in all)"
             + (f"; misbehaving peers: {describe(misbehaving)}" if misbehaving else "")
         )
 
     async def _download(
         self,
         local_schema: Sequence[tuple[str, str, tuple[int, ...]]],
-        deadline: float,
+        scope: trio.CancelScope,
         sink: ChunkSink | None,
         misbehaving: dict[PeerID, str],
+        progress: Callable[[int], None],
     ) -> DownloadResult:
         """Download the newest state; one that holds NaN/Inf is refused (its donors banned:
-        every donor of a root serves the same bytes) and the next newest is tried."""
+        every donor of a root serves the same bytes) and the next newest is tried. Waits for
+        donors until ``scope``'s deadline (which progress moves)."""
         while True:
             run = DownloadRun(self, sink, misbehaving)
-            result = await run.newest(local_schema, deadline)
+            run.on_progress = progress
+            result = await run.newest(local_schema, scope.deadline)
             names = [spec.name for spec in result.manifest.tensors]
             named = list(zip(names, result.tensors, strict=True))
             bad = await self._offload(

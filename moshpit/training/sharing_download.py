@@ -140,6 +140,9 @@ class DownloadRun:
         self.sharing = sharing
         self.sink = sink
         self.misbehaving = misbehaving
+        # called with the bytes of each batch of chunks that verified (a download making
+        # progress is given more time: see StateSharing.download)
+        self.on_progress: Callable[[int], None] | None = None
 
     async def newest(
         self, local_schema: Sequence[tuple[str, str, tuple[int, ...]]], deadline: float
@@ -425,10 +428,14 @@ class DownloadRun:
             bad = await self._offload(verify_and_keep, nbytes=sum(len(d) for _, d in got))
         finally:
             dl.verifying.difference_update(claimed)
+        kept = 0
         for i, data in got[: len(got) if bad is None else bad]:
             if dl.data[i] is None:
                 dl.data[i] = data
                 dl.received(i, h.peer)
+                kept += len(data)
+        if kept and self.on_progress is not None:
+            self.on_progress(kept)
         if bad is not None:
             i = got[bad][0]
             self._drop_bad(h, f"sent chunk {digests[i].hex()[:16]} whose SHA-256 does not match")

@@ -14,6 +14,7 @@ from compression import (
     ScaledFloat16,
     ScaledSign,
     TopK,
+    TopK2Bit,
     Uniform8Bit,
 )
 
@@ -39,6 +40,9 @@ def all_codecs():
         TopK(0.1, value_dtype=torch.float32, exact=True),
         RandomK(0.1, seed=5),
         ScaledSign(),
+        TopK2Bit(),  # 4096-value chunks: the tests' small tensors are one short chunk
+        TopK2Bit(0.1, chunk=64),
+        TopK2Bit(0.5, chunk=16),  # dense enough that the bitmap is the smaller index
     ]
 
 

@@ -68,6 +68,8 @@ def test_not_equal_matches_torch_ne():
         lambda: compression.TopK(0.01, seed=3),
         lambda: compression.RandomK(0.01, seed=3),
         compression.ScaledSign,
+        lambda: compression.TopK2Bit(0.01),
+        lambda: compression.TopK2Bit(0.4, chunk=32),  # bitmap index
     ],
 )
 def test_no_payload_byte_is_left_uninitialized(make, monkeypatch):

@@ -25,6 +25,7 @@ from compression import (
     ScaledFloat16,
     ScaledSign,
     TopK,
+    TopK2Bit,
     Uniform8Bit,
     decompress,
     decompress_into,
@@ -54,6 +55,8 @@ def codecs() -> list:
         RandomK(0.25, seed=5),
         ScaledSign(),
         Blockwise4Bit(block_size=7),
+        TopK2Bit(0.25, chunk=8),
+        TopK2Bit(0.5, chunk=16),  # some messages with a bitmap index
     ]
 
 

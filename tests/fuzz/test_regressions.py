@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from compression import Uniform8Bit, decompress
+from compression import CompressedTensor, RandomK, TopK, Uniform8Bit, decompress, decompress_into
 from dht.p2p._proto import encode_bytes_field
 from dht.p2p.errors import MultiaddrError, ProtocolNegotiationError
 from dht.p2p.identify import decode_identify
@@ -26,6 +26,7 @@ from ._harness import CORPUS_DIR, ScriptedStream, load_all
 from .targets_p2p import ALICE, BOB, SEED_ADDRS
 
 CRASHES = {
+    "allreduce_chunk/crash-topk-fp32-scaled-twice.bin",
     "codec_Uniform8Bit/crash-subnormal-range.bin",
     "donor_records/crash-owner-subkey-trailing-newline.bin",
     "group_key/crash-bits-trailing-newline.bin",
@@ -141,3 +142,22 @@ def test_uniform8bit_encodes_a_very_narrow_range(values: list[float]) -> None:
     tensor = torch.tensor(values)
     decoded = decompress(Uniform8Bit().compress(tensor))
     assert float((decoded - tensor).abs().max()) <= float(tensor.max() - tensor.min())
+
+
+@pytest.mark.parametrize("codec_id", [TopK.codec_id, RandomK.codec_id])
+def test_float32_sparse_values_with_a_scale_leave_the_payload_alone(codec_id) -> None:
+    # allreduce_chunk/crash-topk-fp32-scaled-twice: float32 values (vbits 32) with a scale
+    # other than 1 (the encoder always sends 1 there) were scaled in place inside the
+    # message's own bytes, so decode_chunk and then decode_chunk_into disagreed
+    values = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    meta = {"k": 4, "vbits": 32, "scale": 0.25}
+    meta.update({"width": 0} if codec_id == TopK.codec_id else {"seed": 3})
+    payload = values.numpy().tobytes()  # TopK with width 0: the indices take no bytes
+    ct = CompressedTensor.from_msg(
+        {"codec": codec_id, "dtype": "float32", "shape": [4], "payload": payload, "meta": meta}, 4
+    )
+    first = decompress(ct)
+    into = torch.empty(4)
+    decompress_into(ct, into)
+    assert ct.payload == payload and torch.equal(first, into)
+    assert torch.equal(first.sort().values, (values * 0.25).sort().values)

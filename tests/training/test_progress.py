@@ -296,6 +296,45 @@ def test_a_batch_computed_before_the_start_does_not_count_toward_samples_per_sec
         assert tracker.samples_per_second == pytest.approx(50.0)
 
 
+def test_epoch_timing_is_published_with_the_record():
+    """When the peer entered its epoch and how long its epochs take: `moshpit status` tells a
+    swarm whose epoch stands still from a slow one."""
+    clock = ManualClock()
+    node = type("Node", (), {"peer_id": "me"})()
+    with dht_clock(clock):
+        tracker = ProgressTracker(node, PREFIX, start=False)
+        tracker.report(0, 0)
+        assert tracker.local_progress().epoch_since == clock.now
+        assert tracker.local_progress().epoch_seconds is None
+        for epoch in range(1, 6):
+            clock.now += 4.0
+            tracker.report(epoch, 0)
+        clock.now += 30.0
+        tracker.report(8, 0)  # loaded a state 3 epochs ahead after 30 s: 10 s per epoch
+        mine = tracker.local_progress()
+        assert mine.epoch_since == clock.now
+        assert mine.epoch_seconds == pytest.approx(0.7 * 4.0 + 0.3 * 10.0)
+        assert mine.catching_up is None
+        tracker.set_catching_up(9)
+        assert tracker.local_progress().catching_up == 9
+        tracker.set_catching_up(None)
+        assert tracker.local_progress().catching_up is None
+    value = {"epoch": 1, "samples": 0, "sps": 1.0, "time": 100.0, "es": 90.0, "et": 4.0}
+    record, why = parse_progress_record(
+        "p", value, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
+    )
+    assert why is None and record.epoch_since == 90.0 and record.epoch_seconds == 4.0
+    record, why = parse_progress_record(
+        "p", {**value, "cu": 7}, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
+    )
+    assert why is None and record.catching_up == 7
+    for bad in ({"es": 1000.0}, {"es": "x"}, {"et": 0}, {"et": math.nan}, {"cu": -1}):
+        record, why = parse_progress_record(
+            "p", {**value, **bad}, 130.0, now=100.0, max_clock_skew=15.0, max_lifetime=300.0
+        )
+        assert record is None and why, bad
+
+
 def test_step_seconds_is_published_with_the_record():
     """Seconds per step: how long a round waiting for this peer may wait for its current
     step (a 30 s step is a peer on its way, not a peer gone)."""

@@ -253,3 +253,30 @@ def test_verdicts():
     assert health_verdict(snapshot(well, [serving]), 60)[1] == (
         "healthy: 2 peers at epoch 4, median loss 0.5, 1 donors serve epoch 4"
     )
+
+
+def test_peers_that_keep_stepping_while_their_epoch_stands_still_are_stalled():
+    """A chaos run once sat for 90 s: three peers at epoch 278 stepping every ~3 s, three at
+    277 stepping 10 times a second, all reporting, and status said "healthy". Epochs had
+    taken ~4 s; one that lasts 5x the usual (and at least --stall-after) is a stall."""
+    serving = Donor("c", 278, 1, True, "00" * 32)
+
+    def peer(name: str, epoch: int, since: float, per_epoch: float | None = 4.0):
+        return PeerProgress(name, epoch, 100, 30.0, 199.0, epoch_since=since,
+                            epoch_seconds=per_epoch)  # fmt: skip
+
+    stuck = [peer(n, 278, 110.0) for n in "abc"] + [peer(n, 277, 105.0) for n in "def"]
+    healthy, line = health_verdict(snapshot(stuck, [serving], now=200.0), 60)
+    assert not healthy and line.startswith("stalled: epoch 278 began 90 s ago and epochs took "
+                                           "4.0 s before, while 6 peers keep reporting")  # fmt: skip
+    moving = [peer(n, 278, 190.0) for n in "abc"] + [peer(n, 277, 186.0) for n in "def"]
+    assert health_verdict(snapshot(moving, [serving], now=200.0), 60)[0]
+    # slow epochs are not a stall: 90 s into an epoch when epochs take 60 s
+    slow = [peer(n, 278, 110.0, 60.0) for n in "abcdef"]
+    assert health_verdict(snapshot(slow, [serving], now=200.0), 60)[0]
+    # one peer claiming an ancient epoch start cannot make the swarm look stalled
+    liar = [peer(n, 278, 190.0) for n in "abc"] + [peer("x", 278, -1e9, 0.001)]
+    assert health_verdict(snapshot(liar, [serving], now=200.0), 60)[0]
+    # older peers that publish no timing: no verdict from timing
+    quiet = [PeerProgress(n, 278, 100, 30.0, 199.0) for n in "abc"]
+    assert health_verdict(snapshot(quiet, [serving], now=200.0), 60)[0]

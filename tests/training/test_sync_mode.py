@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -608,8 +609,6 @@ def test_a_peer_training_another_model_is_neither_waited_for_nor_counted(make_dh
 def test_next_round_does_not_wait_for_members_that_failed_or_were_excluded():
     """A peer that joined our round and then failed (or sent bad input) is not awaited in the
     next one: otherwise one misbehaving peer would hold every round until it times out."""
-    from types import SimpleNamespace
-
     from moshpit.training.modes.epoch_rounds import EpochRounds
 
     rounds = EpochRounds("me", target_group_size=8)
@@ -622,6 +621,41 @@ def test_next_round_does_not_wait_for_members_that_failed_or_were_excluded():
     assert rounds.last_members == {"honest"}
     view = SimpleNamespace(peers=[], epoch=1)
     assert rounds.awaited(view, 1) == {"honest"}
+
+
+def test_peers_behind_are_awaited_for_a_while_not_forever():
+    """Peers one epoch behind that keep reporting are on their way (stepping into our epoch
+    or loading our state) and our round waits for them, but not forever: a chaos run sat
+    90 s with three peers at 278 waiting for three at 277 that could not load 278."""
+    from moshpit.training.modes.epoch_rounds import BEHIND_PATIENCE, EpochRounds
+    from moshpit.training.progress import PeerProgress
+
+    rounds = EpochRounds("me", target_group_size=8)
+    rounds.stepped_with(SimpleNamespace(members=["me", "m1"], failed=set(), excluded={}))
+    entered = rounds.epoch_started
+    behind = [
+        PeerProgress("m1", 277, 40, 10.0, entered),
+        PeerProgress("n1", 277, 40, 10.0, entered),
+    ]
+    here = PeerProgress("h1", 278, 8, 10.0, entered)
+    view = SimpleNamespace(peers=[*behind, here], epoch=278)
+    # just entered 278: everyone reporting is awaited (reports 1 s old)
+    assert rounds.awaited(view, 278, now=entered + 1.0) == {"m1", "n1", "h1"}
+    # much later, still reporting (the reports are fresh), still behind: not any more
+    fresh = [PeerProgress(p.peer_id, p.epoch, p.samples, 10.0, entered + 100.0) for p in behind]
+    later = SimpleNamespace(peers=[*fresh, here], epoch=278)
+    assert rounds.awaited(later, 278, now=entered + BEHIND_PATIENCE + 1.0) == {"h1"}
+    # a peer loading the state of our epoch reports nothing while it downloads: awaited (for
+    # as long), though its last report is old and its epoch far behind
+    loading = PeerProgress("l1", 12, 0, 10.0, entered - 50.0, catching_up=278)
+    view = SimpleNamespace(peers=[here, loading], epoch=278)
+    assert "l1" in rounds.awaited(view, 278, now=entered + 10.0)
+    assert "l1" not in rounds.awaited(view, 278, now=entered + BEHIND_PATIENCE + 1.0)
+    # a peer with long steps gets its steps' worth more patience
+    slow = [PeerProgress("n1", 277, 40, 1.0, entered + 100.0, step_seconds=20.0), fresh[0]]
+    assert rounds.awaited(
+        SimpleNamespace(peers=slow, epoch=278), 278, now=entered + BEHIND_PATIENCE + 10.0
+    ) == {"n1"}
 
 
 def test_epoch_rounds_use_their_own_prefix():
@@ -715,3 +749,60 @@ def test_a_state_download_that_times_out_during_catch_up_does_not_stop_the_peer(
         assert all(p.isfinite().all() for p in model.parameters())
     finally:
         opt.shutdown()
+
+
+def test_an_epoch_that_keeps_waiting_says_why_once_a_minute(make_dhts, caplog):
+    """A stalled swarm once logged nothing at all: its peers kept stepping, retrying at INFO."""
+    (dht,) = make_dhts(1)
+    mode = _opt(dht, _model()).mode
+    try:
+        with caplog.at_level(logging.WARNING, logger="moshpit.training.modes.base"):
+            mode.waiting("no donor served its newer state yet")  # the first wait: quiet
+            assert "has not moved" not in caplog.text
+            epoch, since = mode._waiting_since
+            mode._waiting_since = (epoch, since - 31.0)  # 31 s of waiting in this epoch
+            for _ in range(5):
+                mode.waiting("no donor served its newer state yet")
+        lines = [r.getMessage() for r in caplog.records if "has not moved" in r.getMessage()]
+        assert lines == ["epoch 0 has not moved for 31 s: no donor served its newer state yet"]
+        mode.state.epoch = 1  # a new epoch starts its own count
+        mode.waiting("x")
+        assert mode._waiting_since[0] == 1
+    finally:
+        mode.opt.shutdown()
+
+
+def test_a_checkpoint_skipped_while_the_last_one_was_written_is_written_at_the_next_step(
+    make_dhts, tmp_path, monkeypatch
+):
+    """The epoch moved while the previous checkpoint was still being written, so its own was
+    skipped; if the epoch then stops moving (the swarm waits for peers that must load this
+    very state), the next step must write it. A chaos run deadlocked so: three peers at 278
+    waited for three at 277, which waited for a donor of 278 that nobody ever wrote."""
+    from moshpit.training.state_averager import TrainingStateAverager
+
+    write = TrainingStateAverager._write_checkpoint
+
+    def slow_write(self, *args):
+        time.sleep(0.5)  # a slow disk (in the writer thread)
+        return write(self, *args)
+
+    monkeypatch.setattr(TrainingStateAverager, "_write_checkpoint", slow_write)
+    (dht,) = make_dhts(1)
+    model = _model()
+    quick = dict(FAST, min_matchmaking_time=0.5, request_timeout=0.5)  # alone: finds so fast
+    peer = Peer(0, model, _opt(dht, model, tmp_path, averager_options=quick))
+    state = peer.opt.mode.state
+    try:
+        peer.train(until_epoch=2, pause=0.0)  # epoch 1's write is still running at epoch 2
+        assert peer.opt.epoch == 2 and state.newest_checkpoint_epoch != 2
+        state._writing.result(timeout=10)
+        idx = peer.batch()
+        _loss(model, idx).backward()
+        peer.opt.step()  # one batch: the epoch does not move
+        peer.opt.zero_grad()
+        assert peer.opt.epoch == 2
+        state._writing.result(timeout=10)
+        assert state.newest_checkpoint_epoch == 2
+    finally:
+        peer.opt.shutdown()

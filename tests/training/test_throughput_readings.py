@@ -9,7 +9,9 @@ agree with the peer's own count over the seconds before the read: the same numbe
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import queue
 import subprocess
 import sys
@@ -20,11 +22,13 @@ from typing import Any
 
 import pytest
 
+from moshpit.training.progress import RATE_WINDOW
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 READS = 3
-WINDOW = 5.0  # s of the peer's own count that a read is compared with
+WINDOW = RATE_WINDOW  # the published rate weighs each interval by exp(-age / WINDOW)
 TOLERANCE = 0.2  # the peers' pace moves with whatever else the machine runs; a rate averaged
 # over the last few steps was off by 2-3x on most reads
 
@@ -62,12 +66,28 @@ class TrainPeer:
             assert time.monotonic() < deadline, "the peer never joined"
             time.sleep(0.1)
 
+    def wait_counting(self, seconds: float) -> None:
+        """Until its own count spans ``seconds``: a joined peer may still be loading the swarm's
+        state (CI saw its first step arrive after the reads began), and a rate it published before its steps began to
+        fill the window averages fewer seconds than the comparison does."""
+        deadline = time.monotonic() + 120
+        while not self.counts or self.counts[0][0] > time.time() - seconds:
+            assert self.proc.poll() is None, self.proc.stderr.read()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, f"no steps for {seconds} s: {self.counts}"
+            time.sleep(0.1)
+
     def own_rate(self, before: float) -> float:
-        """samples/s by its own count over the WINDOW seconds before ``before``."""
-        inside = [(t, n) for t, n in self.counts if before - WINDOW <= t <= before]
-        assert len(inside) >= 4, self.counts[-5:]
-        (t0, n0), (t1, n1) = inside[0], inside[-1]
-        return (n1 - n0) / (t1 - t0)
+        """samples/s by its own count up to ``before``, weighted as the published rate is: each
+        interval by exp(-age / WINDOW). A plain 5 s average differs from it by a third when the
+        machine's load changes mid-window (another test starting beside this one)."""
+        inside = [(t, n) for t, n in self.counts if t <= before]
+        assert inside[0][0] < before - 3 * WINDOW, self.counts[:3]  # weights past 3 windows < 5%
+        samples = seconds = 0.0
+        for (t0, n0), (t1, n1) in itertools.pairwise(inside):
+            weight = math.exp(-(before - t1) / WINDOW)
+            samples += weight * (n1 - n0)
+            seconds += weight * (t1 - t0)
+        return samples / seconds
 
     def stop(self) -> None:
         self.proc.kill()
@@ -97,7 +117,8 @@ def test_published_samples_per_second_matches_each_peers_own_count(tmp_path: Pat
         peers.append(TrainPeer(tmp_path, "c", "--initial-peers", first.addr, "--max-rate", "800"))
         for peer in peers:
             peer.wait_joined()
-        time.sleep(2 * WINDOW)  # the published rates average ~5 s of steps
+        for peer in peers:
+            peer.wait_counting(3 * WINDOW)  # the published rates weigh ~5 s of steps most
         checked = []
         reads = 0
         for _ in range(3 * READS):  # a read on a loaded machine may miss a record: read again

@@ -8,12 +8,15 @@ from typing import Any
 
 import torch
 
+from dht._logging import RateLimitedLogger
 from dht.kademlia.clock import get_dht_time
 from moshpit.training.health import first_non_finite
 
 logger = logging.getLogger(__name__)
 
 FRESH_VIEW = 0.1  # s: an older view is read again before an epoch's round starts from it
+# an epoch that has waited this long (failed rounds, no donor) says why, once a minute
+WAIT_WARNING_AFTER = 30.0
 
 
 class TrainingMode:
@@ -35,6 +38,21 @@ class TrainingMode:
         # to finish ("waited"), and inside the rounds matchmaking and all-reduce (from each
         # StepResult), then applying the result to the model ("applied")
         self.round_seconds = {"waited": 0.0, "matchmaking": 0.0, "allreduce": 0.0, "applied": 0.0}
+        self._waiting_since: tuple[int, float] | None = None  # (epoch, first wait in it)
+        self._wait_log = RateLimitedLogger(logger, 60.0)
+
+    def waiting(self, why: str) -> None:
+        """The epoch did not move this time (a round without everyone, no donor for the
+        swarm's newer state). Once that has lasted ``WAIT_WARNING_AFTER`` s, say why in a
+        WARNING, at most once a minute: a swarm that stops must not stop silently."""
+        epoch, now = self.state.epoch, time.monotonic()
+        if self._waiting_since is None or self._waiting_since[0] != epoch:
+            self._waiting_since = (epoch, now)
+        lasted = now - self._waiting_since[1]
+        if lasted >= WAIT_WARNING_AFTER:
+            self._wait_log.warning(
+                "waiting", "epoch %d has not moved for %.0f s: %s", epoch, lasted, why
+            )
 
     def note_round(self, result: Any, waited: float = 0.0) -> None:
         """Add one round's times to :attr:`round_seconds`."""
@@ -62,6 +80,15 @@ class TrainingMode:
 
     def step(self, batch_size: int) -> None:
         raise NotImplementedError
+
+    def checkpoint_if_due(self) -> None:
+        """After every step: write the checkpoint that is due, if the state is whole now.
+
+        Modes also check at each epoch change, but a checkpoint due while the previous one
+        was still being written is skipped there; if the epoch then stops moving (the swarm
+        waits for peers that must load this very state), nothing would ever write it, and
+        the peers behind would wait for a donor of it forever."""
+        self.state.maybe_checkpoint()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.inner.zero_grad(set_to_none=set_to_none)

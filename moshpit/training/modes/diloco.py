@@ -52,6 +52,7 @@ from compression import (
     Float16,
     GraVAC,
     TopK,
+    TopK2Bit,
     TwoWayCompression,
     Uniform8Bit,
 )
@@ -78,7 +79,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DiLoCoMode", "outer_prefix"]
 
-COMPRESSION_NAMES = ("none", "fp16", "8bit", "4bit", "topk")
+COMPRESSION_NAMES = ("none", "fp16", "8bit", "4bit", "topk", "sparse2bit")
 DEFAULT_INNER_STEPS = 500
 
 
@@ -123,9 +124,11 @@ def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC
             return _two_way(Uniform8Bit(outliers=False), Uniform8Bit(outliers=False)), None
         if compression == "4bit":
             return _two_way(Blockwise4Bit(), Blockwise4Bit()), None
-        if compression == "topk":
+        if compression in ("topk", "sparse2bit"):
             if not 0 < topk_density <= 1:
                 raise ValueError(f"topk_density must be in (0, 1], got {topk_density!r}")
+            if compression == "sparse2bit":  # top-k of every 4096 values, 2 bits each
+                return _two_way(TopK2Bit(topk_density), TopK2Bit(topk_density)), None
             codec = TopK(topk_density)
             return _two_way(codec, TopK(topk_density)), None
         raise ValueError(
@@ -399,6 +402,7 @@ class DiLoCoMode(TrainingMode):
         else:  # the others are still in their inner steps: keep going, retry next step
             self.opt.tracker.mark_idle()  # the wait was not training time
             logger.info("no outer round at epoch %d (%s); retrying", epoch, result.reason)
+            self.waiting(f"its outer rounds do not hold every peer at the epoch ({result.reason})")
 
     def _load_deltas(self) -> None:
         """``Δ = θ - θ_local`` into the buffers the round averages."""
@@ -626,6 +630,7 @@ class DiLoCoMode(TrainingMode):
             self._apply_fragment(rnd.epoch, rnd.indices, rnd.start_local, solo=True)
         else:  # the others are still in their inner steps: start again at the next step
             logger.info("no outer round at epoch %d (%s); retrying", rnd.epoch, result.reason)
+            self.waiting(f"its outer rounds do not hold every peer at the epoch ({result.reason})")
             self.local_steps = self.period
             self.samples += rnd.samples  # its Δ is taken again from θ: so is its weight
 
@@ -680,10 +685,14 @@ class DiLoCoMode(TrainingMode):
         before = self.state.epoch
         self.blocked_steps += 1  # a state download: this step waits for it
         logger.info("outer epoch %d is behind (%s): loading state from peers", before, why)
+        tracker = self.opt.tracker
+        tracker.set_catching_up(max(tracker.global_progress.epoch, before + 1))
         try:
             self.state.synchronize(again=True)
         except (NoDonorError, StateDownloadError) as e:  # donors gone or failing: retry later
             logger.warning("could not load state (%s)", e)
+        finally:
+            tracker.set_catching_up(None)
         if self.state.epoch != before:
             self.state_loads += 1
             self._behind_since = None
@@ -695,6 +704,7 @@ class DiLoCoMode(TrainingMode):
             self._behind_since = now
         if now - self._behind_since < self.opt.load_state_timeout:
             self._next_catch_up = now + self.refresh_period
+            self.waiting(f"the swarm moved on ({why}) and no donor served its newer state yet")
             return
         # nobody serves a newer state (no checkpoint_dir anywhere?): do not stall forever
         self._behind_since = None

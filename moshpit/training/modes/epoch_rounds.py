@@ -28,6 +28,7 @@ __all__ = ["RECENT_REPORT", "EpochRounds", "reported_recently", "wait_unless_lef
 RECENT_REPORT = 5.0  # s: a peer at our epoch that reported this recently is waited for
 # ... or within this many of its own step times (a peer with 30 s steps reports every 30 s)
 RECENT_STEPS = 2.5
+BEHIND_PATIENCE = 30.0  # s a round waits for peers an epoch behind (see _worth_waiting)
 MAX_RATE_RATIO = 10.0  # a peer's throughput counts at most this x the swarm's median
 MAX_EXTRAPOLATION = 10.0  # s a peer's last report is projected forward at most
 
@@ -79,23 +80,38 @@ class EpochRounds:
     def awaited(self, view: Any, epoch: int, now: float | None = None) -> set[str]:
         """The other peers this epoch's round must hold: the peers at our epoch
         that are stepping, those one epoch behind in the view that reported recently (on
-        their way), and the members of our last round unless the view shows them ahead, or
-        behind or idle with a report older than ``RECENT_REPORT`` s (paused: waiting for
-        them would stall every round)."""
+        their way, for a while: see ``_worth_waiting``), those loading the state of this epoch
+        (for as long: a laggard that downloads while the swarm moves on arrives behind again,
+        and on a slow link never catches up), and the members of our last round
+        unless the view shows them ahead, or behind or idle with a report older than
+        ``RECENT_REPORT`` s (paused: waiting for them would stall every round)."""
         now = get_dht_time() if now is None else now
         same, _ = self.others(view, epoch)
         peers = {p.peer_id for p in self.contributing(same, now)}
-        peers |= {p.peer_id for p in self.near(view, epoch) if reported_recently(p, now)}
+        peers |= {p.peer_id for p in self.near(view, epoch) if self._worth_waiting(p, now)}
+        # peers loading the state of this very epoch: they report nothing while they download
+        patient = now - self.epoch_started < BEHIND_PATIENCE
+        peers |= {p.peer_id for p in view.peers if p.catching_up == epoch and patient}
         shown = {p.peer_id: p for p in view.peers}
         for member in self.last_members:
             p = shown.get(member)
-            if p is None or (
-                p.epoch <= epoch
-                and (reported_recently(p, now) or (p.epoch == epoch and p.samples > 0))
+            if (
+                p is None
+                or (p.epoch == epoch and (reported_recently(p, now) or p.samples > 0))
+                or (p.epoch < epoch and self._worth_waiting(p, now))
             ):
                 peers.add(member)
         peers.discard(self.me)
         return peers
+
+    def _worth_waiting(self, peer: Any, now: float) -> bool:
+        """A peer behind our epoch that reported recently is on its way (it steps into our
+        epoch, or loads our state), but only for ``BEHIND_PATIENCE`` s (plus its step time)
+        after we entered the epoch: one that cannot load our state must not hold every round
+        of ours forever (a chaos run sat 90 s so). Past that, our rounds go on without it and
+        it catches up by loading a later state."""
+        patience = BEHIND_PATIENCE + RECENT_STEPS * (peer.step_seconds or 0.0)
+        return reported_recently(peer, now) and now - self.epoch_started < patience
 
     def slowest_step(self, view: Any, epoch: int, now: float | None = None) -> float:
         """The longest step time among the peers this epoch's round waits for (0 when none

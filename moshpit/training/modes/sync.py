@@ -332,6 +332,10 @@ class SyncMode(TrainingMode):
             if self.dgc is not None and self._dgc_snapshot is not None:
                 self.dgc.load_state_dict(self._dgc_snapshot)
             logger.info("no gradient round at epoch %d (%s); retrying", round_.epoch, result.reason)
+            self.waiting(
+                f"its rounds do not hold every peer at the epoch ({result.reason}); waiting "
+                f"for {len(self.rounds.awaited(view, self.state.epoch))} other peer(s)"
+            )
 
     def _note_step(self, epoch: int, result: Any) -> None:
         """Record the samples the members put into this epoch's step, and who they were."""
@@ -396,6 +400,10 @@ class SyncMode(TrainingMode):
         if self._pending is None:  # delayed: checkpoint once the update is applied
             self.state.maybe_checkpoint()
 
+    def checkpoint_if_due(self) -> None:
+        if self._pending is None:  # delayed averaging: not while epoch e's update is missing
+            super().checkpoint_if_due()
+
     def _collect_delayed(self, wait: bool) -> None:
         """Delayed averaging: apply the finished round of the previous epoch (one step late)."""
         round_ = self._pending
@@ -439,14 +447,19 @@ class SyncMode(TrainingMode):
             self._pending = None
         logger.info("epoch %d is behind (%s): loading state from peers", self.state.epoch, why)
         before = self.state.epoch
+        tracker = self.opt.tracker
+        tracker.set_catching_up(max(tracker.global_progress.epoch, before + 1))
         try:
             self.state.synchronize(again=True)
         except (NoDonorError, StateDownloadError) as e:  # donors gone, slow or failing
             logger.warning("could not load state (%s): keeping ours, looking again later", e)
+        finally:
+            tracker.set_catching_up(None)
         if self.state.epoch != before:
             self.state_loads += 1
         else:  # no donor serves a newer state yet: look again a little later, not every step
             self._next_catch_up = time.monotonic() + max(1.0, 2 * self.refresh_period)
+            self.waiting(f"the swarm moved on ({why}) and no donor served its newer state yet")
         self.on_state_loaded()
 
     # ------------------------------------------------------------------ state

@@ -1,0 +1,104 @@
+"""The loop a volunteer runs: train with the swarm until told to stop, reporting as it goes.
+
+``moshpit train`` is this loop plus a command line (joining, checkpoints, a live table); a
+script of your own can run it too. It keeps the loop's own rules in one place: a failed state
+download is a warning, not the end (the next round tries again); the pace can be capped
+(``max_rate``: a shared machine stays responsive); progress is reported every
+``report_every`` seconds with the samples/s of this peer's own count. Preemption
+(:class:`~moshpit.training.preemption.Preempted`) and a state that cannot be trained on
+(non-finite with nothing good to reload, another model's state) end it by raising.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moshpit.training.errors import NoDonorError, StateDownloadError
+
+__all__ = ["LoopLimits", "LoopProgress", "run_volunteer_loop"]
+
+LOSS_EMA = 0.9  # weight of the older losses in the reported moving average
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    """When the loop stops and how fast it may go (0: no limit)."""
+
+    max_steps: int = 0
+    duration: float = 0.0
+    max_rate: float = 0.0  # samples per second
+    report_every: float = 1.0
+
+    def done(self, steps: int, seconds: float) -> bool:
+        return bool(
+            (self.max_steps and steps >= self.max_steps)
+            or (self.duration and seconds >= self.duration)
+        )
+
+
+@dataclass
+class LoopProgress:
+    """What the loop has done so far (a report, and its result)."""
+
+    steps: int = 0
+    samples: int = 0
+    loss: float | None = None  # moving average of the step losses
+    started: float = field(default_factory=time.monotonic)
+
+    def samples_per_second(self, now: float) -> float:
+        return self.samples / max(now - self.started, 1e-9)
+
+
+def run_volunteer_loop(
+    opt: Any,
+    model: torch.nn.Module,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    batch_size: int,
+    limits: LoopLimits,
+    *,
+    report: Callable[[LoopProgress], None],
+    warn: Callable[[str], None],
+    stop: threading.Event | None = None,
+    progress: LoopProgress | None = None,
+) -> LoopProgress:
+    """Train ``model`` with ``opt`` (a ``moshpit.Optimizer``) on ``batches`` until ``limits``
+    or ``stop`` say so; ``report`` gets the progress every ``limits.report_every`` seconds
+    and at the end, ``warn`` one line per recoverable problem. ``progress`` (filled in as it
+    goes) lets a caller read the counts after the loop ended by raising (a preemption)."""
+    progress = LoopProgress() if progress is None else progress
+    last_report = 0.0
+    stop = threading.Event() if stop is None else stop
+    while not stop.is_set():
+        x, y = next(batches)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        value = loss.item()
+        try:
+            opt.step(loss=value)
+        except (NoDonorError, StateDownloadError) as e:
+            # joining or catching up failed this time (donors left or were too slow): keep
+            # our state and train on; the next averaging round tries to catch up again
+            warn(f"could not load the swarm's state ({e}); training on, will retry")
+        opt.zero_grad()
+        progress.steps += 1
+        progress.samples += batch_size
+        old = progress.loss
+        progress.loss = value if old is None else LOSS_EMA * old + (1 - LOSS_EMA) * value
+        now = time.monotonic()
+        done = limits.done(progress.steps, now - progress.started)
+        if done or now - last_report >= limits.report_every:
+            last_report = now
+            report(progress)
+        if done:
+            break
+        if limits.max_rate:
+            ahead = progress.samples / limits.max_rate - (time.monotonic() - progress.started)
+            if ahead > 0:
+                stop.wait(min(ahead, 1.0))  # a stop cuts the pause short
+    return progress
