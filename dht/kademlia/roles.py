@@ -117,7 +117,9 @@ def describe_limit(limit: Any) -> str:
     way, 120 s" (0 means no limit)."""
     data = int(getattr(limit, "data", 0) or 0)
     duration = int(getattr(limit, "duration", 0) or 0)
-    if data and data % 1024 == 0:
+    if data and data % (1024 * 1024) == 0:
+        size = f"{data // (1024 * 1024)} MiB each way"
+    elif data and data % 1024 == 0:
         size = f"{data // 1024} KiB each way"
     elif data:
         size = f"{data} bytes each way"

@@ -343,7 +343,11 @@ def test_public_by_configuration_needs_announce_addrs_or_a_global_listen_address
     assert describe_limit(RelayLimits().limit) == (
         "per relayed connection: 128 KiB each way, 120 s"
     )
-    assert describe_limit(Limit(0, 1000)) == "per relayed connection: 1000 bytes each way, no time limit"
+    assert (
+        describe_limit(Limit(0, 1000))
+        == "per relayed connection: 1000 bytes each way, no time limit"
+    )
+    assert describe_limit(Limit(600, 64 << 20)) == "per relayed connection: 64 MiB each way, 600 s"
 
 
 async def test_a_node_public_by_configuration_serves_a_relay_before_any_verdict() -> None:
