@@ -47,6 +47,7 @@ from .errors import (
     MessageTooLargeError,
     P2PError,
     P2PTimeoutError,
+    ProtocolNegotiationError,
     ProtocolViolationError,
     RelayError,
     StreamClosedError,
@@ -292,7 +293,9 @@ class RelayClient:
         host: Host,
         *,
         max_inbound_circuits: int = 32,
-        max_refresh_interval: float = 900.0,
+        # a refresh is one small hop message; every 30 s lets a relay that stopped serving
+        # (its service closed, or it no longer answers) be noticed within a minute, not 15
+        max_refresh_interval: float = 30.0,
         message_timeout: float = 10.0,
     ) -> None:
         if max_inbound_circuits < 1:
@@ -415,19 +418,24 @@ class RelayClient:
         self._advertise(rsvp)
         task_status.started(rsvp)
         backoff = 1.0
+        failures = 0  # refreshes failed in a row
         try:
             while True:
                 lost = self._lost.setdefault(relay, trio.Event())
-                if self.host.is_connected(relay) and relay in self.reservations:
+                if not failures and self.host.is_connected(relay) and relay in self.reservations:
                     delay = min(max(1.0, rsvp.seconds_left() * 0.75), self.max_refresh_interval)
                     with trio.move_on_after(delay):
                         await lost.wait()
                 try:
                     rsvp = await self.reserve(relay, addrs)
                 except (P2PError, OSError) as e:
-                    # a refusal voids the old slot too; a hiccup leaves a still valid one be
+                    failures += 1
+                    # a refusal, a relay that no longer speaks the hop protocol or a second
+                    # failure in a row (it stopped answering) voids the old slot; one hiccup
+                    # leaves a still valid one be
                     still_valid = self.host.is_connected(relay) and rsvp.seconds_left() > 0
-                    if isinstance(e, RelayError) or not still_valid:
+                    stopped = isinstance(e, RelayError | ProtocolNegotiationError) or failures > 1
+                    if stopped or not still_valid:
                         self.reservations.pop(relay, None)
                         self._withdraw(relay)
                     self._log.warning(
@@ -441,6 +449,7 @@ class RelayClient:
                     backoff = min(backoff * 2, 60.0)
                     continue
                 backoff = 1.0
+                failures = 0
                 self._advertise(rsvp)
         finally:
             self._withdraw(relay)

@@ -486,6 +486,27 @@ async def test_keep_reservation_advertises_and_recovers():
         assert a.listen_addrs == []
 
 
+async def test_a_relay_that_stops_serving_loses_our_slot_within_a_refresh():
+    # issue 31 item 4: the relay closes its service but keeps the connection; the slot (and
+    # the circuit addresses through it) used to stay advertised until it expired (1 h), the
+    # failed refreshes taken for hiccups, one every 15 min
+    async with relay_setup() as (r, raddr, service, a, b):
+        client = RelayClient(a, max_refresh_interval=0.5)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.keep_reservation, r.peer_id, [raddr])
+            assert client.circuit_addrs()
+            service.close()
+            await wait_until(lambda: not client.circuit_addrs(), limit=10)
+            assert a.is_connected(r.peer_id)  # noticed without the connection dropping
+            assert a.listen_addrs == []
+            nursery.cancel_scope.cancel()
+
+
+async def test_relay_client_refreshes_within_a_minute_by_default():
+    async with Host.open() as host:
+        assert RelayClient(host).max_refresh_interval <= 30
+
+
 async def test_direct_connection_is_preferred_over_a_relayed_one():
     async with relay_setup() as (r, raddr, service, a, b):
         (caddr,) = (await relay_client(a).reserve(r.peer_id, [raddr])).circuit_addrs
