@@ -146,6 +146,9 @@ class _CircuitStream(trio.abc.HalfCloseableStream):
 
     def __init__(self, stream: P2PStream) -> None:
         self.stream = stream
+        # bytes through the relay each way, as the relay counts them against its data limit
+        self.sent = 0
+        self.received = 0
 
     # A reset circuit (the relay cut it, its connection closed) is what a reset socket is to
     # the layers above: trio.BrokenResourceError, a lost connection rather than a bug.
@@ -154,15 +157,18 @@ class _CircuitStream(trio.abc.HalfCloseableStream):
             await self.stream.send_all(data)
         except StreamClosedError as e:
             raise trio.BrokenResourceError(f"relayed circuit closed: {e}") from e
+        self.sent += len(data)
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.stream.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         try:
-            return await self.stream.receive_some(max_bytes)
+            data = await self.stream.receive_some(max_bytes)
         except StreamClosedError as e:
             raise trio.BrokenResourceError(f"relayed circuit closed: {e}") from e
+        self.received += len(data)
+        return data
 
     async def send_eof(self) -> None:
         try:
@@ -184,11 +190,10 @@ async def _upgrade_circuit(
     limit: Limit | None,
 ) -> Connection:
     """Noise + yamux over a spliced stream; the connection is marked relayed (not registered)."""
+    circuit = _CircuitStream(stream)
     try:
         with trio.fail_after(host.limits.handshake_timeout):
-            conn = await host.upgrade(
-                _CircuitStream(stream), expected, outbound=outbound, name=name
-            )
+            conn = await host.upgrade(circuit, expected, outbound=outbound, name=name)
     except trio.TooSlowError:
         stream.reset()
         raise P2PTimeoutError(
@@ -200,6 +205,7 @@ async def _upgrade_circuit(
         raise
     conn.relayed = True
     conn.relay_limit = limit
+    conn.relay_usage = lambda: max(circuit.sent, circuit.received)
     return conn
 
 

@@ -213,6 +213,23 @@ async def test_reservation_and_relayed_rpc_end_to_end_encrypted():
         assert service.stats.circuits_cut_data == 0
 
 
+async def test_a_relayed_connection_knows_how_much_of_its_data_limit_is_left():
+    # issue 31 item 4: the limit is per connection, spent over its life
+    async with relay_setup(RelayLimits(circuit_data=256 * 1024)) as (r, raddr, service, a, b):
+        (caddr,) = (await relay_client(a).reserve(r.peer_id, [raddr])).circuit_addrs
+        await b.connect([caddr])
+        conn = b._best_connection(a.peer_id)
+        fresh = conn.relay_room
+        assert fresh is not None and 0 < 256 * 1024 - fresh < 4096  # the handshakes
+        blob = b"\x01" * (64 * 1024)
+        assert (await b.call(a.peer_id, ECHO, blob))["echo"] == blob
+        # both ways carried the blob: what is left is the limit less what the relay counted
+        # (give or take a window update or ping still in flight)
+        (circuit,) = service.circuits
+        assert abs(conn.relay_room - (256 * 1024 - max(circuit.forwarded))) < 256
+        assert conn.relay_room < fresh - len(blob)
+
+
 async def test_relay_cannot_swap_the_target(caplog):
     """A relay that splices B to the wrong peer: Noise proves who answered, B refuses."""
 
