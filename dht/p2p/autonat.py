@@ -289,6 +289,7 @@ def decode_message(data: bytes) -> DialRequest | DialResponse:
 
 # -- addresses ----------------------------------------------------------------------------------
 
+
 def _source_key(ip: IPAddress) -> str:
     """What per-source limits count: the IPv4 address, or the /64 of an IPv6 address."""
     if isinstance(ip, ipaddress.IPv6Address):
@@ -606,6 +607,7 @@ class AutoNAT:
         now = time.monotonic()
         if self._interfaces is not None and now - self._interfaces[0] < 60.0:
             return
+
         def lookup() -> frozenset[IPAddress]:
             found: set[IPAddress] = set()
             for family in (socket.AF_INET, socket.AF_INET6):
@@ -636,7 +638,9 @@ class AutoNAT:
             could_not=len(failed),
             no_verdict=len(answers) - len(ok) - len(failed),
             # a reported address on a port we never offered is a server's invention
-            reached_at=tuple(a.addr for a in ok if a.addr is not None and tcp_port(a.addr) in ports),
+            reached_at=tuple(
+                a.addr for a in ok if a.addr is not None and tcp_port(a.addr) in ports
+            ),
             arrivals=self.arrivals.since(since) if since is not None else 0,
             global_addrs=tuple(
                 dict.fromkeys(ip for ip in listen_ips if ip is not None and globally_routable(ip))
