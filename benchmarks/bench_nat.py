@@ -19,6 +19,19 @@ circuit address. Prints one JSON object per result:
 
     sudo python benchmarks/bench_nat.py [--mb 32] [--no-symmetric]
 
+``--one-bootstrap`` measures the swarm people actually start instead: ONE public peer
+running ``moshpit dht`` (no flag but its port, on an address that looks globally routable)
+and ``--volunteers`` peers, each behind its own home router (``--nat``: port-preserving
+``eim`` routers, ``symmetric`` ones, or ``mixed``), each a plain ``DHTNode.open`` with the
+bootstrap address and a ``moshpit.Averager(target_group_size=--group)`` of ``--numel``
+float32 values. Two ``one_bootstrap`` objects: the baseline (the same volunteers on public
+addresses, ``"nats": ["none"]``) and the NAT'ed swarm, each with the seconds from the
+bootstrap's start to the first averaged round (every volunteer holding its group's exact
+mean), how the volunteers reached each other, and the bytes the bootstrap relayed while they
+averaged against the bytes they averaged.
+
+    sudo python benchmarks/bench_nat.py --one-bootstrap [--volunteers 2] [--nat eim]
+
 The same file holds the peer programs (``bench_nat.py peer relay|target|dialer ...``) that
 ``tests/test_nat_dcutr.py`` starts in the test bed: JSON events on stdout (log lines on
 stderr), commands on stdin.
@@ -32,6 +45,7 @@ import json
 import logging
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -266,13 +280,124 @@ async def _run_home(args: argparse.Namespace, target: bool) -> None:
             nursery.cancel_scope.cancel()
 
 
+def _reached(node: Any, peer: Any) -> str:
+    """How ``node`` reaches ``peer`` now: "relayed", "hole-punched", "direct" or "none"."""
+    live = node.host.connections(peer)
+    if live and all(c.relayed for c in live):
+        return "relayed"
+    if any(c.hole_punched for c in live if not c.relayed):
+        return "hole-punched"
+    return "direct" if live else "none"
+
+
+VALUE_STEP = 24  # volunteer i adds 24 * i: the mean of any 2, 3 or 4 of them is an integer
+
+
+def _volunteer_values(numel: int, index: int) -> Any:
+    """Volunteer ``index``'s tensor: small integers, so that every group's mean is exact in
+    float32, and the offset from the shared base says which volunteers were averaged."""
+    import torch
+
+    return (torch.arange(numel, dtype=torch.float32) % 1024) + VALUE_STEP * index
+
+
+def _offset(tensor: Any, numel: int) -> float | None:
+    """The averaged tensor's offset from the shared base when every element has the same one
+    (what an exact mean of volunteers' values looks like), else None."""
+    diff = tensor - _volunteer_values(numel, 0)
+    first = float(diff[0])
+    return first if bool((diff == first).all()) else None
+
+
+def exact_mean_offset(indices: list[int]) -> float:
+    """The offset an exact mean over the volunteers ``indices`` leaves."""
+    return VALUE_STEP * sum(indices) / len(indices)
+
+
+async def _run_volunteer(args: argparse.Namespace) -> None:
+    """A volunteer as people start one: its bootstrap address and nothing about NATs; it
+    averages round after round and reports each (JSON on stdout) until told to quit."""
+    import torch
+    import trio
+
+    from dht import DHTNode
+    from moshpit import Averager
+
+    started = time.monotonic()
+    async with DHTNode.open(initial_peers=[args.boot], bootstrap_timeout=30) as node:
+        node.add_role_observer(
+            lambda d: _emit(
+                "role",
+                at=time.monotonic(),
+                status=d.reachability.status.value,
+                line=d.describe(),
+                relays=[str(a) for a in d.circuit_addrs],
+                client_mode=d.client_mode,
+            )
+        )
+        _emit(
+            "joined",
+            peer=str(node.peer_id),
+            at=time.monotonic(),
+            since_start=time.monotonic() - started,
+        )
+        tensor = _volunteer_values(args.numel, args.index)
+        averager = Averager(
+            [tensor], node, "onebootstrap", target_group_size=args.group, min_group_size=2
+        )
+        me = str(node.peer_id)
+
+        async def average() -> None:
+            """Round after round; after ``--rounds`` good ones it goes on, so that no other
+            volunteer lacks a partner, until stdin says ``quit``."""
+            done = 0
+            while True:
+                begun = time.monotonic()
+                result = await averager.astep(timeout=60)
+                _emit(
+                    "round",
+                    ok=result.succeeded,
+                    offset=_offset(tensor, args.numel),  # averaged in place
+                    reason=result.reason,
+                    begun=begun,
+                    at=time.monotonic(),
+                    since_start=time.monotonic() - started,
+                    modes=list(result.modes),
+                    members=[str(m) for m in result.members],
+                    paths={str(m): _reached(node, m) for m in result.members if str(m) != me},
+                    bytes_sent=result.bytes_sent,
+                    bytes_received=result.bytes_received,
+                )
+                done += result.succeeded
+                if result.succeeded and done == args.rounds:
+                    _emit("done", at=time.monotonic())
+                with torch.no_grad():  # every round starts from the volunteers' own values
+                    tensor.copy_(_volunteer_values(args.numel, args.index))
+
+        async def ignore(cmd: list[str]) -> None:
+            return None
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(average)
+                await _commands(ignore)
+                nursery.cancel_scope.cancel()
+        finally:
+            averager.shutdown()
+
+
 def peer_main(argv: list[str]) -> None:
     import trio
 
     parser = argparse.ArgumentParser(prog="bench_nat.py peer")
-    parser.add_argument("role", choices=("relay", "target", "dialer"))
+    parser.add_argument("role", choices=("relay", "target", "dialer", "volunteer"))
     parser.add_argument("--listen", default=LISTEN)
     parser.add_argument("--relay", help="the relay's address (target)")
+    parser.add_argument("--boot", help="the bootstrap node's address (volunteer)")
+    parser.add_argument("--index", type=int, default=0, help="volunteer: which values it holds")
+    parser.add_argument("--group", type=int, default=2, help="volunteer: target group size")
+    parser.add_argument("--numel", type=int, default=4096, help="volunteer: float32 values")
+    parser.add_argument("--rounds", type=int, default=3, help="volunteer: rounds to average")
     parser.add_argument("--circuit-data", type=int, default=128 * 1024, help="relay: 0 = no cap")
     parser.add_argument("--punch-timeout", type=float, default=5.0)
     parser.add_argument("--no-punch", action="store_true")
@@ -284,6 +409,10 @@ def peer_main(argv: list[str]) -> None:
         logging.getLogger(name).setLevel(logging.INFO)
     if args.role == "relay":
         trio.run(_run_relay, args)
+    elif args.role == "volunteer":
+        for name in ("dht.p2p.autonat", "dht.kademlia.roles"):
+            logging.getLogger(name).setLevel(logging.INFO)
+        trio.run(_run_volunteer, args)
     else:
         trio.run(_run_home, args, args.role == "target")
 
@@ -351,6 +480,19 @@ class PeerProcess:
             if got["event"] == event and all(got.get(k) == v for k, v in match.items()):
                 return got
             self.seen.append(got)
+
+    def collect(self, until: Any, timeout: float = 30.0) -> None:
+        """Move arrived events into ``seen`` until one matching ``until`` is there (an
+        AssertionError after ``timeout``); nothing is taken out of ``seen``."""
+        deadline = time.monotonic() + timeout
+        while not any(until(e) for e in self.seen):
+            try:
+                self.seen.append(self.events.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(
+                    f"{self.name}: no such event within {timeout:.0f}s; log:\n"
+                    f"{''.join(self.logs[-40:])}"
+                ) from None
 
     def request(self, event: str, *cmd: str, timeout: float = 30.0) -> dict[str, Any]:
         self.send(*cmd)
@@ -471,6 +613,212 @@ def bench(mb: int, symmetric: bool) -> list[dict[str, Any]]:
     return results
 
 
+class Bootstrap:
+    """``moshpit dht`` on the public host, as a researcher starts it (a fixed port, nothing
+    else but a short status period): its lines, and the relay bytes its status lines report."""
+
+    RELAY_BYTES = re.compile(r"(\d+) bytes forwarded")
+
+    def __init__(self, tb: Any, port: int = 4001) -> None:
+        argv = [sys.executable, "-m", "moshpit", "dht", "--host-maddrs",
+                f"/ip4/0.0.0.0/tcp/{port}", "--status-period", "0.5"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        self.proc = tb.popen(
+            "pub0", argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+        self.lines: list[tuple[float, str]] = []
+        self._new: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        line = self.wait_for("--initial-peers ")
+        self.addr = next(a for a in line.split()[1:] if f"/ip4/{tb.addr('pub0')}/" in a)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+            self._new.put(line)
+
+    def wait_for(self, needle: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._new.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"bootstrap: no {needle!r} line; output:\n{self.output()[-3000:]}"
+                ) from None
+            if needle in line:
+                return line.strip()
+
+    def relay_bytes(self, at: float, after: bool, timeout: float = 10.0) -> int:
+        """Bytes forwarded as of the last status line before ``at`` (0 before any), or with
+        ``after`` the first one after it (waiting up to ``timeout`` for it to be printed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = 0
+            for when, line in list(self.lines):
+                match = self.RELAY_BYTES.search(line)
+                if match is None:
+                    continue
+                if when <= at:
+                    found = int(match.group(1))
+                elif after:
+                    return int(match.group(1))
+                else:
+                    return found
+            if not after or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+NAT_MIXES = {
+    "eim": lambda n: ("eim",) * n,
+    "symmetric": lambda n: ("symmetric",) * n,
+    "mixed": lambda n: tuple("eim" if i % 2 == 0 else "symmetric" for i in range(n)),
+}
+
+
+def _volunteer_hosts(volunteers: int, behind_nat: bool) -> list[str]:
+    return [f"home{i}" if behind_nat else f"pub{i + 1}" for i in range(volunteers)]
+
+
+def one_bootstrap(
+    volunteers: int = 2, nat: str = "eim", group: int = 2, numel: int = 16384, rounds: int = 3,
+    inbound: str = "drop", timeout: float = 120.0,
+) -> dict[str, Any]:  # fmt: skip
+    """One ``moshpit dht`` on the public network and ``volunteers`` averaging peers behind
+    NATs (``nat="none"``: on the public network themselves, the baseline); returns the
+    ``one_bootstrap`` result object (see the module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from nat_testbed import GLOBAL_SUBNET, NatTestbed, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"NAT test bed unavailable: {reason}")
+    behind_nat = nat != "none"
+    nats = NAT_MIXES[nat](volunteers) if behind_nat else ()
+    public_hosts = 1 if behind_nat else 1 + volunteers
+    with NatTestbed(
+        public_hosts=public_hosts, nats=nats, inbound=inbound, public_subnet=GLOBAL_SUBNET
+    ) as tb:
+        started = time.monotonic()
+        deadline = started + timeout
+        boot = Bootstrap(tb)
+        peers: list[PeerProcess] = []
+        try:
+            for i, host in enumerate(_volunteer_hosts(volunteers, behind_nat)):
+                peers.append(
+                    PeerProcess(
+                        tb,
+                        host,
+                        "volunteer",
+                        "--boot",
+                        boot.addr,
+                        "--index",
+                        str(i),
+                        "--group",
+                        str(group),
+                        "--numel",
+                        str(numel),
+                        "--rounds",
+                        str(rounds),
+                    )  # fmt: skip
+                )
+            joined = [p.wait("joined", timeout=max(1.0, deadline - time.monotonic()))
+                      for p in peers]  # fmt: skip
+            ids = [e["peer"] for e in joined]
+            index_of = {peer: i for i, peer in enumerate(ids)}
+
+            def exact(r: dict[str, Any]) -> bool:
+                indices = [index_of[m] for m in r["members"]]
+                return r["offset"] is not None and r["offset"] == exact_mean_offset(indices)
+
+            seen: dict[int, list[dict[str, Any]]] = {i: [] for i in range(volunteers)}
+            for i, p in enumerate(peers):
+                while len([r for r in seen[i] if r["ok"]]) < rounds:
+                    left = max(1.0, deadline - time.monotonic())
+                    seen[i].append(p.wait("round", timeout=left))
+            good = {i: [r for r in rs if r["ok"]] for i, rs in seen.items()}
+            first_done = max(rs[0]["at"] for rs in good.values())
+            averaging_begun = min(rs[0]["begun"] for rs in good.values())
+            last_done = max(rs[-1]["at"] for rs in good.values())
+            relayed_before = boot.relay_bytes(averaging_begun, after=False)
+            relayed_total = boot.relay_bytes(last_done, after=True)
+            averaging = sum(r["bytes_sent"] for rs in good.values() for r in rs)
+            for p in peers if behind_nat else ():  # it may average before it decided
+                p.collect(
+                    lambda e: e["event"] == "role" and e["status"] == "private",
+                    timeout=max(1.0, deadline - time.monotonic()),
+                )
+            roles = {}
+            for i, p in enumerate(peers):
+                lines = [e for e in p.seen if e["event"] == "role"]
+                roles[ids[i]] = lines[-1]["line"] if lines else None
+            first_private = [
+                min((e["at"] for e in p.seen if e["event"] == "role" and e["status"] == "private"
+                     and e["relays"]), default=None)
+                for p in peers
+            ]  # fmt: skip
+            result = {
+                "metric": "one_bootstrap",
+                "volunteers": volunteers,
+                "group": group,
+                "nats": list(nats) or ["none"],
+                "inbound": inbound,
+                "numel": numel,
+                "rounds": rounds,
+                "first_averaged_round_s": round(first_done - started, 2),
+                "joined_s": round(max(e["at"] for e in joined) - started, 2),
+                "relay_slot_s": round(max(first_private) - started, 2)
+                if first_private and None not in first_private else None,
+                "failed_rounds_before": [len(rs) - len(good[i]) for i, rs in seen.items()],
+                "failure_reasons": sorted({r["reason"] for rs in seen.values() for r in rs
+                                           if not r["ok"]}),
+                "inexact_rounds": sum(1 for rs in good.values() for r in rs if not exact(r)),
+                "group_sizes": sorted({len(r["members"]) for rs in good.values() for r in rs}),
+                "paths": sorted({path for rs in good.values() for r in rs
+                                 for path in r["paths"].values()}),
+                "modes": sorted({m for rs in good.values() for r in rs for m in r["modes"]}),
+                "averaging_bytes": averaging,
+                "relayed_bytes_while_averaging": relayed_total - relayed_before,
+                "relayed_share": round((relayed_total - relayed_before) / averaging, 4)
+                if averaging else None,
+                "relayed_bytes_total": relayed_total,
+                "joined_in_process_s": [round(e["since_start"], 2) for e in joined],
+                "role_timeline": [
+                    [[round(e["at"] - started, 1), e["status"], len(e["relays"])]
+                     for e in p.seen if e["event"] == "role"]
+                    for p in peers
+                ],  # fmt: skip
+                "timeline": [
+                    [[round(r["at"] - started, 1), r["ok"], len(r["members"])] for r in rs]
+                    for rs in seen.values()
+                ],
+                "roles": roles,
+            }  # fmt: skip
+        except BaseException:
+            print(boot.output()[-4000:], file=sys.stderr)
+            for p in peers:
+                print(f"--- {p.name}\n{''.join(p.logs[-60:])}", file=sys.stderr)
+            raise
+        finally:
+            for p in peers:
+                p.stop()
+            boot.stop()
+    return result
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "peer":
         peer_main(sys.argv[2:])
@@ -478,7 +826,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=32, help="MB per transfer (default 32)")
     parser.add_argument("--no-symmetric", action="store_true", help="skip the symmetric NAT")
+    parser.add_argument(
+        "--one-bootstrap", action="store_true",
+        help="one `moshpit dht` and volunteers behind NATs: time to the first averaged round",
+    )  # fmt: skip
+    parser.add_argument("--volunteers", type=int, default=2)
+    parser.add_argument("--nat", choices=[*sorted(NAT_MIXES), "none"], default="eim")
+    parser.add_argument("--group", type=int, default=2, help="target_group_size (default 2)")
+    parser.add_argument("--numel", type=int, default=16384, help="float32 values per volunteer")
+    parser.add_argument("--rounds", type=int, default=3, help="averaged rounds to measure")
+    parser.add_argument("--inbound", choices=("drop", "reject"), default="drop")
     args = parser.parse_args()
+    if args.one_bootstrap:
+        for nat in ("none", args.nat):  # the baseline first: the same swarm without NATs
+            result = one_bootstrap(
+                args.volunteers, nat, args.group, args.numel, args.rounds, args.inbound
+            )
+            print(json.dumps(result), flush=True)
+        return
     bench(args.mb, not args.no_symmetric)
 
 

@@ -2,6 +2,7 @@
 
   python benchmarks/bench_slowloris.py                       # 600 sockets from 150 addresses
   python benchmarks/bench_slowloris.py --connections 2000 --sources 500 --tries 10
+  python benchmarks/bench_slowloris.py --sources 0 --speak-delay 0   # from the newcomers' address
 
 Real processes and sockets: the victim is ``moshpit dht`` (a bootstrap node as users run it),
 the attacker is ``tests/p2p/slowloris.py`` in its own process (idle sockets from 127.0.0.2..,
@@ -76,10 +77,11 @@ def start_attackers(
     """``processes`` slowloris processes sharing ``connections`` sockets and ``sources``
     addresses (an attacker with more than one core reopens evicted sockets faster)."""
     ip, port = address.split("/")[2], address.split("/")[4]
-    addrs = [f"127.0.{1 + i // 250}.{2 + i % 250}" for i in range(sources)]
+    # sources=0: the newcomers' own address, 127.0.0.1 (an attacker behind their NAT)
+    addrs = [f"127.0.{1 + i // 250}.{2 + i % 250}" for i in range(sources)] or ["127.0.0.1"]
     procs = []
     for k in range(processes):
-        mine = addrs[k::processes]
+        mine = addrs[k::processes] or addrs  # fewer addresses than processes: share
         count = connections // processes + (k < connections % processes)
         procs.append(
             subprocess.Popen(
@@ -145,7 +147,12 @@ def summary(times: list[float | None], limit: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--connections", type=int, default=600)
-    parser.add_argument("--sources", type=int, default=150)
+    parser.add_argument(
+        "--sources",
+        type=int,
+        default=150,
+        help="attacker addresses (0: the newcomers' own, 127.0.0.1: one NAT shared with them)",
+    )
     parser.add_argument("--tries", type=int, default=10)
     parser.add_argument("--limit", type=float, default=10.0, help="seconds a join may take")
     parser.add_argument(

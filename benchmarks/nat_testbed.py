@@ -25,8 +25,11 @@ inbound connection. The NAT behaviour of each router is one of:
 :meth:`NatTestbed.forward_port` opens one port of a router to one of its hosts (DNAT), like a
 user-configured port forward: that host is then reachable at ``router_addr(j):port``.
 
-The "public" network uses a private range (10.215.0.0/24) because it must not collide with
-real addresses; code under test must not treat private ranges as "behind NAT" by themselves.
+The "public" network uses a private range (10.215.0.0/24) by default because it must not
+collide with real addresses; code under test must not treat private ranges as "behind NAT" by
+themselves. ``public_subnet="203.0.113"`` (TEST-NET-3, a documentation range no NAT hands
+out) puts it on addresses that count as globally routable (``reachability.globally_routable``),
+as a VM on the Internet has: what a lone bootstrap node needs to find it is public.
 
 Usage (root or CAP_NET_ADMIN, ``ip`` and ``nft``; :func:`unavailable_reason` says why not)::
 
@@ -50,11 +53,12 @@ from typing import Any
 from netns import NamespaceTestbed, run_command
 from netns import unavailable_reason as namespaces_unavailable
 
-__all__ = ["NAT_BEHAVIOURS", "NatTestbed", "NatTestbedError", "unavailable_reason"]
+__all__ = ["GLOBAL_SUBNET", "NAT_BEHAVIOURS", "NatTestbed", "NatTestbedError", "unavailable_reason"]
 
 logger = logging.getLogger(__name__)
 
 PUBLIC_SUBNET = "10.215.0"  # /24; public hosts .1 .., routers' WAN side .101 ..
+GLOBAL_SUBNET = "203.0.113"  # TEST-NET-3: routable-looking, never on a real home LAN
 NAT_BEHAVIOURS = {"eim": "masquerade", "symmetric": "masquerade fully-random"}
 INBOUND_POLICIES = ("drop", "reject")
 
@@ -126,6 +130,8 @@ class NatTestbed(NamespaceTestbed):
     :param inbound: what a router does with a new connection arriving at its WAN address:
       ``"drop"`` (silently, like most home routers: a dial times out) or ``"reject"`` (TCP
       reset: a dial fails at once).
+    :param public_subnet: the first three octets of the "Internet" /24 (default
+      ``10.215.0``; :data:`GLOBAL_SUBNET` for addresses that look globally routable).
     """
 
     def __init__(
@@ -135,6 +141,7 @@ class NatTestbed(NamespaceTestbed):
         *,
         hosts_per_home: int = 1,
         inbound: str = "drop",
+        public_subnet: str = PUBLIC_SUBNET,
     ):
         if not 1 <= public_hosts <= 50:
             raise ValueError(f"public_hosts must be in 1..50, got {public_hosts}")
@@ -147,6 +154,14 @@ class NatTestbed(NamespaceTestbed):
             raise ValueError(f"hosts_per_home must be in 1..50, got {hosts_per_home}")
         if inbound not in INBOUND_POLICIES:
             raise ValueError(f"inbound must be one of {INBOUND_POLICIES}, got {inbound!r}")
+        octets = public_subnet.split(".")
+        if len(octets) != 3 or not all(o.isdigit() and 0 <= int(o) <= 255 for o in octets):
+            raise ValueError(
+                f"public_subnet must be three octets like '10.215.0', got {public_subnet!r}"
+            )
+        if public_subnet.startswith("192.168."):
+            raise ValueError("public_subnet must not be in 192.168.0.0/16 (the home LANs)")
+        self.public_subnet = public_subnet
         self.public_hosts = public_hosts
         self.nats = tuple(nats)
         self.hosts_per_home = hosts_per_home
@@ -157,7 +172,7 @@ class NatTestbed(NamespaceTestbed):
         self._addrs: dict[str, str] = {}
         self._namespaces: dict[str, str] = {}
         for i in range(public_hosts):
-            self._addrs[f"pub{i}"] = f"{PUBLIC_SUBNET}.{i + 1}"
+            self._addrs[f"pub{i}"] = f"{public_subnet}.{i + 1}"
             self._namespaces[f"pub{i}"] = f"{self.tag}-pub{i}"
         for j in range(len(self.nats)):
             for k in range(hosts_per_home):
@@ -195,7 +210,7 @@ class NatTestbed(NamespaceTestbed):
         sees as the source of that LAN's connections."""
         if not 0 <= home < len(self.nats):
             raise KeyError(f"no home LAN {home}")
-        return f"{PUBLIC_SUBNET}.{101 + home}"
+        return f"{self.public_subnet}.{101 + home}"
 
     def router_namespace(self, home: int) -> str:
         return f"{self.tag}-r{home}"
@@ -293,4 +308,5 @@ class NatTestbed(NamespaceTestbed):
             "nats": list(self.nats),
             "hosts_per_home": self.hosts_per_home,
             "inbound": self.inbound,
+            "public_subnet": self.public_subnet,
         }

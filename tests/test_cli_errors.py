@@ -319,3 +319,18 @@ def test_ctrl_c_while_joining_stops_at_once_without_waiting_for_the_bootstrap():
     output = "".join(peer.output)
     assert status == 0, output
     assert "could not join" not in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    ("args", "wanted"),
+    [
+        (["--relay-circuit-data", "-1"], "--relay-circuit-data must be >= 0 MiB"),
+        (["--relay-circuit-duration", "-5"], "circuit_duration must be >= 0"),
+    ],
+    ids=["data", "duration"],
+)
+def test_bad_relay_limits_are_one_line_and_exit_status_2(args, wanted):
+    done = moshpit("dht", *args)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moshpit dht: ") and wanted in lines[0]

@@ -118,7 +118,9 @@ class HostNetwork:
                     [maddr], peer_id=maddr.peer_id, timeout=time_limit
                 )
         except DialRefusedError as e:
-            raise PeerUnreachableError(f"cannot reach initial peer {maddr}: {e}", refused=True) from e
+            raise PeerUnreachableError(
+                f"cannot reach initial peer {maddr}: {e}", refused=True
+            ) from e
         except (P2PError, OSError, trio.TooSlowError) as e:
             raise PeerUnreachableError(f"cannot reach initial peer {maddr}: {e!r}") from e
         addrs = (maddr.without_peer_id().to_bytes(),)
@@ -225,6 +227,15 @@ class HostNetwork:
             return None
         limits = [c.relay_limit for c in self._live_connections(peer_id)]
         return next((limit for limit in limits if limit is not None), None)
+
+    def relay_room(self, peer_id: Any) -> int | None:
+        """When we reach ``peer_id`` only through a relay: the bytes the roomiest of those
+        connections may still carry each way (what its relay's data limit leaves after what
+        it carried already; 0 = spent); None otherwise or when one has no data limit."""
+        if not self.relayed_only(peer_id):
+            return None
+        rooms = [c.relay_room for c in self._live_connections(peer_id)]
+        return None if any(r is None for r in rooms) else max(rooms)
 
     def direct_peers(self) -> list[Any]:
         """Peers we hold a live direct (not relayed) connection to, the ones we dialed first

@@ -271,6 +271,7 @@ class DHTNode:
         bootstrap_timeout: float = 10.0,
         autonat: Any = None,
         relay: Any = None,
+        public_by_configuration: bool | str = False,
         **kwargs: Any,
     ) -> AsyncIterator[DHTNode]:
         """Start a node, join through any live ``initial_peers``, and stop it on exit.
@@ -317,6 +318,12 @@ class DHTNode:
         mode). ``node.role`` is the last :class:`RoleDecision`; ``add_role_observer``
         reports each new one. ``relay=True`` (or limits) on a network without AutoNAT
         (e.g. the in-memory one) serves at once; the default never does there.
+
+        ``public_by_configuration``: the caller knows peers can dial this node (True, or
+        why, e.g. ``roles.public_by_configuration(host_maddrs, announce_maddrs)``, which
+        ``moshpit dht`` passes): it serves relays from the start instead of after AutoNAT's
+        verdict (unless ``relay=False`` or ``client_mode=True``), so the volunteers of a
+        young swarm find a relay in their first bootstrap node at once.
         """
         initial_peers, host_maddrs, announce_maddrs = check_address_args(
             initial_peers, host_maddrs, announce_maddrs, by_peer_id=network is not None
@@ -343,6 +350,12 @@ class DHTNode:
                 node = cls(network, identity=identity, client_mode=client_mode, **kwargs)
                 node.autonat = start_autonat(node, autonat)
                 node.roles.relay_setting = relay
+                if public_by_configuration:
+                    node.roles.public_by_configuration = (
+                        public_by_configuration
+                        if isinstance(public_by_configuration, str)
+                        else "the caller says so"
+                    )
                 open_nodes.add(node)
                 visible = [] if client_mode else node.get_visible_maddrs()
                 if visible:

@@ -47,6 +47,8 @@ class RoleDecision:
     circuit_addrs: tuple[Any, ...]  # announced /p2p-circuit addresses (relays holding a slot)
     direct_addrs_hidden: bool  # own listen addresses not announced (nobody could dial them)
     serving_relay: bool  # this node relays for peers behind NAT
+    relay_limit: Any = None  # dht.p2p.relay.Limit granted per relayed connection, when serving
+    public_by_configuration: str = ""  # why the caller says peers can dial it ("": it did not)
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -65,7 +67,12 @@ class RoleDecision:
         elif reach.is_private and not (self.explicit and self.client_mode):
             parts.append("no relay holds a slot for this peer")
         if self.serving_relay:
-            parts.append("serving as a relay for peers behind NAT")
+            relay = "serving as a relay for peers behind NAT"
+            if self.relay_limit is not None:
+                relay += f" ({describe_limit(self.relay_limit)})"
+            if self.public_by_configuration and not reach.is_public:
+                relay += f", public by configuration: {self.public_by_configuration}"
+            parts.append(relay)
         if self.client_mode:
             why = (
                 "client mode was set explicitly"
@@ -103,6 +110,37 @@ class _StartedHook:
     def started(self, value: Any = None) -> None:
         self._keeper.started = True
         self._status.started(value)
+
+
+def describe_limit(limit: Any) -> str:
+    """A relay's per-connection ``Limit`` for people: "per relayed connection: 128 KiB each
+    way, 120 s" (0 means no limit)."""
+    data = int(getattr(limit, "data", 0) or 0)
+    duration = int(getattr(limit, "duration", 0) or 0)
+    if data and data % (1024 * 1024) == 0:
+        size = f"{data // (1024 * 1024)} MiB each way"
+    elif data and data % 1024 == 0:
+        size = f"{data // 1024} KiB each way"
+    elif data:
+        size = f"{data} bytes each way"
+    else:
+        size = "no data limit"
+    return f"per relayed connection: {size}, " + (f"{duration} s" if duration else "no time limit")
+
+
+def public_by_configuration(host_maddrs: Any, announce_maddrs: Any) -> str:
+    """Why the addresses a node was told to use say other peers can dial it, or "" if they
+    do not: explicit ``announce_maddrs`` (the operator vouches for them), or a listen address
+    on a globally routable IP (not a wildcard: which interface answers is not known yet)."""
+    if announce_maddrs:
+        return "announce_maddrs given"
+    from dht.p2p.reachability import globally_routable, ip_of
+
+    for addr in host_maddrs or ():
+        ip = ip_of(str(addr))
+        if ip is not None and globally_routable(ip):
+            return f"listening on the global address {ip}"
+    return ""
 
 
 def check_relay_setting(setting: Any) -> Any:
@@ -175,6 +213,9 @@ class NatRoles:
         self._on_addrs_changed = on_addrs_changed
         self._on_role = on_role
         self.relay_setting: Any = None  # DHTNode.open's ``relay``
+        # DHTNode.open's ``public_by_configuration``: why its addresses say peers can dial it
+        # ("" if they do not); such a node serves relays at once, not after AutoNAT decides
+        self.public_by_configuration = ""
         self.relay_service: Any = None  # dht.p2p.relay.RelayService while we serve as a relay
         self.relay_client: Any = None  # dht.p2p.relay.RelayClient once the loop runs
         self.role: RoleDecision | None = None  # the last decision (None: nothing decided yet)
@@ -228,7 +269,11 @@ class NatRoles:
             return False
         if not isinstance(network, HostNetwork):
             return False
-        return self.node.autonat is not None or self.relay_setting not in (None, False)
+        return (
+            self.node.autonat is not None
+            or self.relay_setting not in (None, False)
+            or bool(self.public_by_configuration and self.relay_setting is not False)
+        )
 
     # -- events -----------------------------------------------------------------------------
     def on_reachability(self, reachability: Any) -> None:
@@ -287,7 +332,11 @@ class NatRoles:
         serve = (
             relay is not False
             and setting is not True
-            and (reach.is_public or (relay is not None and self.node.autonat is None))
+            and (
+                reach.is_public
+                or bool(self.public_by_configuration)
+                or (relay is not None and self.node.autonat is None)
+            )
         )
         if serve and self.relay_service is None:
             self._start_relay_service()
@@ -315,8 +364,11 @@ class NatRoles:
             announce = [a for a in announce if not a.is_circuit()] or None
         self.relay_service = RelayService(self.node.host, limits, announce)
         logger.info(
-            "serving as a relay for peers behind NAT (limit per relayed connection: %s)",
-            self.relay_service.limits.limit,
+            "serving as a relay for peers behind NAT (%s)%s",
+            describe_limit(self.relay_service.limits.limit),
+            f"; public by configuration: {self.public_by_configuration}"
+            if self.public_by_configuration
+            else "",
         )
 
     # -- reservations -----------------------------------------------------------------------
@@ -450,6 +502,8 @@ class NatRoles:
             circuit_addrs=circuits,
             direct_addrs_hidden=hide_direct,
             serving_relay=self.relay_service is not None,
+            relay_limit=self.relay_service.limits.limit if self.relay_service else None,
+            public_by_configuration=self.public_by_configuration,
         )
         self._on_addrs_changed()
         previous = self.role
@@ -467,4 +521,11 @@ class NatRoles:
                 logger.exception("role observer failed")
 
 
-__all__ = ["NatRoles", "RoleDecision", "check_relay_setting", "start_autonat"]
+__all__ = [
+    "NatRoles",
+    "RoleDecision",
+    "check_relay_setting",
+    "describe_limit",
+    "public_by_configuration",
+    "start_autonat",
+]

@@ -8,6 +8,13 @@ listing its addresses, the other peer dials them on a *new* connection and answe
 us back, ``private`` if that many could not and none could; anything else stays
 ``unknown``. The result is ``host.reachability`` (a :class:`Reachability`).
 
+A young swarm (one bootstrap node and volunteers at home) has fewer servers than that, so
+when fewer than ``threshold`` servers gave a verdict the peer decides on what it saw itself
+(``reachability.decide``): a listen address that is globally routable and a direct
+connection from another IP make it public; a failed dial-back, none that demonstrably
+worked, and an observed address that none of its interfaces holds (a NAT rewrote it) make
+it private. Such verdicts are provisional: checked again every ``recheck_interval``.
+
 Server side, everything from the requester is untrusted:
 
 * only the IP address the request arrived from is ever dialed (the requested addresses
@@ -38,6 +45,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import random
+import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -66,17 +74,24 @@ from .errors import (
 from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
 from .reachability import (
+    Arrivals,
+    Evidence,
     IPAddress,
     ObservedAddrs,
     Reachability,
     ReachabilityStatus,
+    decide,
+    globally_routable,
     ip_of,
+    settle,
     tcp_addr,
     tcp_port,
 )
+from .transport import local_ip_addresses
 from .varint import encode_uvarint
 
 if TYPE_CHECKING:
+    from .connection import Connection
     from .host import Host
     from .stream import P2PStream
 
@@ -274,6 +289,7 @@ def decode_message(data: bytes) -> DialRequest | DialResponse:
 
 # -- addresses ----------------------------------------------------------------------------------
 
+
 def _source_key(ip: IPAddress) -> str:
     """What per-source limits count: the IPv4 address, or the /64 of an IPv6 address."""
     if isinstance(ip, ipaddress.IPv6Address):
@@ -322,6 +338,7 @@ class AutoNATConfig:
     response_timeout: float = 30.0  # must exceed the servers' dial_timeout
     retry_interval: float = 60.0  # next round while unknown
     refresh_interval: float = 900.0  # next round once decided
+    recheck_interval: float = 60.0  # next round after a provisional (young-swarm) verdict
     max_offered_addrs: int = 16
 
     def __post_init__(self) -> None:
@@ -339,7 +356,13 @@ class AutoNATConfig:
                 raise ValueError(
                     f"AutoNATConfig.{name} must be at least 1, got {getattr(self, name)}"
                 )
-        for name in ("dial_timeout", "request_timeout", "rate_window", "response_timeout"):
+        for name in (
+            "dial_timeout",
+            "request_timeout",
+            "rate_window",
+            "response_timeout",
+            "recheck_interval",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(
                     f"AutoNATConfig.{name} must be positive, got {getattr(self, name)}"
@@ -392,19 +415,26 @@ class _Answer:
 
 @dataclass
 class ProbeResult:
-    """One round: which servers said what (kept for logs and tests)."""
+    """One round: which servers said what, and everything the verdict rested on (kept for
+    logs, tests, and to decide again when new evidence arrives between rounds)."""
 
     reachability: Reachability
     answers: list[_Answer] = field(default_factory=list)
+    evidence: Evidence = field(default_factory=Evidence)
+    started: float = 0.0  # time.monotonic() when the round began
 
 
 class AutoNAT:
     """AutoNAT v1 for one Host: :meth:`serve` answers other peers, :meth:`probe` asks them.
 
     :meth:`run` probes periodically (every ``retry_interval`` while the answer is unknown,
-    every ``refresh_interval`` once decided) and keeps ``host.reachability`` current; an
-    inconclusive round does not overturn an earlier decision. ``on_change(reachability)``
-    callbacks run after the first round and whenever the status changes.
+    every ``recheck_interval`` after a provisional verdict, every ``refresh_interval`` once
+    decided) and keeps ``host.reachability`` current; an inconclusive round does not
+    overturn an earlier decision (see ``reachability.settle``). It also decides again,
+    without asking anyone, when a direct connection arrives from another IP while the peer
+    is not known to be public (a bootstrap node learns it is public as its first peers
+    connect). ``on_change(reachability)`` callbacks run after the first round and whenever
+    the status changes.
     """
 
     def __init__(self, host: Host, config: AutoNATConfig | None = None) -> None:
@@ -424,6 +454,11 @@ class AutoNAT:
         self._observers: list[Callable[[Reachability], None]] = []
         self.changed = trio.Event()  # set (and replaced) whenever the status changes
         self.last_round: ProbeResult | None = None
+        # direct connections that reached us (dial-backs among them), for the evidence
+        self.arrivals = Arrivals(ttl=self.config.refresh_interval)
+        self._arrived = trio.Event()  # set when one arrives from another IP (wakes run())
+        self._interfaces: tuple[float, frozenset[IPAddress]] | None = None
+        host.add_connection_hook(self._on_connection)
 
     # -- server ---------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -544,6 +579,77 @@ class AutoNAT:
         random.shuffle(peers)
         return peers
 
+    # -- evidence of our own ------------------------------------------------------------------
+    def _on_connection(self, conn: Connection) -> None:
+        """Host hook: note every direct connection that reached us (a genuine dial-back is
+        one, so is any peer that could connect); wake :meth:`run` for one from another IP."""
+        if conn.outbound or conn.relayed or conn.hole_punched:
+            return
+        ip = ip_of(conn.remote_addr)
+        if ip is None:
+            return
+        self.arrivals.record(ip, conn)
+        if not ip.is_loopback and ip not in self._our_ips():
+            self._arrived.set()
+
+    def _our_ips(self) -> frozenset[IPAddress]:
+        """The IPs of our interfaces (cached, refreshed by :meth:`_refresh_interfaces`) and
+        of our TCP listen addresses."""
+        ips = set(self._interfaces[1]) if self._interfaces is not None else set()
+        for addr in self.host.listen_addrs:
+            ip = ip_of(addr)
+            if ip is not None:
+                ips.add(ip)
+        return frozenset(ips)
+
+    async def _refresh_interfaces(self) -> None:
+        """Look up our interface addresses (at most once a minute, off the event loop)."""
+        now = time.monotonic()
+        if self._interfaces is not None and now - self._interfaces[0] < 60.0:
+            return
+
+        def lookup() -> frozenset[IPAddress]:
+            found: set[IPAddress] = set()
+            for family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    texts = local_ip_addresses(family)
+                except OSError:
+                    continue
+                for text in texts:
+                    try:
+                        found.add(ipaddress.ip_address(text.split("%")[0]))
+                    except ValueError:
+                        continue
+            return frozenset(found)
+
+        self._interfaces = (now, await trio.to_thread.run_sync(lookup))
+
+    def evidence(self, answers: Sequence[_Answer] = (), since: float | None = None) -> Evidence:
+        """What a verdict rests on: ``answers`` (a round's), the connections that arrived
+        since ``since`` (the round's start), and what this peer sees of itself now."""
+        ports = {tcp_port(a) for a in self.offered_addrs()}
+        ok = [a for a in answers if a.status == ResponseStatus.OK]
+        failed = [a for a in answers if a.status == ResponseStatus.E_DIAL_ERROR]
+        ours = self._our_ips()
+        listen_ips = [ip_of(a) for a in self.host.listen_addrs if tcp_port(a) is not None]
+        seen = [ip_of(a) for a in self.host.observed_addrs.observed()]
+        return Evidence(
+            dialed_back=len(ok),
+            could_not=len(failed),
+            no_verdict=len(answers) - len(ok) - len(failed),
+            # a reported address on a port we never offered is a server's invention
+            reached_at=tuple(
+                a.addr for a in ok if a.addr is not None and tcp_port(a.addr) in ports
+            ),
+            arrivals=self.arrivals.since(since) if since is not None else 0,
+            global_addrs=tuple(
+                dict.fromkeys(ip for ip in listen_ips if ip is not None and globally_routable(ip))
+            ),
+            connected_from=self.arrivals.sources(ours),
+            seen_at=tuple(dict.fromkeys(ip for ip in seen if ip is not None and ip not in ours)),
+        )
+
+    # -- asking -------------------------------------------------------------------------------
     async def _ask(self, server: PeerID, request: bytes) -> _Answer:
         timeout = self.config.response_timeout
         try:
@@ -569,7 +675,8 @@ class AutoNAT:
     async def probe(self, servers: Sequence[PeerID] | None = None) -> ProbeResult:
         """Ask up to ``max_servers`` servers (default: connected peers) at once and decide.
 
-        Sets ``host.reachability`` when the round is decisive (or nothing was decided yet)."""
+        Sets ``host.reachability`` when the round is decisive (or nothing was decided yet;
+        see ``reachability.settle``)."""
         cfg = self.config
         addrs = self.offered_addrs()
         if not addrs:
@@ -582,10 +689,12 @@ class AutoNAT:
             )
             self._publish(result)
             return result
+        await self._refresh_interfaces()
         chosen = list(servers) if servers is not None else self._servers()
         chosen = [s for s in dict.fromkeys(chosen) if s != self.host.peer_id][: cfg.max_servers]
         request = encode_dial(self.host.peer_id, addrs)
         answers: list[_Answer] = []
+        started = self.arrivals.now()
 
         async def ask(server: PeerID) -> None:
             answers.append(await self._ask(server, request))
@@ -593,8 +702,6 @@ class AutoNAT:
         async with trio.open_nursery() as nursery:
             for server in chosen:
                 nursery.start_soon(ask, server)
-        ports = {tcp_port(a) for a in addrs}
-        result = ProbeResult(self._decide(answers, ports), answers)
         for a in answers:
             logger.debug(
                 "autonat: %s answered %s %s",
@@ -602,59 +709,33 @@ class AutoNAT:
                 status_name(a.status) if a.status is not None else "nothing",
                 a.text or a.error,
             )
+        evidence = self.evidence(answers, started)
+        result = ProbeResult(
+            decide(evidence, cfg.threshold, time.time()), answers, evidence, started
+        )
         self._publish(result)
         return result
 
-    def _decide(self, answers: list[_Answer], ports: set[int | None]) -> Reachability:
-        """``threshold`` servers reached us: public; ``threshold`` could not and none could:
-        private; otherwise unknown. Refusals and silence count for nothing. ``ports``: the
-        ones we offered; a reported address on another port is a server's invention."""
-        need = self.config.threshold
-        ok = [a for a in answers if a.status == ResponseStatus.OK]
-        failed = [a for a in answers if a.status == ResponseStatus.E_DIAL_ERROR]
-        other = len(answers) - len(ok) - len(failed)
-        tail = f" ({other} gave no verdict)" if other else ""
-        now = time.time()
-        if len(ok) >= need:
-            reached = [a.addr for a in ok if a.addr is not None and tcp_port(a.addr) in ports]
-            addrs = tuple(dict.fromkeys(reached))[:8]
-            where = f" at {', '.join(map(str, addrs))}" if addrs else ""
-            return Reachability(
-                ReachabilityStatus.PUBLIC,
-                f"{len(ok)} of {len(answers)} peers dialed this peer back{where}{tail}",
-                addrs,
-                len(ok),
-                len(answers),
-                now,
-            )
-        if len(failed) >= need and not ok:
-            return Reachability(
-                ReachabilityStatus.PRIVATE,
-                f"{len(failed)} of {len(answers)} peers could not dial this peer back "
-                f"(behind NAT or a firewall){tail}",
-                (),
-                len(failed),
-                len(answers),
-                now,
-            )
-        if not answers:
-            reason = "no connected peer to ask"
-        else:
-            reason = (
-                f"inconclusive: {len(ok)} of {len(answers)} peers dialed back, "
-                f"{len(failed)} could not{tail}; {need} must agree"
-            )
-        return Reachability(ReachabilityStatus.UNKNOWN, reason, (), 0, len(answers), 0.0)
+    def reassess(self) -> None:
+        """Decide again on the last round's answers and what we see of ourselves now (a
+        connection arrived): no server is asked. Only a change is published."""
+        last = self.last_round
+        answers = last.answers if last is not None else []
+        since = last.started if last is not None else None
+        evidence = self.evidence(answers, since)
+        new = decide(evidence, self.config.threshold, time.time())
+        if new.status is not ReachabilityStatus.UNKNOWN and new.status is not (
+            self.host.reachability.status
+        ):
+            self._publish(ProbeResult(new, list(answers), evidence, since or 0.0))
 
     def _publish(self, result: ProbeResult) -> None:
         first = self.last_round is None
         self.last_round = result
-        new, old = result.reachability, self.host.reachability
-        if (
-            new.status is ReachabilityStatus.UNKNOWN
-            and old.status is not ReachabilityStatus.UNKNOWN
-        ):
-            logger.debug("autonat: keeping %s (this round: %s)", old, new.reason)
+        old = self.host.reachability
+        new = settle(old, result.reachability, result.evidence)
+        if new is old:
+            logger.debug("autonat: keeping %s (this round: %s)", old, result.reachability.reason)
             return
         self.host.reachability = new
         if new.status is old.status and not first:
@@ -668,19 +749,37 @@ class AutoNAT:
             except Exception:
                 logger.exception("reachability observer failed")
 
+    async def _wait_for(self, seconds: float) -> None:
+        """Sleep ``seconds``; meanwhile, each time a direct connection arrives from another IP
+        while we are not known to be public, decide again (see :meth:`reassess`)."""
+        deadline = trio.current_time() + seconds
+        while True:
+            self._arrived = trio.Event()
+            with trio.move_on_at(deadline):
+                await self._arrived.wait()
+            if not self._arrived.is_set():
+                return
+            if not self.host.reachability.is_public:
+                await self._refresh_interfaces()
+                self.reassess()
+
     async def run(self, first_delay: float = 2.0) -> None:
         """Probe now and then until cancelled (a task in the owner's nursery): soon after
         start (peers connect while a node joins), then backing off from ``first_delay`` to
-        ``retry_interval`` while the answer is unknown, every ``refresh_interval`` once known."""
-        delay = first_delay
-        await trio.sleep(delay)
+        ``retry_interval`` while the answer is unknown, every ``recheck_interval`` while it
+        is provisional, every ``refresh_interval`` once decided. Between rounds, a direct
+        connection from another IP makes it decide again at once (see :meth:`reassess`)."""
+        delay = wait = first_delay
         while True:
+            await self._wait_for(wait)
             await self.probe()
-            if self.host.reachability.status is not ReachabilityStatus.UNKNOWN:
-                await trio.sleep(self.config.refresh_interval)
-                continue
-            delay = min(delay * 2, self.config.retry_interval)
-            await trio.sleep(delay)
+            reach = self.host.reachability
+            if reach.status is ReachabilityStatus.UNKNOWN:
+                delay = wait = min(delay * 2, self.config.retry_interval)
+            elif reach.provisional:
+                wait = self.config.recheck_interval
+            else:
+                wait = self.config.refresh_interval
 
 
 __all__ = [

@@ -43,8 +43,22 @@ class Connection:
         # is no direct connection; relay_limit is the relay's Limit (None: it stated none)
         self.relayed = False
         self.relay_limit: Any = None
+        # relayed: the bytes it has carried in its busier direction so far (the relay's
+        # data limit counts them); see relay_room
+        self.relay_usage: Callable[[], int] | None = None
         # direct, opened by hole punching (dcutr.py) beside a relayed connection
         self.hole_punched = False
+
+    @property
+    def relay_room(self) -> int | None:
+        """Bytes this connection may still carry each way before its relay cuts it: None
+        unless relayed with a data limit (a connection's limit is spent over its life, so
+        what one round or download may use is what earlier ones left)."""
+        data = int(getattr(self.relay_limit, "data", 0) or 0)
+        if not self.relayed or not data:
+            return None
+        used = self.relay_usage() if self.relay_usage is not None else 0
+        return max(0, data - used)
 
     @property
     def alive(self) -> bool:

@@ -16,8 +16,10 @@ coordinates that moment over the relayed connection:
    so both SYNs leave at about the same time;
 5. whatever TCP connection comes up first is secured with A as the initiator (multistream,
    Noise, yamux) and B as the responder, whichever socket technically "connected", and is
-   registered as an ordinary direct connection: new streams take it, the relayed connection
-   idles until the relay's limits end it.
+   registered as an ordinary direct connection: new streams take it, and the relayed
+   connection is closed as soon as its streams have ended (at most ``retire_grace`` seconds
+   of waiting for them; a busy one is left to the relay's limits): it would only hold one
+   of the relay's circuit slots and keep the relay in the path of whatever still used it.
 
 B tries up to ``max_attempts`` (3) times, then gives up and logs why; the relayed
 connection stays usable in any case.
@@ -204,6 +206,10 @@ class HolePunchConfig:
     max_exchanges_per_peer: int = 6  # exchanges a peer may start with us per rate_window
     rate_window: float = 60.0
     allow_loopback: bool = False  # offer and dial loopback addresses (tests on one machine)
+    # after a punch: how long the relayed connection's open streams may take to end before
+    # it is closed (it is closed at once when idle); still busy then, the relay's limits end it
+    retire_grace: float = 30.0
+    retire_poll: float = 0.5
 
     def __post_init__(self) -> None:
         for name in (
@@ -224,6 +230,8 @@ class HolePunchConfig:
             "punch_timeout",
             "redial_interval",
             "rate_window",
+            "retire_grace",
+            "retire_poll",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(
@@ -443,7 +451,9 @@ class HolePuncher:
             if not conn.alive and not reason:
                 reason = "the relayed connection closed"
         except Exception as e:  # a bug reachable from a peer must not take the host down
-            logger.warning("dcutr: hole punch with %s: unexpected %s", peer.short(), error_reason(e))
+            logger.warning(
+                "dcutr: hole punch with %s: unexpected %s", peer.short(), error_reason(e)
+            )
             reason = error_reason(e)
         finally:
             self._initiating.discard(peer)
@@ -455,6 +465,7 @@ class HolePuncher:
         success = self._has_direct(peer)
         addr = self._direct_addr(peer)
         if success:
+            self.host.start_soon(self._retire_relayed, peer)
             logger.info(
                 "hole punching: direct connection to %s at %s (%d attempt(s), %.2fs)",
                 peer.short(),
@@ -484,6 +495,26 @@ class HolePuncher:
                 peer, initiated, success, attempts, seconds, addr, "" if success else reason
             )
         )
+
+    async def _retire_relayed(self, peer: PeerID) -> None:
+        """Close the relayed connections to ``peer`` once a punched direct one carries new
+        streams, each as soon as it has no open stream (see the module docstring)."""
+        cfg = self.config
+        with trio.move_on_after(cfg.retire_grace):
+            while self._has_direct(peer):
+                relayed = [c for c in self.host.connections(peer) if c.relayed and c.alive]
+                if not relayed:
+                    return
+                for conn in relayed:
+                    if conn.session.num_streams == 0:
+                        logger.debug(
+                            "hole punching: closing the relayed connection to %s (%s): the "
+                            "direct one carries the traffic",
+                            peer.short(),
+                            conn.remote_addr,
+                        )
+                        await conn.session.aclose()
+                await trio.sleep(cfg.retire_poll)
 
     async def _open_on(self, conn: Connection) -> P2PStream:
         """A ``/libp2p/dcutr`` stream on that very connection (lazy negotiation: the proposal

@@ -4,7 +4,8 @@ punching (``dcutr.py``) read and set.
 
 Plain data with no I/O: the Host holds it without depending on the protocols that fill it.
 :class:`ObservedAddrs` collects identify's ``observedAddr`` reports; :class:`Reachability` is
-AutoNAT's last verdict.
+AutoNAT's last verdict; :func:`decide` and :func:`settle` are the rules that turn a round's
+:class:`Evidence` into one (pure functions, tested without sockets).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from .errors import MultiaddrError
 from .identity import PeerID
@@ -63,6 +65,48 @@ def tcp_port(addr: Multiaddr) -> int | None:
         return None
     port = int(parts[1][1])  # type: ignore[arg-type]
     return port if 0 < port < 65536 else None
+
+
+_HIDDEN_V4 = tuple(
+    ipaddress.IPv4Network(n)
+    for n in (
+        "0.0.0.0/8",  # "this network"
+        "10.0.0.0/8",  # private use (RFC 1918)
+        "100.64.0.0/10",  # shared address space: carrier-grade NAT (RFC 6598)
+        "127.0.0.0/8",  # loopback
+        "169.254.0.0/16",  # link-local
+        "172.16.0.0/12",  # private use
+        "192.168.0.0/16",  # private use
+        "224.0.0.0/4",  # multicast
+        "240.0.0.0/4",  # reserved, broadcast
+    )
+)
+_HIDDEN_V6 = tuple(
+    ipaddress.IPv6Network(n)
+    for n in (
+        "::/127",  # unspecified, loopback
+        "fc00::/7",  # unique local
+        "fe80::/10",  # link-local
+        "fec0::/10",  # site-local (deprecated)
+        "ff00::/8",  # multicast
+    )
+)
+
+
+def globally_routable(ip: IPAddress) -> bool:
+    """Could a machine elsewhere on the Internet reach ``ip`` with no NAT in between?
+
+    False for the ranges NATs hide hosts in (private use, carrier-grade NAT's shared space,
+    IPv6 unique-local) and for addresses that never leave a machine or a link (loopback,
+    link-local, unspecified, multicast, IPv4's reserved 240/4). Unlike ``ip.is_global``, the
+    documentation and benchmarking ranges (192.0.2/24, 198.51.100/24, 203.0.113/24,
+    198.18/15) count as routable: no NAT hands them out, and test beds use them to stand for
+    the Internet."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return globally_routable(ip.ipv4_mapped)
+        return not any(ip in net for net in _HIDDEN_V6)
+    return not any(ip in net for net in _HIDDEN_V4)
 
 
 class ObservedAddrs:
@@ -154,14 +198,19 @@ class ReachabilityStatus(str, Enum):
 
 @dataclass(frozen=True)
 class Reachability:
-    """What AutoNAT last decided, and why (``reason`` is one line for humans)."""
+    """What AutoNAT last decided, and why (``reason`` is one line for humans).
+
+    ``provisional``: decided by the young-swarm rules of :func:`decide` (fewer servers
+    answered than the threshold asks for): AutoNAT checks it again sooner, and a later round
+    with evidence against it overturns it (:func:`settle`)."""
 
     status: ReachabilityStatus = ReachabilityStatus.UNKNOWN
     reason: str = "not checked yet"
     public_addrs: tuple[Multiaddr, ...] = ()  # addresses servers reached us at
-    confirmations: int = 0  # servers that agreed with the decision
+    confirmations: int = 0  # servers (or peers, see provisional) that agreed with the decision
     asked: int = 0  # servers asked in the deciding round
     decided_at: float = 0.0  # UNIX time (0: never decided)
+    provisional: bool = False
 
     @property
     def is_public(self) -> bool:
@@ -175,12 +224,191 @@ class Reachability:
         return f"{self.status.value}: {self.reason}"
 
 
+# -- the decision ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything one AutoNAT round has to go on: the servers' answers, and what this peer
+    saw itself (the input of :func:`decide`).
+
+    ``dialed_back`` / ``could_not`` / ``no_verdict``: servers that answered OK, E_DIAL_ERROR,
+    or anything else (refusals, nonsense, silence); ``reached_at``: the addresses the OKs
+    named. ``arrivals``: direct inbound connections that reached us while the round ran (a
+    genuine OK is one: the dial-back connects to us). ``global_addrs``: our listen IPs that
+    are :func:`globally_routable`. ``connected_from``: other IPs (neither ours nor loopback)
+    that recently opened a direct connection to us, hole-punched ones excluded.
+    ``seen_at``: IPs peers observed us at (identify) that none of our interfaces holds: a
+    NAT rewrote our address on the way."""
+
+    dialed_back: int = 0
+    could_not: int = 0
+    no_verdict: int = 0
+    reached_at: tuple[Multiaddr, ...] = ()
+    arrivals: int = 0
+    global_addrs: tuple[IPAddress, ...] = ()
+    connected_from: tuple[IPAddress, ...] = ()
+    seen_at: tuple[IPAddress, ...] = ()
+
+    @property
+    def asked(self) -> int:
+        return self.dialed_back + self.could_not + self.no_verdict
+
+    @property
+    def verified_dial_backs(self) -> int:
+        """OKs backed by a connection that really arrived (a claim alone proves nothing)."""
+        return min(self.dialed_back, self.arrivals)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def decide(evidence: Evidence, threshold: int, now: float) -> Reachability:
+    """The verdict of one round, from ``evidence`` alone (no I/O, no clock but ``now``).
+
+    With enough servers (``threshold`` verdicts), as libp2p's AutoNAT: ``threshold`` OKs is
+    public; ``threshold`` failures and no OK is private; anything else unknown. A young swarm
+    has fewer servers than that, so when fewer than ``threshold`` gave a verdict two rules
+    decide on what this peer saw itself (``provisional`` verdicts):
+
+    * public: one of our listen IPs is globally routable and a peer at another IP connected
+      to us directly (a claim cannot fake that: the connection happened);
+    * private: a server could not dial us back, no server demonstrably could (an OK counts
+      only with a connection that arrived during the round), and a peer saw us at an IP that
+      none of our interfaces holds (a NAT is on the way).
+    """
+    e, need = evidence, threshold
+    ok, failed, other, asked = e.dialed_back, e.could_not, e.no_verdict, e.asked
+    tail = f" ({other} gave no verdict)" if other else ""
+    if ok >= need:
+        addrs = tuple(dict.fromkeys(e.reached_at))[:8]
+        where = f" at {', '.join(map(str, addrs))}" if addrs else ""
+        return Reachability(
+            ReachabilityStatus.PUBLIC,
+            f"{ok} of {asked} peers dialed this peer back{where}{tail}",
+            addrs,
+            ok,
+            asked,
+            now,
+        )
+    if failed >= need and not ok:
+        return Reachability(
+            ReachabilityStatus.PRIVATE,
+            f"{failed} of {asked} peers could not dial this peer back "
+            f"(behind NAT or a firewall){tail}",
+            (),
+            failed,
+            asked,
+            now,
+        )
+    young = ok + failed < need
+    few = f"fewer than {need} servers to agree"
+    if young and e.global_addrs and e.connected_from:
+        others = len(e.connected_from)
+        asked_text = f": {ok} of {asked} dialed back" if asked else ""
+        return Reachability(
+            ReachabilityStatus.PUBLIC,
+            f"its address {e.global_addrs[0]} is global and {_plural(others, 'peer')} at "
+            f"other addresses connected to it ({few}{asked_text})",
+            (),
+            others,
+            asked,
+            now,
+            provisional=True,
+        )
+    if young and failed and not e.verified_dial_backs and e.seen_at:
+        return Reachability(
+            ReachabilityStatus.PRIVATE,
+            f"{failed} of {asked} peers could not dial this peer back, and peers see it at "
+            f"{e.seen_at[0]}, which none of its interfaces holds (behind NAT; {few}){tail}",
+            (),
+            failed,
+            asked,
+            now,
+            provisional=True,
+        )
+    if not asked:
+        reason = "no connected peer to ask"
+    else:
+        reason = (
+            f"inconclusive: {ok} of {asked} peers dialed back, "
+            f"{failed} could not{tail}; {need} must agree"
+        )
+    return Reachability(ReachabilityStatus.UNKNOWN, reason, (), 0, asked, 0.0)
+
+
+def settle(old: Reachability, new: Reachability, evidence: Evidence) -> Reachability:
+    """The verdict to hold after a round whose own verdict is ``new``.
+
+    A decisive round replaces anything. An inconclusive one (servers silent, refusing, or
+    too few) keeps an earlier decision, with one exception: a provisional ``private`` falls
+    as soon as a server demonstrably dialed us back (its connection arrived), so a single
+    peer that claimed it could not cannot keep a reachable peer hidden behind a relay."""
+    if new.status is not ReachabilityStatus.UNKNOWN or old.status is ReachabilityStatus.UNKNOWN:
+        return new
+    if old.provisional and old.is_private and evidence.verified_dial_backs:
+        return new
+    return old
+
+
+class Arrivals:
+    """Direct inbound connections as they register, for :class:`Evidence`: when, from which
+    IP, and the connection (read later: hole punching may mark it after registration).
+    Bounded (``max_kept``, oldest dropped) and aged out after ``ttl`` seconds."""
+
+    def __init__(
+        self,
+        *,
+        ttl: float = 900.0,
+        max_kept: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl = ttl
+        self.max_kept = max_kept
+        self._clock = clock
+        self._seen: list[tuple[float, IPAddress, Any]] = []  # oldest first
+
+    def record(self, ip: IPAddress, conn: Any = None) -> None:
+        self._seen.append((self._clock(), ip, conn))
+        if len(self._seen) > self.max_kept:
+            del self._seen[: len(self._seen) - self.max_kept]
+
+    def _fresh(self) -> list[tuple[float, IPAddress, Any]]:
+        cutoff = self._clock() - self.ttl
+        self._seen = [entry for entry in self._seen if entry[0] >= cutoff]
+        return [e for e in self._seen if not getattr(e[2], "hole_punched", False)]
+
+    def since(self, when: float) -> int:
+        """Connections that arrived at or after ``when`` (on this object's clock)."""
+        return sum(1 for t, _, _ in self._fresh() if t >= when)
+
+    def sources(self, ours: Iterable[IPAddress] = ()) -> tuple[IPAddress, ...]:
+        """The distinct IPs that connected, most recent first, without ``ours`` and
+        loopback (a peer on this very machine proves nothing about the network)."""
+        mine = set(ours)
+        out: list[IPAddress] = []
+        for _, ip, _ in reversed(self._fresh()):
+            if ip.is_loopback or ip in mine or ip in out:
+                continue
+            out.append(ip)
+        return tuple(out)
+
+    def now(self) -> float:
+        return self._clock()
+
+
 __all__ = [
+    "Arrivals",
+    "Evidence",
     "IPAddress",
     "ObservedAddrs",
     "Reachability",
     "ReachabilityStatus",
+    "decide",
+    "globally_routable",
     "ip_of",
+    "settle",
     "tcp_addr",
     "tcp_port",
 ]

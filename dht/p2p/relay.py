@@ -47,6 +47,7 @@ from .errors import (
     MessageTooLargeError,
     P2PError,
     P2PTimeoutError,
+    ProtocolNegotiationError,
     ProtocolViolationError,
     RelayError,
     StreamClosedError,
@@ -145,6 +146,9 @@ class _CircuitStream(trio.abc.HalfCloseableStream):
 
     def __init__(self, stream: P2PStream) -> None:
         self.stream = stream
+        # bytes through the relay each way, as the relay counts them against its data limit
+        self.sent = 0
+        self.received = 0
 
     # A reset circuit (the relay cut it, its connection closed) is what a reset socket is to
     # the layers above: trio.BrokenResourceError, a lost connection rather than a bug.
@@ -153,15 +157,18 @@ class _CircuitStream(trio.abc.HalfCloseableStream):
             await self.stream.send_all(data)
         except StreamClosedError as e:
             raise trio.BrokenResourceError(f"relayed circuit closed: {e}") from e
+        self.sent += len(data)
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.stream.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         try:
-            return await self.stream.receive_some(max_bytes)
+            data = await self.stream.receive_some(max_bytes)
         except StreamClosedError as e:
             raise trio.BrokenResourceError(f"relayed circuit closed: {e}") from e
+        self.received += len(data)
+        return data
 
     async def send_eof(self) -> None:
         try:
@@ -183,11 +190,10 @@ async def _upgrade_circuit(
     limit: Limit | None,
 ) -> Connection:
     """Noise + yamux over a spliced stream; the connection is marked relayed (not registered)."""
+    circuit = _CircuitStream(stream)
     try:
         with trio.fail_after(host.limits.handshake_timeout):
-            conn = await host.upgrade(
-                _CircuitStream(stream), expected, outbound=outbound, name=name
-            )
+            conn = await host.upgrade(circuit, expected, outbound=outbound, name=name)
     except trio.TooSlowError:
         stream.reset()
         raise P2PTimeoutError(
@@ -199,6 +205,7 @@ async def _upgrade_circuit(
         raise
     conn.relayed = True
     conn.relay_limit = limit
+    conn.relay_usage = lambda: max(circuit.sent, circuit.received)
     return conn
 
 
@@ -292,7 +299,9 @@ class RelayClient:
         host: Host,
         *,
         max_inbound_circuits: int = 32,
-        max_refresh_interval: float = 900.0,
+        # a refresh is one small hop message; every 30 s lets a relay that stopped serving
+        # (its service closed, or it no longer answers) be noticed within a minute, not 15
+        max_refresh_interval: float = 30.0,
         message_timeout: float = 10.0,
     ) -> None:
         if max_inbound_circuits < 1:
@@ -415,19 +424,24 @@ class RelayClient:
         self._advertise(rsvp)
         task_status.started(rsvp)
         backoff = 1.0
+        failures = 0  # refreshes failed in a row
         try:
             while True:
                 lost = self._lost.setdefault(relay, trio.Event())
-                if self.host.is_connected(relay) and relay in self.reservations:
+                if not failures and self.host.is_connected(relay) and relay in self.reservations:
                     delay = min(max(1.0, rsvp.seconds_left() * 0.75), self.max_refresh_interval)
                     with trio.move_on_after(delay):
                         await lost.wait()
                 try:
                     rsvp = await self.reserve(relay, addrs)
                 except (P2PError, OSError) as e:
-                    # a refusal voids the old slot too; a hiccup leaves a still valid one be
+                    failures += 1
+                    # a refusal, a relay that no longer speaks the hop protocol or a second
+                    # failure in a row (it stopped answering) voids the old slot; one hiccup
+                    # leaves a still valid one be
                     still_valid = self.host.is_connected(relay) and rsvp.seconds_left() > 0
-                    if isinstance(e, RelayError) or not still_valid:
+                    stopped = isinstance(e, RelayError | ProtocolNegotiationError) or failures > 1
+                    if stopped or not still_valid:
                         self.reservations.pop(relay, None)
                         self._withdraw(relay)
                     self._log.warning(
@@ -441,6 +455,7 @@ class RelayClient:
                     backoff = min(backoff * 2, 60.0)
                     continue
                 backoff = 1.0
+                failures = 0
                 self._advertise(rsvp)
         finally:
             self._withdraw(relay)

@@ -28,6 +28,29 @@ from moshpit.cli.preflight import listen_failure
 logger = logging.getLogger(__name__)
 
 
+# A `moshpit dht` peer is the swarm's bootstrap: the one public peer volunteers at home find
+# first, and their only path to each other when their NATs cannot be hole-punched. The
+# spec's circuit limits (128 KiB, 2 min: a relay that only helps peers punch) leave such
+# volunteers averaging as clients with no one to reduce (a tensor's reduction must fit one
+# relayed connection), so this command grants averaging-sized circuits by default; public
+# `moshpit train` volunteers keep the spec's limits (they did not volunteer bandwidth).
+BOOTSTRAP_RELAY_DATA_MIB = 64.0
+BOOTSTRAP_RELAY_SECONDS = 600
+
+
+def relay_limits(args: argparse.Namespace) -> Any:
+    """The RelayLimits this peer serves with, from ``--relay-circuit-*`` (ValueError when
+    they are out of range)."""
+    from dht.p2p.relay import RelayLimits
+
+    if not args.relay_circuit_data >= 0:  # also NaN
+        raise ValueError("--relay-circuit-data must be >= 0 MiB")
+    return RelayLimits(
+        circuit_data=int(args.relay_circuit_data * 1024 * 1024),
+        circuit_duration=args.relay_circuit_duration,
+    )
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-maddrs",
@@ -86,6 +109,23 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="replicas per stored record (default: %(default)s)",
     )
     parser.add_argument(
+        "--relay-circuit-data",
+        type=float,
+        default=BOOTSTRAP_RELAY_DATA_MIB,
+        metavar="MIB",
+        help="when it relays: MiB one relayed connection may carry each way (0: no limit; "
+        "default: %(default)s, enough for volunteers whose NATs cannot be hole-punched to "
+        "average through this peer; the spec's 0.125 lets only small models through)",
+    )
+    parser.add_argument(
+        "--relay-circuit-duration",
+        type=int,
+        default=BOOTSTRAP_RELAY_SECONDS,
+        metavar="SECONDS",
+        help="when it relays: how long one relayed connection may last (0: no limit; "
+        "default: %(default)s)",
+    )
+    parser.add_argument(
         "--status-period",
         type=float,
         default=60.0,
@@ -141,6 +181,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         addresses = _parse_addresses(args)
     except MultiaddrError as e:
+        print(f"moshpit dht: {e}", file=sys.stderr)
+        return 2
+    try:
+        relay_limits(args)
+    except ValueError as e:  # RelayLimits says which setting and why
         print(f"moshpit dht: {e}", file=sys.stderr)
         return 2
     metrics, status = start_metrics(args, "moshpit dht")
@@ -236,6 +281,7 @@ async def _serve(
 ) -> None:
     """Run the peer until cancelled (by a signal)."""
     from dht.kademlia.node import DHTNode
+    from dht.kademlia.roles import public_by_configuration
 
     async with DHTNode.open(
         initial_peers=initial_peers,
@@ -246,6 +292,10 @@ async def _serve(
         bootstrap_timeout=args.bootstrap_timeout,
         refresh_period=args.refresh_period,
         num_replicas=args.num_replicas,
+        # a global listen address or explicit announce addresses: relay from the start, so
+        # that volunteers behind NATs joining a one-node swarm find a relay at once
+        public_by_configuration=public_by_configuration(host_maddrs, announce_maddrs),
+        relay=relay_limits(args),
     ) as node:
         _announce(node, args.client_mode)
         # one line per decision, once AutoNAT has decided: what, why, and the role it implies
@@ -310,9 +360,26 @@ async def _status_loop(node: Any, period: float) -> None:
     while True:
         await trio.sleep(period)
         logger.info(
-            "%d routing contacts, %d connections, %d records stored (%d bytes)",
+            "%d routing contacts, %d connections, %d records stored (%d bytes); %s",
             len(node.routing_table),
             len(node.host.connected_peers()),
             node.storage.num_records,
             node.storage.num_bytes,
+            relay_status(node),
         )
+
+
+def relay_status(node: Any) -> str:
+    """What the status line says of the relay: its limits and use, or why it does not run."""
+    from dht.kademlia.roles import describe_limit
+
+    service = node.relay_service
+    if service is None:
+        reach = node.host.reachability
+        return f"not relaying (reachability {reach.status.value})"
+    stats = service.stats
+    return (
+        f"relaying ({describe_limit(service.limits.limit)}): "
+        f"{service.reservation_count} reservation(s), {len(service.circuits)} circuit(s) open, "
+        f"{stats.circuits_opened} opened, {stats.bytes_forwarded} bytes forwarded"
+    )

@@ -464,12 +464,19 @@ class DownloadRun:
     # reached (sharing's module doc, "Relays")
 
     def _relay_room(self, peer: PeerID) -> int | None:
-        """None unless we reach ``peer`` only through a relay; then the bytes one connection
-        may carry per direction (0: the relay set no data limit)."""
+        """None unless we reach ``peer`` only through a relay; then the bytes that connection
+        may still carry per direction (0: the relay set no data limit, or none of it is
+        left: -1 then, which nothing fits). What earlier transfers on it spent is gone."""
         network = getattr(self.sharing.node, "network", None)
         relayed_only = getattr(network, "relayed_only", None)
         if relayed_only is None or not relayed_only(peer):
             return None
+        relay_room = getattr(network, "relay_room", None)
+        if relay_room is not None:
+            room = relay_room(peer)
+            if room is None:
+                return 0
+            return room if room > 0 else -1
         limit = network.relay_limit(peer)
         return int(getattr(limit, "data", 0) or 0)
 
@@ -508,10 +515,10 @@ class DownloadRun:
         if h.relay_note != note:
             h.relay_note = note
             logger.info(
-                "%s reaches us only through a relay passing %d bytes per connection, less than "
-                "the %d bytes left to fetch: %s",
+                "%s reaches us only through a relay connection that may still pass %d bytes, "
+                "less than the %d bytes left to fetch: %s",
                 short(h.peer),
-                self._relay_room(h.peer),
+                max(0, self._relay_room(h.peer) or 0),
                 dl.bytes_left(),
                 f"fetching from {len(others)} other donor(s) instead"
                 if others

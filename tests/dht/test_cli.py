@@ -217,3 +217,82 @@ async def test_connection_log_skips_connections_that_close_within_a_second(autoj
         log.disconnected("peer")
     lines = [r.getMessage() for r in caplog.records if r.name == "moshpit.cli.dht_cmd"]
     assert lines == ["peer connected: peer", "peer disconnected: peer"], lines
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_public_by_configuration_relays_from_the_start_and_says_its_limits(tmp_path):
+    # --announce-maddrs: the operator vouches for the address, so the node serves relays at
+    # once (no AutoNAT verdict needed: a one-node swarm has nobody to ask)
+    port = _free_port()
+    peer = Peer(
+        "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
+        "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
+        "--status-period", "0.3",
+    )  # fmt: skip
+    try:
+        peer_id, maddrs = peer.start()
+        role = peer.wait_for("Reachability:", timeout=20)
+        assert role.startswith(
+            "unknown (not checked yet); serving as a relay for peers behind NAT"
+        ), role
+        # the bootstrap's circuits are sized for averaging (the spec's 128 KiB is not)
+        assert "(per relayed connection: 64 MiB each way, 600 s)" in role
+        assert "public by configuration: announce_maddrs given" in role
+        # a peer behind a NAT reserves a slot on it: the status line counts it
+        code = textwrap.dedent(
+            """
+            import sys, trio
+            from dht.p2p import Host, Multiaddr
+            from dht.p2p.relay import relay_client
+            async def main(addr):
+                async with Host.open() as host:
+                    relay = Multiaddr(addr)
+                    rsvp = await relay_client(host).reserve(relay.peer_id, [relay])
+                    print("reserved", rsvp.limit.data, flush=True)
+                    await trio.sleep(30)
+            trio.run(main, sys.argv[1])
+            """
+        )
+        client = subprocess.Popen(
+            [sys.executable, "-c", code, maddrs[0]], stdout=subprocess.PIPE, text=True,
+            env=ENV, cwd=ROOT,
+        )  # fmt: skip
+        try:
+            assert client.stdout.readline().split() == ["reserved", str(64 << 20)]
+            deadline = time.monotonic() + 30
+            while True:
+                line = peer.lines.get(timeout=30)
+                if (
+                    "relaying (per relayed connection: 64 MiB each way, 600 s): 1 reservation"
+                    in line
+                ):
+                    break
+                assert time.monotonic() < deadline, "".join(peer.output)[-3000:]
+        finally:
+            client.kill()
+            client.wait(timeout=10)
+    finally:
+        assert peer.stop() == 0
+
+
+def test_without_a_public_address_the_status_line_says_it_does_not_relay(tmp_path):
+    peer = Peer("--status-period", "0.3")  # 127.0.0.1: not a global address
+    try:
+        peer.start()
+        deadline = time.monotonic() + 30
+        while True:
+            line = peer.lines.get(timeout=30)
+            if "routing contacts" in line:
+                assert line.rstrip().endswith("; not relaying (reachability unknown)"), line
+                break
+            assert time.monotonic() < deadline, "".join(peer.output)[-3000:]
+        assert not any(line.startswith("Reachability:") for line in peer.output)
+    finally:
+        assert peer.stop() == 0

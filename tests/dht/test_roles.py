@@ -324,3 +324,48 @@ async def test_identify_tells_peers_the_announced_addresses_not_the_listen_ones(
         loopback = [a.without_peer_id() for a in announcing.host.listen_addrs]
         assert loopback and not any(a in known() for a in loopback), known()
         nursery.cancel_scope.cancel()
+
+
+def test_public_by_configuration_needs_announce_addrs_or_a_global_listen_address() -> None:
+    from dht.kademlia.roles import describe_limit, public_by_configuration
+    from dht.p2p.relay_messages import Limit
+
+    assert public_by_configuration(None, None) == ""
+    wildcard = [Multiaddr("/ip4/0.0.0.0/tcp/4001")]  # which interface answers: not known
+    assert public_by_configuration(wildcard, None) == ""
+    lan = [Multiaddr("/ip4/192.168.1.5/tcp/4001"), Multiaddr("/ip4/127.0.0.1/tcp/4001")]
+    assert public_by_configuration(lan, None) == ""
+    vm = [Multiaddr("/ip4/203.0.113.10/tcp/4001")]
+    assert public_by_configuration(vm, None) == "listening on the global address 203.0.113.10"
+    assert public_by_configuration(lan, [Multiaddr("/ip4/198.51.100.3/tcp/4001")]) == (
+        "announce_maddrs given"
+    )
+    assert describe_limit(RelayLimits().limit) == (
+        "per relayed connection: 128 KiB each way, 120 s"
+    )
+    assert (
+        describe_limit(Limit(0, 1000))
+        == "per relayed connection: 1000 bytes each way, no time limit"
+    )
+    assert describe_limit(Limit(600, 64 << 20)) == "per relayed connection: 64 MiB each way, 600 s"
+
+
+async def test_a_node_public_by_configuration_serves_a_relay_before_any_verdict() -> None:
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        # AutoNAT runs (threshold 1) but has nobody to ask: without the configuration the
+        # node would wait for a verdict before relaying
+        node = await swarm.start(public_by_configuration="listening on the global address x")
+        await wait_until(lambda: node.relay_service is not None)
+        assert node.host.reachability.status.value == "unknown"
+        line = node.role.describe()
+        assert line.startswith("Reachability: unknown (not checked yet); serving as a relay")
+        assert "(per relayed connection: 128 KiB each way, 120 s), public by configuration" in line
+        plain = await swarm.start()
+        await trio.sleep(0.3)  # several role passes (relay_check_interval 0.1 s)
+        assert plain.relay_service is None and plain.role is None
+        # relay=False still wins
+        never = await swarm.start(public_by_configuration=True, relay=False)
+        await trio.sleep(0.3)
+        assert never.relay_service is None
+        nursery.cancel_scope.cancel()

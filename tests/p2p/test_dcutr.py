@@ -335,7 +335,7 @@ async def test_relayed_connection_is_upgraded_to_a_direct_one():
         # pinned down in the next test): A's connection leads to B's listen port either way
         b_port = b.listen_addrs[0].tcp_endpoint()[1]
         assert a_conn.remote_addr in (f"/ip4/127.0.0.1/tcp/{b_port}", f"127.0.0.1:{b_port}")
-        # the relayed connection is still there, but streams take the direct one now
+        # streams take the direct one now
         assert a._best_connection(b.peer_id) is a_conn
         assert b._best_connection(a.peer_id) is b_conn
         before = service.stats.bytes_forwarded
@@ -343,8 +343,11 @@ async def test_relayed_connection_is_upgraded_to_a_direct_one():
         assert (await a.call(b.peer_id, ECHO, blob, timeout=10))["echo"] == blob
         assert (await b.call(a.peer_id, ECHO, 1))["echo"] == 1
         assert service.stats.bytes_forwarded - before < 1024  # a stray FIN at most
-        assert any(c.relayed and c.alive for c in a._conns[b.peer_id])
         assert service.stats.circuits_cut_data == 0
+        # the relayed connection, idle, is closed (issue 31 item 4): no circuit slot held
+        await wait_until(lambda: not any(c.relayed and c.alive for c in a.connections(b.peer_id)))
+        await wait_until(lambda: not service.circuits)
+        assert a._best_connection(b.peer_id) is a_conn  # the direct one lives on
 
 
 class _SlowPunchTransport(TCPTransport):

@@ -213,6 +213,23 @@ async def test_reservation_and_relayed_rpc_end_to_end_encrypted():
         assert service.stats.circuits_cut_data == 0
 
 
+async def test_a_relayed_connection_knows_how_much_of_its_data_limit_is_left():
+    # issue 31 item 4: the limit is per connection, spent over its life
+    async with relay_setup(RelayLimits(circuit_data=256 * 1024)) as (r, raddr, service, a, b):
+        (caddr,) = (await relay_client(a).reserve(r.peer_id, [raddr])).circuit_addrs
+        await b.connect([caddr])
+        conn = b._best_connection(a.peer_id)
+        fresh = conn.relay_room
+        assert fresh is not None and 0 < 256 * 1024 - fresh < 4096  # the handshakes
+        blob = b"\x01" * (64 * 1024)
+        assert (await b.call(a.peer_id, ECHO, blob))["echo"] == blob
+        # both ways carried the blob: what is left is the limit less what the relay counted
+        # (give or take a window update or ping still in flight)
+        (circuit,) = service.circuits
+        assert abs(conn.relay_room - (256 * 1024 - max(circuit.forwarded))) < 256
+        assert conn.relay_room < fresh - len(blob)
+
+
 async def test_relay_cannot_swap_the_target(caplog):
     """A relay that splices B to the wrong peer: Noise proves who answered, B refuses."""
 
@@ -484,6 +501,27 @@ async def test_keep_reservation_advertises_and_recovers():
             await wait_until(lambda: caddr.without_peer_id() in b.peerstore.get_addrs(a.peer_id))
             nursery.cancel_scope.cancel()
         assert a.listen_addrs == []
+
+
+async def test_a_relay_that_stops_serving_loses_our_slot_within_a_refresh():
+    # issue 31 item 4: the relay closes its service but keeps the connection; the slot (and
+    # the circuit addresses through it) used to stay advertised until it expired (1 h), the
+    # failed refreshes taken for hiccups, one every 15 min
+    async with relay_setup() as (r, raddr, service, a, b):
+        client = RelayClient(a, max_refresh_interval=0.5)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.keep_reservation, r.peer_id, [raddr])
+            assert client.circuit_addrs()
+            service.close()
+            await wait_until(lambda: not client.circuit_addrs(), limit=10)
+            assert a.is_connected(r.peer_id)  # noticed without the connection dropping
+            assert a.listen_addrs == []
+            nursery.cancel_scope.cancel()
+
+
+async def test_relay_client_refreshes_within_a_minute_by_default():
+    async with Host.open() as host:
+        assert RelayClient(host).max_refresh_interval <= 30
 
 
 async def test_direct_connection_is_preferred_over_a_relayed_one():

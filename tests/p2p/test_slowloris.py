@@ -19,6 +19,7 @@ import trio
 
 from dht.p2p import Host, HostLimits, Multiaddr
 from dht.p2p.connection import source_key as _source_key
+from dht.p2p.errors import P2PError
 from dht.p2p.multistream import encode_message
 
 from .conftest import wait_until
@@ -126,10 +127,10 @@ async def _join(addr: Multiaddr, joined: list[float]) -> None:
 
 
 async def _flood_and_join(
-    caplog, attack_sources: list[str], connections: int, joiner=None
+    caplog, attack_sources: list[str], connections: int, joiner=None, joiners: int = 4
 ) -> tuple[Host, dict[str, int], list[float], dict[str, int]]:
-    """Run a slowloris against a host with default admission limits while 4 newcomers join
-    (``joiner(addr, joined)``, default :func:`_join`). Returns the host, the attacker's
+    """Run a slowloris against a host with default admission limits while ``joiners``
+    newcomers join at once (``joiner(addr, joined)``, default :func:`_join`). Returns the host, the attacker's
     counters, the newcomers' ping RTTs and the largest number of pending handshakes seen per
     source (and in total, key "*"; silent ones, key "silent"; spoken ones, key "spoken")."""
     joiner = joiner or _join
@@ -167,9 +168,9 @@ async def _flood_and_join(
                         ),
                         limit=60,
                     )
-                    async with trio.open_nursery() as joiners:
-                        for _ in range(4):
-                            joiners.start_soon(joiner, addr, joined)
+                    async with trio.open_nursery() as joiners_nursery:
+                        for _ in range(joiners):
+                            joiners_nursery.start_soon(joiner, addr, joined)
                 finally:
                     with trio.CancelScope(shield=True):
                         stats = await _stop_attacker(attacker)
@@ -384,3 +385,34 @@ def test_source_key_groups_addresses_per_machine():
     assert _source_key("::ffff:203.0.113.7:4001") == "203.0.113.7"
     assert _source_key("/memory/12") == "/memory/12"
     assert _source_key("<unknown>") == "<unknown>"
+
+
+async def _join_or_not(addr: Multiaddr, outcomes: list[bool]) -> None:
+    """A newcomer with a bootstrap's patience (connect within 10 s, as ``DHTNode.open``'s
+    default ``bootstrap_timeout``): records whether it got in instead of raising."""
+    async with Host.open() as newcomer:
+        try:
+            await newcomer.connect([addr], timeout=10)
+            await newcomer.ping(addr.peer_id, timeout=10)
+        except (P2PError, OSError, trio.TooSlowError):
+            outcomes.append(False)
+        else:
+            outcomes.append(True)
+
+
+async def test_newcomers_join_during_600_connection_slowloris_from_their_own_address(caplog):
+    # Issue 31 item 6 (target: >= 9 of 10). 600 idle sockets from the newcomers' own address
+    # (one NAT, an attacker behind it) churn that address's 8 pending-handshake slots; the
+    # stalest silent one goes first, and a newcomer speaks in its first round trip.
+    outcomes: list[bool] = []
+
+    async def ten_newcomers(addr: Multiaddr, joined: list[float]) -> None:
+        for _ in range(10):  # one after another, each with a fresh identity
+            await _join_or_not(addr, outcomes)
+
+    host, stats, _, peak = await _flood_and_join(
+        caplog, ["127.0.0.1"], 600, ten_newcomers, joiners=1
+    )
+    assert stats["opened"] > 600  # the attacker kept renewing its sockets
+    assert sum(outcomes) >= 9, outcomes
+    assert peak["127.0.0.1"] <= HostLimits().max_pending_handshakes_per_source

@@ -162,3 +162,37 @@ async def test_relayed_donor_is_used_when_alone_and_a_cut_fails_over_to_a_direct
         assert sum(result.bytes_by_peer.values()) == manifest.total_bytes
         assert not result.misbehaving and not joiner._banned_now(a)
         nursery.cancel_scope.cancel()
+
+
+async def test_what_an_earlier_transfer_spent_of_a_relayed_connection_counts() -> None:
+    # Issue 31 item 4: a relayed connection's data limit is spent over its whole life. After
+    # a first state of ~48 KiB came through the relay (of 64 KiB per connection), a second
+    # one of ~16 KiB fits the whole limit but not what is left: the joiner must take it from
+    # the direct donor instead of having the relay cut the connection under it.
+    first = make_state(16, scale=3)
+    second = make_state(17, scale=1)
+    async with trio.open_nursery() as nursery:
+        bed = await open_bed(nursery, "spent")
+        a, s = bed.nodes["a"].peer_id, bed.nodes["s"].peer_id
+        bed.serve(nursery, "a")
+        manifest = publish(bed.sharing["a"], first, 2)
+        joiner = bed.sharing["j"]
+        await donors_seen(joiner, 1)
+        result = await joiner.download(schema_of(first), timeout=20.0)
+        assert result.bytes_by_peer == {a: manifest.total_bytes}
+        assert bed.cut_circuits() == 0
+        room = bed.nodes["j"].network.relay_room(a)
+        assert room is not None and room < LIMIT - manifest.total_bytes, room
+
+        direct = StateSharing(bed.nodes["s"], "spent", MemoryStore(), **SHARING)
+        nursery.start_soon(direct.run)
+        manifest = publish(bed.sharing["a"], second, 3)
+        publish(direct, second, 3)
+        await donors_seen(joiner, 2)
+        asked = bed.sharing["a"].stats["requests"]
+        result = await joiner.download(schema_of(second), timeout=20.0)
+        assert_state_equal(result, second)
+        assert result.bytes_by_peer == {s: manifest.total_bytes}, result.bytes_by_peer
+        assert bed.sharing["a"].stats["requests"] == asked  # not asked for anything more
+        assert bed.cut_circuits() == 0
+        nursery.cancel_scope.cancel()
