@@ -276,6 +276,10 @@ class DHTNode:
     ) -> AsyncIterator[DHTNode]:
         """Start a node, join through any live ``initial_peers``, and stop it on exit.
 
+        (Over 80 lines: the start-up order, address checks, host, network, AutoNAT, roles,
+        bootstrap and the shutdown that undoes them, reads top to bottom in one place, each
+        step using the one before; the options' documentation below is most of it.)
+
         Without ``host`` (and without an explicit ``network``) the node opens its own
         ``dht.p2p.Host`` on ``transport`` (TCP by default) with ``identity`` and listens on
         ``host_maddrs`` (default: every IPv4 interface, a free port); client-mode nodes listen

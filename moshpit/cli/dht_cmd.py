@@ -109,6 +109,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="replicas per stored record (default: %(default)s)",
     )
     parser.add_argument(
+        "--status-period",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how often to log a status line (default: %(default)s)",
+    )
+    _add_relay_arguments(parser.add_argument_group("when this peer relays for peers behind NAT"))
+    add_metrics_arguments(parser)
+
+
+def _add_relay_arguments(parser: argparse._ArgumentGroup) -> None:
+    """The limits of each relayed connection: a bootstrap VM's bandwidth is what they spend."""
+    parser.add_argument(
         "--relay-circuit-data",
         type=float,
         default=BOOTSTRAP_RELAY_DATA_MIB,
@@ -125,14 +138,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="when it relays: how long one relayed connection may last (0: no limit; "
         "default: %(default)s)",
     )
-    parser.add_argument(
-        "--status-period",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="how often to log a status line (default: %(default)s)",
-    )
-    add_metrics_arguments(parser)
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
