@@ -85,7 +85,13 @@ from benchmarks.sim_swarm import JOIN_CONCURRENCY, WanNetwork, peak_rss_bytes  #
 from dht.kademlia.clock import dht_clock, get_dht_time, trio_clock  # noqa: E402
 from dht.kademlia.simulation import Swarm, open_swarm  # noqa: E402
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT  # noqa: E402
-from moshpit.averaging.averager import Averager, StepResult  # noqa: E402
+from moshpit.averaging.averager import (  # noqa: E402
+    DEFAULT_MIN_MATCHMAKING_TIME,
+    DEFAULT_REQUEST_TIMEOUT,
+    Averager,
+    StepResult,
+    default_matchmaking_timeout,
+)
 from moshpit.averaging.matchmaking import SchemaMemory  # noqa: E402
 from moshpit.training.adaptive_period import AdaptivePeriod  # noqa: E402
 from moshpit.training.errors import (  # noqa: E402
@@ -96,7 +102,7 @@ from moshpit.training.errors import (  # noqa: E402
 from moshpit.training.manifest import dtype_name  # noqa: E402
 from moshpit.training.modes.base import FRESH_VIEW  # noqa: E402
 from moshpit.training.modes.diloco import outer_prefix  # noqa: E402
-from moshpit.training.modes.epoch_rounds import EpochRounds  # noqa: E402
+from moshpit.training.modes.epoch_rounds import RECENT_STEPS, EpochRounds  # noqa: E402
 from moshpit.training.modes.local import LocalMode  # noqa: E402
 from moshpit.training.progress import ProgressTracker  # noqa: E402
 from moshpit.training.sharing import StateSharing, state_schema_digest  # noqa: E402
@@ -122,11 +128,13 @@ class SimConfig:
     seed: int = 0
     base_step_seconds: float = 30.0  # a 1x machine's step; an 8x one takes 1/8 of it
     speeds: tuple[float, float] = (1.0, 8.0)
+    peer_speeds: tuple[float, ...] = ()  # if given: peer i's speed is peer_speeds[i % len]
     batch_size: int = 32
     hidden: int = 32
     lr: float = 0.2
     average_every: int = 4  # local: the initial H
-    inner_steps: int = 20  # diloco: H
+    inner_steps: int = 20  # diloco: H (lockstep)
+    target_batch_size: int | None = None  # diloco: swarm-wide epochs of S samples (not H)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     target_group_size: int = 16  # moshpit.Optimizer's default
@@ -194,6 +202,7 @@ class Download:
 @dataclass
 class Stats:
     compute_seconds: float = 0.0  # virtual compute seconds spent by all peers
+    alive_seconds: float = 0.0  # virtual seconds the peers were alive (utilisation's base)
     wasted_seconds: float = 0.0  # ... lost by preemptions
     discarded_seconds: float = 0.0  # ... discarded by a catch-up (diloco: stale inner steps)
     samples: int = 0
@@ -206,10 +215,29 @@ class Stats:
     rounds_failed: int = 0
     solo_steps: int = 0
     theta_mismatches: int = 0
+    # diloco: every applied round's θ, (epoch applied at, group id, slot, θ digest)
+    applied: list[tuple[int, bytes | None, int, bytes]] = field(default_factory=list)
     failure_reasons: dict[str, int] = field(default_factory=dict)
     downloads: list[Download] = field(default_factory=list)
     published: dict[bytes, tuple[int, list[torch.Tensor] | None]] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class SimRound:
+    """``FragmentRound`` with one fragment: a swarm-wide outer round running as a task in the
+    peer's nursery while its inner steps go on."""
+
+    epoch: int
+    averager: Averager
+    start_local: list[torch.Tensor]  # the local parameters when Δ was taken
+    digest: bytes
+    samples: int  # the samples behind Δ (its weight)
+    compute: float  # the uncommitted compute seconds behind Δ (committed when it lands)
+    compute_samples: int
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    result: StepResult | None = None
+    done: bool = False
 
 
 # ---------------------------------------------------------------------------- one peer
@@ -237,7 +265,10 @@ class SimPeer:
         self.store = StateStore(directory, durable=False)
         # thread_min_bytes=inf: store reads and hashing stay on the loop (module doc)
         self.sharing = StateSharing(node, RUN_ID, self.store, thread_min_bytes=math.inf)
-        self.tracker = ProgressTracker(node, RUN_ID, ttl=cfg.progress_ttl)
+        self.swarm_wide = cfg.mode == "diloco" and cfg.target_batch_size is not None
+        self.tracker = ProgressTracker(
+            node, RUN_ID, target_batch_size=cfg.target_batch_size, ttl=cfg.progress_ttl
+        )
         self.refresh_period = self.tracker.min_refresh_period
         self._last_refresh = -math.inf
         if cfg.mode == "local":
@@ -272,6 +303,8 @@ class SimPeer:
             self.alone = False
             self.behind_since: float | None = None
             self.next_catch_up = -math.inf
+            self.round_target = cfg.target_batch_size or 0  # swarm-wide: one fragment
+            self.in_flight: SimRound | None = None
         self.tracker.set_schema(*self.schema_digest())
 
     # ------------------------------------------------------------------ the shared state
@@ -352,6 +385,7 @@ class SimPeer:
         if self.cfg.mode == "local":
             LocalMode._unpack_period(self)  # type: ignore[arg-type]
         else:
+            self.drop_in_flight()
             with torch.no_grad():
                 for p, t in zip(self.params, self.theta, strict=True):
                     p.copy_(t)
@@ -386,6 +420,8 @@ class SimPeer:
         self.sim.swarm.kill(self.node)  # the host vanishes first: nothing is withdrawn
         if self.cfg.mode == "local":
             self.averager.shutdown()
+        else:
+            self.drop_in_flight()
 
     async def step(self) -> None:
         """One local step: the compute (virtual time), the real gradient, then the mode."""
@@ -478,6 +514,9 @@ class SimPeer:
         return self.tracker.global_progress
 
     async def diloco_step(self, batch_size: int) -> None:
+        if self.swarm_wide:
+            await self.swarm_step(batch_size)
+            return
         self.inner.step()
         self.local_steps += 1
         self.samples += batch_size
@@ -528,6 +567,185 @@ class SimPeer:
             await self.checkpoint()
         else:
             self.tracker.mark_idle()
+
+    # ------------------------------------------------------------------ swarm-wide epochs
+
+    def report_progress(self, samples: int) -> None:
+        """``DiLoCoMode.report_progress``: a round in flight adds the samples behind its Δ."""
+        if self.in_flight is not None:
+            samples += self.in_flight.samples
+        self.tracker.report(self.epoch, samples)
+
+    async def swarm_step(self, batch_size: int) -> None:
+        """``DiLoCoMode.step`` + ``_swarm_step`` (``target_batch_size``): start the epoch's
+        round once our samples, or the swarm's projected from the view, reach the target;
+        while it is in flight keep stepping, and land it at the first step after it ended."""
+        self.inner.step()
+        self.local_steps += 1
+        self.samples += batch_size
+        self.report_progress(self.samples)
+        rnd = self.in_flight
+        if rnd is not None:
+            if rnd.done:
+                await self.land(rnd)
+            return
+        epoch = self.epoch
+        view = await self.view()
+        if view.epoch > epoch:
+            if trio.current_time() >= self.next_catch_up:
+                await self.catch_up()
+            return
+        if (
+            self.samples < self.round_target
+            and self.rounds.projected_samples(
+                view, epoch, self.samples, self.tracker.samples_per_second
+            )
+            < self.round_target
+        ):
+            return
+        if get_dht_time() - view.time > FRESH_VIEW:  # _fresh_view
+            view = await self.view(force=True)
+        await self.start_round(view)
+
+    async def start_round(self, view: Any) -> None:
+        """``_start_fragment_round`` + ``_start_round``: Δ = θ - the local parameters now,
+        averaged in the background with the peers of the epoch; the matchmaking window is
+        widened by ``RECENT_STEPS`` times the slowest awaited peer's step."""
+        epoch = self.epoch
+        same, ahead = self.rounds.others(view, epoch)  # _may_start_round
+        if ahead:
+            if trio.current_time() >= self.next_catch_up:
+                await self.catch_up()
+            return
+        if same:
+            self.alone = False
+        start_local = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for d, t, local in zip(self.deltas, self.theta, start_local, strict=True):
+                torch.sub(t, local, out=d)
+        self.local_steps = 0
+        if self.alone:
+            self.apply_merged(epoch, start_local, None)
+            self.samples = 0
+            self.uncommitted, self.uncommitted_samples = 0.0, 0
+            await self.checkpoint()
+            return
+        slowest = self.rounds.slowest_step(view, epoch)
+        expected = self.rounds.expected(view, epoch)
+        options: dict[str, Any] = {}
+        if slowest > 0:
+            window = default_matchmaking_timeout(
+                DEFAULT_MIN_MATCHMAKING_TIME, DEFAULT_REQUEST_TIMEOUT
+            )
+            options["matchmaking_timeout"] = window + RECENT_STEPS * slowest
+        tgs = self.cfg.target_group_size
+        averager = Averager(
+            self.deltas,
+            dht=self.node,
+            prefix=outer_prefix(RUN_ID, epoch),
+            target_group_size=tgs,
+            schema_memory=self.schema_memory,
+            min_group_size=max(2, min(expected, tgs)),
+            **options,
+        )
+        rnd = SimRound(
+            epoch,
+            averager,
+            start_local,
+            self.theta_digest(),
+            self.samples,
+            self.uncommitted,
+            self.uncommitted_samples,
+        )
+        self.in_flight = rnd
+        self.samples = 0
+        gather = {"theta": rnd.digest, "peers": expected, "samples": int(rnd.samples)}
+        self.nursery.start_soon(self._round, rnd, gather)
+
+    async def _round(self, rnd: SimRound, gather: dict[str, Any]) -> None:
+        """The averager's step in the background (the real one runs on the DHT's thread)."""
+        with rnd.scope:
+            rnd.result = await rnd.averager.astep(
+                weight=float(min(max(rnd.samples, 1), MAX_WEIGHT)), gather=gather
+            )
+        rnd.done = True
+
+    def drop_in_flight(self) -> None:
+        """``_drop_in_flight``: abandon the round in flight, if any."""
+        rnd, self.in_flight = self.in_flight, None
+        if rnd is not None:
+            rnd.scope.cancel()
+            rnd.averager.shutdown()
+
+    async def land(self, rnd: SimRound) -> None:
+        """``DiLoCoMode._land``: apply the round's mean Δ, or decide what next."""
+        self.in_flight = None
+        rnd.averager.shutdown()
+        stats = self.sim.stats
+        result = rnd.result
+        if result is None:  # cancelled
+            result = StepResult(False, rnd.averager.keys.key, reason="the swarm moved on")
+        thetas = [g.get("theta") if isinstance(g, dict) else None for g in result.gathered.values()]
+        if result.succeeded and any(t != rnd.digest for t in thetas):
+            stats.theta_mismatches += 1
+        if result.succeeded and self.rounds.complete(result):
+            stats.rounds_ok += 1
+            self.commit(rnd)
+            self.apply_merged(rnd.epoch, rnd.start_local, result)
+            await self.checkpoint()
+            return
+        stats.rounds_failed += 1
+        reason = str(result.reason)[:60]
+        stats.failure_reasons[reason] = stats.failure_reasons.get(reason, 0) + 1
+        view = self.tracker.global_progress  # cached, as _land reads it
+        same, ahead = self.rounds.others(view, rnd.epoch)
+        self.rounds.forget_unseen(view)
+        if ahead:
+            await self.catch_up()
+        elif not same and not self.rounds.with_us_last_round(view):
+            self.alone = True
+            self.commit(rnd)
+            self.apply_merged(rnd.epoch, rnd.start_local, None)
+            await self.checkpoint()
+        else:  # retried at the next step, its Δ taken again from θ: so is its weight
+            self.samples += rnd.samples
+
+    def commit(self, rnd: SimRound) -> None:
+        """The compute behind the round's Δ is in the swarm's state now."""
+        self.uncommitted -= rnd.compute
+        self.uncommitted_samples -= rnd.compute_samples
+
+    def apply_merged(
+        self, epoch: int, start_local: list[torch.Tensor], result: StepResult | None
+    ) -> None:
+        """``DiLoCoMode._apply_fragment`` (one fragment): outer step on θ with the (mean) Δ;
+        the local parameters become the new θ plus the progress made since Δ was taken."""
+        with torch.no_grad():
+            for t, d, local in zip(self.theta, self.deltas, start_local, strict=True):
+                if result is None:  # our own Δ (a failed round may have left it half-averaged)
+                    torch.sub(t, local, out=d)
+                t.grad = d
+            self.outer.step()
+            for p, t, local in zip(self.params, self.theta, start_local, strict=True):
+                t.grad = None
+                p.copy_(p - local + t)
+        self.epoch = epoch + 1
+        if result is None:
+            self.sim.stats.solo_steps += 1
+            self.rounds.alone()
+        else:
+            self.rounds.stepped_with(result)
+            self.sim.stats.applied.append(
+                (self.epoch, result.group_id, self.slot, self.theta_digest())
+            )
+        self.report_progress(self.samples)
+
+    def theta_digest(self) -> bytes:
+        """``DiLoCoMode._theta_digest``."""
+        h = hashlib.blake2b(digest_size=16)
+        for t in self.theta:
+            h.update(t.numpy().tobytes())
+        return h.digest()
 
     async def average(self, epoch: int, expected: int) -> StepResult:
         """``_start_round`` + ``_average``: a per-epoch averager, abandoned when the swarm's
@@ -585,6 +803,9 @@ class SimPeer:
             self.rounds.alone()
         else:
             self.rounds.stepped_with(result)
+            self.sim.stats.applied.append(
+                (self.epoch + 1, result.group_id, self.slot, self.theta_digest())
+            )
         self.uncommitted, self.uncommitted_samples = 0.0, 0
         self.local_steps = 0
         self.samples = 0
@@ -594,7 +815,15 @@ class SimPeer:
     async def catch_up(self) -> None:
         """``DiLoCoMode._catch_up``: adopt the swarm's θ instead of a stale Δ."""
         before = self.epoch
-        await self.synchronize()
+        if not self.swarm_wide:  # lockstep as transcribed before 'cu' (module doc)
+            await self.synchronize()
+        else:
+            tracker = self.tracker
+            tracker.set_catching_up(max(tracker.global_progress.epoch, before + 1))
+            try:
+                await self.synchronize()
+            finally:
+                tracker.set_catching_up(None)
         if self.epoch != before:
             self.behind_since = None
             return
@@ -624,6 +853,8 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         low, high = (math.log(s) for s in cfg.speeds)
         self.speed = [math.exp(self.rng.uniform(low, high)) for _ in range(cfg.peers)]
+        if cfg.peer_speeds:
+            self.speed = [cfg.peer_speeds[i % len(cfg.peer_speeds)] for i in range(cfg.peers)]
         self._dirs = 0
         self.t0 = 0.0  # virtual time at which training started
 
@@ -646,10 +877,12 @@ class Simulation:
             peer = SimPeer(self, i, node, self.speed[i], directory)
             lifetime = rng.expovariate(1 / cfg.lifetime) if cfg.failures else math.inf
             self.live[i] = peer
+            born = trio.current_time()
             try:
                 await peer.run(lifetime)
             finally:
                 self.live.pop(i, None)
+                self.stats.alive_seconds += trio.current_time() - born
             shutil.rmtree(directory, ignore_errors=True)  # a preempted VM's disk is gone
             node = None
             await trio.sleep(rng.expovariate(1 / cfg.downtime))
@@ -718,11 +951,14 @@ async def simulate(cfg: SimConfig, run: str = "run", emit: Any = None) -> dict[s
     return {
         "run": run,
         "mode": cfg.mode,
+        "target_batch_size": cfg.target_batch_size,
+        "inner_steps": None if cfg.target_batch_size else cfg.inner_steps,
         "peers": cfg.peers,
         "failures": cfg.failures,
         "virtual_s": round(virtual, 1),
         "samples_per_s": round(s.samples / virtual, 2),
         "useful_samples_per_s": round((s.samples - s.wasted_samples) / virtual, 2),
+        "utilisation": round(s.compute_seconds / max(s.alive_seconds, 1e-9), 4),
         "wasted_fraction": round(s.wasted_seconds / max(s.compute_seconds, 1e-9), 4),
         "discarded_fraction": round(s.discarded_seconds / max(s.compute_seconds, 1e-9), 4),
         "preemptions": s.preemptions,
@@ -736,6 +972,7 @@ async def simulate(cfg: SimConfig, run: str = "run", emit: Any = None) -> dict[s
         "rounds_failed": s.rounds_failed,
         "solo_steps": s.solo_steps,
         "theta_mismatches": s.theta_mismatches,
+        "theta_splits": theta_splits(s),
         "round_failures": dict(sorted(s.failure_reasons.items(), key=lambda kv: -kv[1])[:4]),
         "initial_loss": round(loss0, 4),
         "final_loss": None if final_loss is None else round(final_loss, 4),
@@ -748,6 +985,14 @@ async def simulate(cfg: SimConfig, run: str = "run", emit: Any = None) -> dict[s
         "peak_rss_mb_per_peer": round(peak_rss_bytes() / 2**20 / cfg.peers, 2),
         "_stats": s,
     }
+
+
+def theta_splits(stats: Stats) -> int:
+    """Epochs whose applied rounds left more than one θ (groups that drifted apart)."""
+    by_epoch: dict[int, set[bytes]] = {}
+    for epoch, _, _, digest in stats.applied:
+        by_epoch.setdefault(epoch, set()).add(digest)
+    return sum(len(d) > 1 for d in by_epoch.values())
 
 
 def run_sim(cfg: SimConfig, run: str = "run", emit: Any = None) -> dict[str, Any]:
@@ -791,11 +1036,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-failures", action="store_true", help="only the no-failure run")
     p.add_argument("--no-baseline", action="store_true", help="skip the no-failure run")
     p.add_argument("--step-seconds", type=float, default=30.0, help="a 1x machine's step")
-    p.add_argument("--inner-steps", type=int, default=20, help="diloco: H")
+    p.add_argument("--inner-steps", type=int, default=None, help="diloco: H (default 20)")
+    p.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=None,
+        help="diloco: swarm-wide epochs, an outer step per S samples of the swarm (not H)",
+    )
     p.add_argument("--group-size", type=int, default=16, help="target_group_size")
     p.add_argument("--tick", type=float, default=60.0, help="virtual s between tick rows")
     p.add_argument("--plot", type=str, default=None, help="PNG of swarm size and loss")
     args = p.parse_args(argv)
+    if args.target_batch_size is not None:
+        if args.mode != "diloco":
+            p.error("--target-batch-size is for --mode diloco")
+        if args.inner_steps is not None:
+            p.error("--target-batch-size (swarm-wide) or --inner-steps (lockstep), not both")
+        if args.target_batch_size < 1:
+            p.error("--target-batch-size must be positive")
     logging.basicConfig(level=logging.ERROR)
     base = dict(
         peers=args.peers,
@@ -805,7 +1063,8 @@ def main(argv: list[str] | None = None) -> None:
         downtime=args.downtime,
         seed=args.seed,
         base_step_seconds=args.step_seconds,
-        inner_steps=args.inner_steps,
+        inner_steps=20 if args.inner_steps is None else args.inner_steps,
+        target_batch_size=args.target_batch_size,
         target_group_size=args.group_size,
         tick=args.tick,
     )
