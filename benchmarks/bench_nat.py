@@ -756,6 +756,10 @@ def one_bootstrap(
             relayed_before = boot.relay_bytes(averaging_begun, after=False)
             relayed_total = boot.relay_bytes(last_done, after=True)
             averaging = sum(r["bytes_sent"] for rs in good.values() for r in rs)
+            # a pair's first round may start over the relay while its hole punch is still
+            # under way: the rounds after every first one show where averaging settles
+            relayed_by_first = boot.relay_bytes(first_done, after=False)
+            averaging_later = sum(r["bytes_sent"] for rs in good.values() for r in rs[1:])
             for p in peers if behind_nat else ():  # it may average before it decided
                 p.collect(
                     lambda e: e["event"] == "role" and e["status"] == "private",
@@ -795,6 +799,8 @@ def one_bootstrap(
                 "relayed_share": round((relayed_total - relayed_before) / averaging, 4)
                 if averaging else None,
                 "relayed_bytes_total": relayed_total,
+                "averaging_bytes_after_first_round": averaging_later,
+                "relayed_bytes_after_first_round": relayed_total - relayed_by_first,
                 "joined_in_process_s": [round(e["since_start"], 2) for e in joined],
                 "role_timeline": [
                     [[round(e["at"] - started, 1), e["status"], len(e["relays"])]
