@@ -8,9 +8,11 @@ set of exceptions, and a peer must read the same in every log line so that one c
 
 from __future__ import annotations
 
+from typing import Any
+
 import trio
 
-__all__ = ["is_network_error", "short"]
+__all__ = ["aclose_quietly", "is_network_error", "short"]
 
 _NETWORK_ERRORS = (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -34,3 +36,14 @@ def short(peer: object) -> str:
     last 6 characters of ``str(peer)`` for anything else (a test's stand-in)."""
     method = getattr(peer, "short", None)
     return method() if callable(method) else str(peer)[-6:]
+
+
+async def aclose_quietly(stream: Any, grace: float = 1.0) -> None:
+    """Close ``stream`` even inside a cancelled scope, for at most ``grace`` seconds; a peer
+    or network that is already gone is no error here (anything else still raises)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(grace):
+        try:
+            await stream.aclose()
+        except Exception as e:
+            if not is_network_error(e):
+                raise

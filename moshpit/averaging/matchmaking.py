@@ -66,7 +66,7 @@ from moshpit.averaging.group_info import (
     GroupInfoError,
     valid_bytes_per_value,
 )
-from moshpit.netutil import is_network_error, short
+from moshpit.netutil import aclose_quietly, is_network_error, short
 
 if TYPE_CHECKING:
     from dht.p2p.host import Host
@@ -1055,12 +1055,7 @@ class MatchmakingDispatcher:
                 raise
             logger.debug("matchmaking stream from %s failed: %r", stream.remote_peer, e)
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                try:
-                    await stream.aclose()
-                except Exception as e:
-                    if not is_network_error(e):
-                        raise
+            await aclose_quietly(stream)
 
 
 _dispatchers: weakref.WeakKeyDictionary[Any, MatchmakingDispatcher] = weakref.WeakKeyDictionary()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from moshpit.netutil import is_network_error, short
+from moshpit.netutil import aclose_quietly, is_network_error, short
 from moshpit.training.sharing_protocol import (
     KEEP_STREAM_SECONDS,
     MAX_REQUEST_BYTES,
@@ -93,12 +93,7 @@ class StateService:
                 raise
             logger.debug("state stream from %s failed: %r", short(stream.remote_peer), e)
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                try:
-                    await stream.aclose()
-                except Exception as e:
-                    if not is_network_error(e):
-                        raise
+            await aclose_quietly(stream)
 
     def _route(self, request: Any) -> PrefixHandler:
         handler = self.handlers.get(request_prefix(request))
