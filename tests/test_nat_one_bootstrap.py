@@ -28,7 +28,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_nat import one_bootstrap  # noqa: E402
 from nat_testbed import GLOBAL_SUBNET, NatTestbed, unavailable_reason  # noqa: E402
 
-from tests.test_nat_volunteer import Proc, _dht, _progress, _train  # noqa: E402
+from tests.test_nat_volunteer import (  # noqa: E402
+    Proc,
+    _dht,
+    _private_with_relay,
+    _progress,
+    _train,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -103,11 +109,7 @@ def test_moshpit_train_volunteers_behind_nats_with_one_bootstrap(tmp_path: Path)
             for vol in vols:
                 reach = vol.wait_for(
                     "private verdict with a relay slot",
-                    lambda e: (
-                        e["event"] == "reachability"
-                        and e["status"] == "private"
-                        and bool(e["relay_addrs"])
-                    ),
+                    _private_with_relay,
                     timeout=FIRST_ROUND_S,
                 )
                 assert f"reachable via relay /ip4/{GLOBAL_SUBNET}.1/" in reach["line"], reach

@@ -181,6 +181,11 @@ def _progress(min_epoch: int, peers: int | None = None) -> Callable[[dict[str, A
     )
 
 
+def _private_with_relay(e: dict[str, Any]) -> bool:
+    """A reachability event: private, with a relay slot reserved."""
+    return e["event"] == "reachability" and e["status"] == "private" and bool(e["relay_addrs"])
+
+
 @pytest.mark.skipif(_REASON is not None, reason=f"NAT test bed unavailable: {_REASON}")
 def test_volunteer_behind_nat_trains_serves_its_state_to_a_newcomer_and_leaves(tmp_path: Path):
     procs: list[Proc] = []
@@ -204,11 +209,7 @@ def test_volunteer_behind_nat_trains_serves_its_state_to_a_newcomer_and_leaves(t
             # AutoNAT: three peers could not dial it back -> private, then a relay slot
             reach = vol.wait_for(
                 "private verdict with a relay slot",
-                lambda e: (
-                    e["event"] == "reachability"
-                    and e["status"] == "private"
-                    and bool(e["relay_addrs"])
-                ),
+                _private_with_relay,
                 timeout=40,
             )
             assert not reach["client_mode"], reach
