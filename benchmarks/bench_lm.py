@@ -17,6 +17,9 @@ Methods (``--methods``):
   Nesterov step on the averaged pseudo-gradient (raw, 8-bit, 4-bit with error feedback).
 - ``streaming_4bit``: streaming DiLoCo, ``--fragments`` fragments on staggered schedules,
   each fragment's round overlapped with ``--overlap-steps`` inner steps, 4-bit outer gradients.
+- ``streamingswarm_4bit`` / ``streamingswarm_sparse2bit``: streaming on the swarm's shared
+  schedule: a fragment's round starts when the swarm's samples reach the fragment's share of
+  ``target_batch_size`` (as ``dilocoswarm``), so every peer arrives at the same round.
 - ``diloco_sparse2bit`` / ``dilocoswarm_sparse2bit``: the same with TopK2Bit both ways (the top
   2% of every 4096 values, 2 bits each, error feedback); rows report bytes per peer per outer
   step and the ratio to a dense float32 all-reduce.
@@ -35,12 +38,16 @@ validation set (bits per byte). Per row: the code's own counters (optimizer step
 epochs, payload bytes sent; in a namespace also every byte eth0 sent), validation loss at the
 budget, and the wall-clock time until the loss first reached DDP's loss at the budget
 (linear between snapshots; ``null`` when it never did). One JSON line per method, then a
-``summary`` line per link with the ratios the issue's targets are stated in.
+``summary`` line per link with the ratios against DDP, and with more than one link a ``race``
+line: each link's losses against 4-bit DiLoCo on the fastest link run (does link speed still
+matter?), with the model size that would see the same bytes-per-second ratio on a 45 Mbit/s
+home uplink.
 
 Links (``--links``): ``loopback``; ``1gbit``, ``100mbit`` and the home uplinks ``10mbit``,
 ``1mbit`` and ``200kbit`` (not run by default) put every process in its own
 network namespace of ``wan_testbed.WanTestbed`` (tc tbf up and down; root needed, otherwise one
-``skipped`` line). ``--plot out.png`` draws loss against wall clock per link (matplotlib).
+``skipped`` line). ``--plot out.png`` draws loss against wall clock and against megabytes
+sent per peer, per link (matplotlib).
 
     python benchmarks/bench_lm.py                                   # all links, all methods
     python benchmarks/bench_lm.py --links loopback --methods ddp diloco --budget 30
@@ -92,6 +99,8 @@ METHODS = [
     "dilocoswarm",
     "dilocoswarm_4bit",
     "dilocoswarm_sparse2bit",
+    "streamingswarm_4bit",
+    "streamingswarm_sparse2bit",
 ]
 # 1mbit with this 2.2M-parameter model is a 100M-parameter model's ratio on a 45 Mbit/s home
 # uplink, 200kbit a 500M-parameter one's
@@ -132,12 +141,14 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
             options["delay_averaging"] = True
     elif base == "local":
         options = dict(average_every=args.average_every)
-    elif base == "dilocoswarm":
+    elif base in ("dilocoswarm", "streamingswarm"):
         mode = "diloco"
         samples = args.batch * args.world * args.inner_steps  # one lockstep outer step's
         options = dict(target_batch_size=samples, refresh_period=0.1)
         if codec:
             options["compression"] = codec
+        if base == "streamingswarm":
+            options["fragments"] = args.fragments
     elif base in ("diloco", "streaming"):
         mode = "diloco"
         options = dict(inner_steps=args.inner_steps, refresh_period=0.1)
@@ -209,7 +220,16 @@ def worker(args: argparse.Namespace) -> None:
         profiler = Profiler(interval=0.005)
         profiler.start()
     data = batches(train, args.batch, CONTEXT, seed=1000 + args.rank)
-    snapshots: list[tuple[float, list[Any]]] = []
+    numel = sum(p.numel() for p in params)
+    ring_bytes = 2 * (args.world - 1) / args.world * 4 * numel  # gloo's ring, per rank and step
+
+    def sent_so_far() -> int:
+        """Payload bytes this peer has sent so far (DDP: its ring all-reduce's share)."""
+        if opt is None:
+            return round(ring_bytes * steps)
+        return int(getattr(opt.mode, "bytes_sent", 0))
+
+    snapshots: list[tuple[float, int, list[Any]]] = []
     snapshot_at = 0.0
     started = time.perf_counter()
     steps = samples = 0
@@ -217,7 +237,7 @@ def worker(args: argparse.Namespace) -> None:
     while True:
         elapsed = time.perf_counter() - started
         if args.rank == 0 and elapsed >= snapshot_at:
-            snapshots.append((elapsed, [p.detach().clone() for p in params]))
+            snapshots.append((elapsed, sent_so_far(), [p.detach().clone() for p in params]))
             snapshot_at += args.snapshot_every
         x, y = next(data)
         (opt or inner).zero_grad()
@@ -245,21 +265,18 @@ def worker(args: argparse.Namespace) -> None:
         profiler.stop()
         Path(args.profile).write_text(profiler.output_text(unicode=False, show_all=False))
     if args.rank == 0:
-        snapshots.append((elapsed, [p.detach().clone() for p in params]))
+        snapshots.append((elapsed, sent_so_far(), [p.detach().clone() for p in params]))
     tx1 = _eth0_tx_bytes() if in_netns else None
     report: dict[str, Any] = {
         "event": "result",
         "rank": args.rank,
         "seconds": elapsed,
-        "numel": sum(p.numel() for p in params),
+        "numel": numel,
         "wire_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
     }
     if opt is None:
         report.update(steps=steps, samples=samples, epochs=steps)
-        # gloo's ring all-reduce sends 2 (N-1)/N x the fp32 gradient per rank and step
-        report["bytes_sent"] = round(
-            2 * (args.world - 1) / args.world * 4 * report["numel"] * steps
-        )
+        report["bytes_sent"] = sent_so_far()
     else:
         m = opt.mode
         report.update(
@@ -269,6 +286,7 @@ def worker(args: argparse.Namespace) -> None:
             bytes_sent=int(getattr(m, "bytes_sent", 0)),
             rounds_succeeded=getattr(m, "rounds_succeeded", None),
             rounds_failed=getattr(m, "rounds_failed", None),
+            solo_steps=getattr(m, "solo_steps", None),
         )
         for name in ("round_seconds", "blocked_steps", "overlapped_steps"):
             if hasattr(m, name):
@@ -286,13 +304,15 @@ def worker(args: argparse.Namespace) -> None:
     if args.rank == 0:  # evaluate after the clock stopped: the run paid only for copies
         torch.set_num_threads(args.eval_threads)
         held_out = windows(val, args.eval_windows, CONTEXT)
-        curve = []
-        for at, tensors in snapshots:
+        curve, sent = [], []
+        for at, sent_bytes, tensors in snapshots:
             with torch.no_grad():
                 for p, saved in zip(params, tensors, strict=True):
                     p.copy_(saved)
             curve.append((round(at, 2), round(bits_per_byte(model, held_out), 4)))
+            sent.append(sent_bytes)
         report["curve"] = curve
+        report["curve_bytes_sent"] = sent
     _emit(report)
 
 
@@ -349,9 +369,15 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
         "payload_bytes_sent_per_peer": round(sum(r["bytes_sent"] for r in results) / n),
         "final_bpb_worker0": first["curve"][-1][1],
         "curve_worker0": first["curve"],
+        "curve_bytes_sent_worker0": first["curve_bytes_sent"],
+        "max_loss_rise_bpb": max_rise(first["curve"]),
         "loadavg_start": [round(v, 2) for v in load_start],
         "loadavg_end": [round(v, 2) for v in os.getloadavg()],
     }
+    for name in ("rounds_failed", "solo_steps"):  # every peer's: a failed round anywhere counts
+        counts = [r.get(name) for r in results]
+        if all(isinstance(c, int) for c in counts):
+            row[f"{name}_all"] = sum(counts)
     wire = [r["wire_tx_bytes"] for r in results]
     if all(w is not None for w in wire):
         row["wire_bytes_sent_per_peer"] = round(sum(wire) / n)
@@ -361,17 +387,31 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
             row[f"{name}_worker0"] = first[name]
     if method.startswith(("diloco", "streaming")):
         row["inner_steps"] = args.inner_steps
-        outer = first["epochs"]  # outer steps taken
+        outer = first["epochs"]  # outer steps taken (streaming: fragment rounds)
+        if method.startswith("streaming"):  # a whole outer step is one round per fragment
+            outer /= args.fragments
         if outer:  # what a home uplink has to carry per outer step, against dense float32
             per_step = row["payload_bytes_sent_per_peer"] / outer
             dense = 2 * (n - 1) / n * 4 * row["numel"]  # butterfly all-reduce of float32
             row["bytes_per_outer_step_per_peer"] = round(per_step)
             row["compression_vs_float32"] = round(dense / max(per_step, 1.0), 1)
-    if method.startswith("dilocoswarm"):
+    if method.startswith(("dilocoswarm", "streamingswarm")):
         row["target_batch_size"] = args.batch * n * args.inner_steps
     if method.startswith("streaming"):
-        row.update(fragments=args.fragments, overlap_steps=args.overlap_steps)
+        row["fragments"] = args.fragments
+    if method.startswith("streaming_"):
+        row["overlap_steps"] = args.overlap_steps
     return row
+
+
+def max_rise(curve: list[list[float]]) -> float:
+    """The largest jump of the loss above its best value so far (a spike, e.g. when a failed
+    round's fragment is applied alone): 0 for a curve that only falls."""
+    best, rise = float("inf"), 0.0
+    for _, loss in curve:
+        rise = max(rise, loss - best)
+        best = min(best, loss)
+    return round(rise, 4)
 
 
 def time_to(curve: list[list[float]], target: float) -> float | None:
@@ -402,7 +442,8 @@ def summarize(rows: list[dict]) -> dict:
                 r["payload_bytes_sent_per_peer"] / max(1, ddp["payload_bytes_sent_per_peer"]), 4
             ),
         }
-        for name in ("bytes_per_outer_step_per_peer", "compression_vs_float32"):
+        for name in ("bytes_per_outer_step_per_peer", "compression_vs_float32",
+                     "rounds_failed_all", "max_loss_rise_bpb"):  # fmt: skip
             if name in r:
                 out[r["method"]][name] = r[name]
     lockstep = next((r for r in rows if r["method"] == "diloco"), None)
@@ -418,6 +459,51 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def link_bits_per_second(link: str) -> float | None:
+    """``"200kbit"`` -> 2e5; None for loopback."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if link.endswith(unit):
+            return float(link[: -len(unit)]) * scale
+    return None
+
+
+def summarize_race(rows: list[dict]) -> dict:
+    """Across links: does link speed still matter? Every link's best final loss and each
+    method's, against 4-bit DiLoCo (and the best method) on the fastest link run, and the model
+    size whose outer gradient would weigh as much on a 45 Mbit/s home uplink as this model's on
+    the link (parameters scale with the link's slowness)."""
+    links = sorted({r["link"] for r in rows}, key=LINKS.index)
+    final = {(r["link"], r["method"]): r["final_bpb_worker0"] for r in rows}
+    reference_link = links[0]
+    reference = final.get((reference_link, "diloco_4bit"))
+    best_reference = min(v for (link, _), v in final.items() if link == reference_link)
+    out: dict[str, Any] = {
+        "kind": "race",
+        "reference_link": reference_link,
+        "reference_diloco_4bit_bpb": reference,
+        "reference_best_bpb": best_reference,
+    }
+    numel = rows[0]["numel"]
+    for link in links:
+        here = {m: v for (lk, m), v in final.items() if lk == link}
+        best = min(here, key=here.__getitem__)
+        rate = link_bits_per_second(link)
+        entry: dict[str, Any] = {
+            "best_method": best,
+            "best_bpb": here[best],
+            "best_vs_reference_best": round(here[best] - best_reference, 4),
+            "equivalent_params_on_45mbit_uplink": (
+                None if rate is None else round(numel * 45e6 / rate)
+            ),
+        }
+        if reference is not None:
+            entry["vs_reference_diloco_4bit"] = {
+                m: round(v - reference, 4) for m, v in here.items()
+            }
+        out[link] = entry
+    return out
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -425,15 +511,24 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     links = sorted({r["link"] for r in rows}, key=LINKS.index)
-    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4.2), squeeze=False)
-    for ax, link in zip(axes[0], links, strict=True):
+    fig, axes = plt.subplots(2, len(links), figsize=(5.5 * len(links), 8.4), squeeze=False)
+    for column, link in enumerate(links):
+        by_time, by_bytes = axes[0][column], axes[1][column]
         for r in (r for r in rows if r["link"] == link):
             t, loss = zip(*r["curve_worker0"], strict=True)
-            ax.plot(t, loss, label=r["method"], lw=2.2 if r["method"] == "ddp" else 1.4)
-        ax.set(title=link, xlabel="wall clock (s)", ylabel="validation bits per byte")
-        ax.set_ylim(top=5.0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            width = 2.2 if r["method"] == "ddp" else 1.4
+            by_time.plot(t, loss, label=r["method"], lw=width)
+            sent = [(b / 1e6, v) for b, v in zip(r["curve_bytes_sent_worker0"], loss, strict=True)]
+            if any(b > 0 for b, _ in sent):  # log scale: from the first byte on
+                by_bytes.plot(*zip(*[(b, v) for b, v in sent if b > 0], strict=True),
+                              label=r["method"], lw=width)  # fmt: skip
+        by_time.set(title=link, xlabel="wall clock (s)", ylabel="validation bits per byte")
+        by_bytes.set(xlabel="MB sent per peer (log)", ylabel="validation bits per byte")
+        by_bytes.set_xscale("log")
+        for ax in (by_time, by_bytes):
+            ax.set_ylim(top=5.0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -462,7 +557,9 @@ def main() -> int:
         help="each peer's step takes this many times its compute (e.g. 1 2 4 8; default: 1)",
     )  # fmt: skip
     parser.add_argument("--speed", type=float, default=1.0, help=argparse.SUPPRESS)
-    parser.add_argument("--plot", default=None, help="PNG of loss vs wall clock per link")
+    parser.add_argument(
+        "--plot", default=None, help="PNG of loss vs wall clock and vs bytes, per link"
+    )
     parser.add_argument(
         "--profile", default=None, help="pyinstrument text of worker 1 to this file"
     )
@@ -495,6 +592,8 @@ def main() -> int:
         if rows:
             _emit(summarize(rows))
             all_rows += rows
+    if len({r["link"] for r in all_rows}) > 1:
+        _emit(summarize_race(all_rows))
     if args.plot and all_rows:
         plot(all_rows, args.plot)
     return 0

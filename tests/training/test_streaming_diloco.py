@@ -161,3 +161,69 @@ def test_streaming_knobs_are_checked(make_dhts):
         _opt(dht, model, overlap_steps=-1)
     with pytest.raises(ValueError, match="only 4 parameter tensors"):
         _opt(dht, model, fragments=5)
+
+
+def test_fragment_rounds_on_the_swarms_sample_schedule_never_fail(make_dhts):
+    """Streaming on a shared schedule (``target_batch_size`` with fragments): a fragment's round
+    starts when the swarm's samples reach the fragment's share of the target, not after a peer's
+    own count of steps, so peers whose steps take 1x, 2x and 3x as long still meet at every
+    round. Inner-step counts drift apart; the rounds do not: none fails, none is applied alone,
+    and θ is bit-identical on every peer after every fragment round."""
+    dhts = make_dhts(3)
+    models = [_model() for _ in dhts]
+    fast = dict(FAST, min_matchmaking_time=1.0)
+    opts = [
+        _opt(
+            d,
+            m,
+            inner=torch.optim.Adam(m.parameters(), lr=0.01),
+            inner_steps=None,
+            target_batch_size=3 * BATCH * 8,  # ~8 steps of each peer per outer step
+            fragments=2,
+            compression="4bit",
+            target_group_size=3,
+            averager_options=fast,
+        )
+        for d, m in zip(dhts, models, strict=True)
+    ]
+    theta_at: list[dict[int, list[torch.Tensor]]] = [{}, {}, {}]
+    steps = [0, 0, 0]
+    epochs = 6
+    for opt in opts:  # everyone is live before anyone trains
+        opt.tracker.report(0, 0)
+
+    def train(i: int) -> None:
+        while opts[i].epoch < epochs and steps[i] < 20_000:
+            epoch = opts[i].epoch
+            gen = torch.Generator().manual_seed(1000 * i + steps[i])
+            _loss(models[i], torch.randint(0, len(X), (BATCH,), generator=gen)).backward()
+            opts[i].step()
+            opts[i].zero_grad()
+            steps[i] += 1
+            if opts[i].epoch != epoch:
+                theta_at[i][opts[i].epoch] = [t.clone() for t in opts[i].mode.theta]
+            threading.Event().wait(0.004 * (i + 1))  # unequal compute
+
+    try:
+        assert all(o.mode.swarm_wide and o.mode.streaming for o in opts)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for future in [pool.submit(train, i) for i in range(3)]:
+                future.result(timeout=180)
+        for opt in opts:
+            mode = opt.mode
+            assert mode.rounds_failed == 0 and mode.solo_steps == 0, (mode.rounds_failed, steps)
+            assert mode.rounds_succeeded == epochs and mode.theta_mismatches == 0
+            assert mode.blocked_steps == 0 and mode.round_seconds["waited"] == 0
+        assert steps[0] > steps[2], steps  # the fast peer took more inner steps
+        fragments = opts[0].mode.fragments
+        for epoch in range(1, epochs + 1):
+            thetas = [theta_at[i][epoch] for i in range(3)]
+            for other in thetas[1:]:
+                assert all(torch.equal(x, y) for x, y in zip(thetas[0], other, strict=True))
+            if epoch > 1:  # the round of epoch e-1 moved fragment (e-1) % 2 only
+                before = theta_at[0][epoch - 1]
+                moved = [not torch.equal(x, y) for x, y in zip(before, thetas[0], strict=True)]
+                assert moved == [i in fragments[(epoch - 1) % 2] for i in range(len(moved))]
+    finally:
+        for opt in opts:
+            opt.shutdown()
