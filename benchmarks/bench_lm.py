@@ -21,7 +21,7 @@ Methods (``--methods``):
   schedule: a fragment's round starts when the swarm's samples reach the fragment's share of
   ``target_batch_size`` (as ``dilocoswarm``), so every peer arrives at the same round.
 - ``diloco_sparse2bit`` / ``dilocoswarm_sparse2bit``: the same with TopK2Bit both ways (the top
-  2% of every 4096 values, 2 bits each, error feedback); rows report bytes per peer per outer
+  ``--topk-density`` (1%) of every 4096 values, 2 bits each, error feedback); rows report bytes per peer per outer
   step and the ratio to a dense float32 all-reduce.
 - ``dilocoswarm`` / ``dilocoswarm_4bit``: swarm-wide outer epochs (``target_batch_size`` =
   peers x batch x ``--inner-steps``, the samples of one lockstep outer step), rounds in the
@@ -147,6 +147,8 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
         options = dict(target_batch_size=samples, refresh_period=0.1)
         if codec:
             options["compression"] = codec
+        if codec == "sparse2bit":
+            options["topk_density"] = args.topk_density
         if base == "streamingswarm":
             options["fragments"] = args.fragments
     elif base in ("diloco", "streaming"):
@@ -154,6 +156,8 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
         options = dict(inner_steps=args.inner_steps, refresh_period=0.1)
         if codec:
             options["compression"] = codec
+        if codec == "sparse2bit":
+            options["topk_density"] = args.topk_density
         if base == "streaming":
             options["fragments"] = args.fragments
             options["overlap_steps"] = args.overlap_steps
@@ -331,6 +335,7 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
                 "--gloo-port", str(gloo_port), "--batch", str(args.batch), "--lr", str(args.lr),
                 "--budget", str(args.budget), "--snapshot-every", str(args.snapshot_every),
                 "--inner-steps", str(args.inner_steps), "--fragments", str(args.fragments),
+                "--topk-density", str(args.topk_density),
                 "--overlap-steps", str(args.overlap_steps),
                 "--average-every", str(args.average_every), "--refresh", str(args.refresh),
                 "--eval-windows", str(args.eval_windows),
@@ -387,6 +392,8 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
             row[f"{name}_worker0"] = first[name]
     if method.startswith(("diloco", "streaming")):
         row["inner_steps"] = args.inner_steps
+        if method.endswith("sparse2bit"):
+            row["topk_density"] = args.topk_density
         outer = first["epochs"]  # outer steps taken (streaming: fragment rounds)
         if method.startswith("streaming"):  # a whole outer step is one round per fragment
             outer /= args.fragments
@@ -549,6 +556,9 @@ def main() -> int:
     parser.add_argument("--eval-windows", type=int, default=128, help="validation windows")
     parser.add_argument("--inner-steps", type=int, default=25, help="DiLoCo H")
     parser.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo fragments")
+    parser.add_argument(
+        "--topk-density", type=float, default=0.01, help="sparse2bit: share of values sent"
+    )
     parser.add_argument("--overlap-steps", type=int, default=5, help="streaming: inner steps")
     parser.add_argument("--average-every", type=int, default=4, help="local: initial period")
     parser.add_argument("--refresh", type=float, default=0.05, help="s between progress reads")

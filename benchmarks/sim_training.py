@@ -85,11 +85,10 @@ from benchmarks.sim_swarm import JOIN_CONCURRENCY, WanNetwork, peak_rss_bytes  #
 from dht.kademlia.clock import dht_clock, get_dht_time, trio_clock  # noqa: E402
 from dht.kademlia.simulation import Swarm, open_swarm  # noqa: E402
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT  # noqa: E402
-from moshpit.averaging.averager import (  # noqa: E402
+from moshpit.averaging.averager import Averager, StepResult  # noqa: E402
+from moshpit.averaging.config import (  # noqa: E402
     DEFAULT_MIN_MATCHMAKING_TIME,
     DEFAULT_REQUEST_TIMEOUT,
-    Averager,
-    StepResult,
     default_matchmaking_timeout,
 )
 from moshpit.averaging.matchmaking import SchemaMemory  # noqa: E402

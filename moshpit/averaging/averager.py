@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import msgpack
 import torch
@@ -33,6 +33,7 @@ import trio
 from moshpit.averaging.aggregation import make_aggregator
 from moshpit.averaging.allreduce import AllReduceResult, AllReduceService
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
+from moshpit.averaging.config import AveragerConfig
 from moshpit.averaging.errors import AveragingError
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE, GroupInfo
 from moshpit.averaging.group_keys import GroupKeyManager
@@ -73,16 +74,6 @@ def _notify(event: str, averager: Any, detail: Any) -> None:
             observer(event, averager, detail)
         except Exception:  # monitoring must never break a round
             logger.exception("averaging observer failed")
-
-
-DEFAULT_MIN_MATCHMAKING_TIME = 5.0
-DEFAULT_REQUEST_TIMEOUT = 3.0
-
-
-def default_matchmaking_timeout(min_matchmaking_time: float, request_timeout: float) -> float:
-    """How long a step looks for a group unless told otherwise: long enough for a leader
-    to wait ``min_matchmaking_time`` and then hear from its members."""
-    return max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)
 
 
 class AveragerLockError(AveragingError, RuntimeError):
@@ -216,6 +207,8 @@ class Averager:
     :param prefix: peers with the same prefix average together; several averagers with
       different prefixes may share one DHT/Host.
     :param target_group_size: the group size matchmaking aims for (the grid side ``M``).
+    :param config: an :class:`~moshpit.AveragerConfig` holding the options below; options
+      given as keyword arguments go on top of it. Either way they are checked at once.
     :param min_group_size: a group smaller than this never runs (default 2).
     :param min_matchmaking_time: after this long a leader proceeds with the members it has
       (>= ``min_group_size``); a full group proceeds at once.
@@ -270,26 +263,11 @@ class Averager:
         dht: Any,
         prefix: str,
         target_group_size: int,
-        min_group_size: int = 2,
-        min_matchmaking_time: float = DEFAULT_MIN_MATCHMAKING_TIME,
-        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-        allreduce_timeout: float = 60.0,
-        compression: Any = None,
-        bandwidth: float | None = None,
-        client_mode: bool = False,
-        auxiliary: bool = False,
-        initial_group_bits: str | None = None,
-        start: bool = True,
         *,
-        matchmaking_timeout: float | None = None,
-        expected_num_peers: int | None = None,
-        sender_timeout: float | None = None,
-        reducer_timeout: float | None = None,
-        ban_after_failures: int = 2,
-        ban_seconds: float = 60.0,
-        pace_uplink: bool = True,
-        aggregation: Any = None,
+        config: AveragerConfig | None = None,
+        start: bool = True,
         schema_memory: SchemaMemory | None = None,
+        **options: Any,
     ):
         self._tensors = list(tensors)
         if not self._tensors:
@@ -298,53 +276,34 @@ class Averager:
             raise TypeError("tensors must be torch.Tensor objects")
         if any(not t.is_floating_point() for t in self._tensors):
             raise TypeError("only floating-point tensors can be averaged")
-        if client_mode and auxiliary:
-            raise ValueError("a peer cannot be both client_mode and auxiliary")
-        for name, value in (
-            ("min_matchmaking_time", min_matchmaking_time),
-            ("request_timeout", request_timeout),
-            ("allreduce_timeout", allreduce_timeout),
-        ):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
-        if allreduce_timeout <= 0 or request_timeout <= 0:
-            raise ValueError("allreduce_timeout and request_timeout must be positive")
-        if bandwidth is not None and (
-            isinstance(bandwidth, bool)
-            or not isinstance(bandwidth, (int, float))
-            or not (math.isfinite(bandwidth) and bandwidth > 0)
-        ):
-            raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
+        # the knobs (the keyword arguments above), checked in one place
+        self.config = config = AveragerConfig.build(config, **options)
         self.prefix = prefix
         self.target_group_size = target_group_size
-        self.min_group_size = min_group_size
-        self.min_matchmaking_time = float(min_matchmaking_time)
-        self.request_timeout = float(request_timeout)
-        self.allreduce_timeout = float(allreduce_timeout)
-        self.matchmaking_timeout = float(
-            matchmaking_timeout
-            if matchmaking_timeout is not None
-            else default_matchmaking_timeout(min_matchmaking_time, request_timeout)
+        self.min_group_size = config.min_group_size
+        self.min_matchmaking_time = float(config.min_matchmaking_time)
+        self.request_timeout = float(config.request_timeout)
+        self.allreduce_timeout = float(config.allreduce_timeout)
+        self.matchmaking_timeout = config.effective_matchmaking_timeout
+        self.compression = config.compression
+        self.bandwidth = config.bandwidth
+        self.pace_uplink = bool(config.pace_uplink)
+        self.aggregation = make_aggregator(config.aggregation)
+        self.mode = (
+            MODE_CLIENT if config.client_mode else MODE_AUX if config.auxiliary else MODE_NODE
         )
-        if not (math.isfinite(self.matchmaking_timeout) and self.matchmaking_timeout > 0):
-            raise ValueError("matchmaking_timeout must be a positive number of seconds")
-        self.compression = compression
-        self.bandwidth = bandwidth
-        self.pace_uplink = bool(pace_uplink)
-        self.aggregation = make_aggregator(aggregation)
-        self.mode = MODE_CLIENT if client_mode else MODE_AUX if auxiliary else MODE_NODE
-        self.sender_timeout = sender_timeout
-        self.reducer_timeout = reducer_timeout
+        self.sender_timeout = config.sender_timeout
+        self.reducer_timeout = config.reducer_timeout
         # True while a step's group has formed (its all-reduce is on): read from other threads
         # by a peer that leaves, which waits for such a round but not for one still matchmaking
         self.in_group = False
-        self.ban_after_failures = ban_after_failures
-        self.ban_seconds = ban_seconds
+        self.ban_after_failures = config.ban_after_failures
+        self.ban_seconds = config.ban_seconds
         self.keys = GroupKeyManager(
             prefix,
             target_group_size,
-            initial_group_bits,
-            expected_num_peers=expected_num_peers,
+            config.initial_group_bits,
+            expected_num_peers=config.expected_num_peers,
         )
         self._numel = sum(t.numel() for t in self._tensors)
         # hash of the tensors' shapes: matchmaking never groups peers whose schemas differ
@@ -374,7 +333,7 @@ class Averager:
         else:
             self._node = dht
         # validate matchmaking parameters now, with a clear error, before any I/O
-        Matchmaker._check_config(target_group_size, min_group_size, self.mode)
+        Matchmaker._check_config(target_group_size, self.min_group_size, self.mode)
         if start:
             self.start()
 
@@ -564,6 +523,25 @@ class Averager:
                 del self._failures[peer]
 
     # ------------------------------------------------------------------ stepping
+
+    @overload
+    def step(
+        self,
+        weight: float = ...,
+        gather: Any = ...,
+        timeout: float | None = ...,
+        wait: Literal[True] = ...,
+    ) -> StepResult: ...
+
+    @overload
+    def step(
+        self,
+        weight: float = ...,
+        gather: Any = ...,
+        timeout: float | None = ...,
+        *,
+        wait: Literal[False],
+    ) -> concurrent.futures.Future[StepResult]: ...
 
     def step(
         self,

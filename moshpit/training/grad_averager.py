@@ -16,6 +16,7 @@ docs/allreduce.md: excluded contributions, ``max_weight_ratio``).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.averager import Averager, StepResult
+from moshpit.averaging.config import AveragerConfig
 from moshpit.averaging.matchmaking import SchemaMemory
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,9 @@ def grads_prefix(run_id: str, epoch: int) -> str:
 class GradientRound:
     """One epoch's gradient round running in the background (``start_round``)."""
 
-    def __init__(self, epoch: int, averager: Averager, future: concurrent.futures.Future):
+    def __init__(
+        self, epoch: int, averager: Averager, future: concurrent.futures.Future[StepResult]
+    ):
         self.epoch = epoch
         self.averager = averager
         self.future = future
@@ -51,7 +55,7 @@ class GradientRound:
         """Wait for the round, detach its averager and return what it did."""
         try:
             try:
-                result = self.future.result(timeout=timeout)
+                result: StepResult = self.future.result(timeout=timeout)
             except concurrent.futures.CancelledError:
                 result = StepResult(False, self.averager.keys.key, reason="cancelled")
         finally:
@@ -93,7 +97,9 @@ class GradientAverager:
         self.dht = dht
         self.run_id = run_id
         self.target_group_size = target_group_size
-        self.averager_options = dict(averager_options)
+        self.averager_config = AveragerConfig.build(
+            averager_options.pop("config", None), **averager_options
+        )
         self.sums = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
         # what a round averages in place (local mean, or DGC's sparse update); a round's
         # averager is the only writer while it runs
@@ -151,11 +157,12 @@ class GradientAverager:
         the epoch: a group that starts without one of them leaves it behind), capped at the
         group size.
         """
-        options = dict(self.averager_options)
+        config = self.averager_config
+        options: dict[str, Any] = {}
         if compression is not None:
             options["compression"] = compression
         if min_group_size is not None:
-            floor = options.get("min_group_size", 2)
+            floor = config.min_group_size
             options["min_group_size"] = max(floor, min(min_group_size, self.target_group_size))
         averager = Averager(
             self.buffers,
@@ -163,7 +170,7 @@ class GradientAverager:
             prefix=grads_prefix(self.run_id, epoch),
             target_group_size=self.target_group_size,
             schema_memory=self.schema_memory,
-            **options,
+            config=dataclasses.replace(config, **options),
         )
         averager._failures = self._failures
         averager._banned_until = self._banned_until

@@ -28,14 +28,16 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dht._logging import RateLimitedLogger
+from moshpit.averaging.config import AveragerConfig
 from moshpit.training.health import NonFiniteStateError
+from moshpit.training.modes.options import ModeOptions, options_for
 from moshpit.training.preemption import critical_section
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,37 @@ MODES = ("sync", "local", "diloco")
 live_optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
+def _check_arguments(
+    optimizer: Any,
+    dht: Any,
+    run_id: Any,
+    batch_size_per_step: Any,
+    target_batch_size: Any,
+    mode: str,
+) -> None:
+    """Fail on what the user got wrong before anything starts, with what to write instead."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.Adam(model."
+            f"parameters())), got {type(optimizer).__name__}"
+        )
+    if not hasattr(dht, "run_coroutine"):
+        raise TypeError("dht must be a running moshpit.DHT")
+    if not isinstance(run_id, str) or not run_id or any(c in run_id for c in " \n["):
+        raise ValueError(f"run_id must be a non-empty name without spaces, got {run_id!r}")
+    _check_positive_int("batch_size_per_step", batch_size_per_step)
+    if target_batch_size is not None:
+        _check_positive_int("target_batch_size", target_batch_size)
+        if target_batch_size < batch_size_per_step:
+            raise ValueError(
+                f"target_batch_size ({target_batch_size}) is smaller than "
+                f"batch_size_per_step ({batch_size_per_step}): the swarm's batch must hold "
+                "at least one local batch"
+            )
+    if mode == "sync" and target_batch_size is None:
+        raise ValueError("mode='sync' needs target_batch_size (samples per global step)")
+
+
 class Optimizer:
     """Wraps ``optimizer`` so that ``step()`` trains with every peer of ``run_id``.
 
@@ -60,27 +93,28 @@ class Optimizer:
       with ``step(batch_size=...)``).
     :param target_batch_size: ``sync``: samples the whole swarm accumulates per optimizer step
       (must be >= ``batch_size_per_step``).
-    :param mode: ``"local"``, ``"sync"`` or ``"diloco"``. Unset: ``"local"`` (the mode that
-      never waits for the network: where to start), or ``"sync"`` when ``target_batch_size``
-      is given, whose meaning is sync's (as before ``local`` became the default).
+    :param mode: ``"local"``, ``"sync"`` or ``"diloco"``, or a mode with its knobs
+      (``moshpit.DiLoCoOptions(inner_steps=50)``, ``SyncOptions``, ``LocalOptions``). Unset:
+      ``"local"`` (the mode that never waits for the network: where to start), or ``"sync"``
+      when ``target_batch_size`` is given, whose meaning is sync's (as before ``local`` became
+      the default).
     :param checkpoint_dir: where checkpoints go (and what this peer serves to joiners); a
       restarted peer given the same directory resumes from its newest intact checkpoint.
     :param checkpoint_every_seconds: also write a checkpoint this often (None: at the mode's
       epochs only, see ``checkpoint_every_epochs`` below).
     :param extra_tensors: more state to keep in sync (e.g. ``model.buffers()``).
     :param target_group_size: Moshpit group size of every averaging round.
-    :param averager_options: more options for the averagers (timeouts, bandwidth, ...).
+    :param averager_options: more options for the averagers (timeouts, bandwidth, ...): an
+      :class:`~moshpit.AveragerConfig` or a dict of its field names, checked here.
     :param load_state_timeout: how long a newcomer waits for donors before training alone.
     :param progress_ttl: seconds a peer's progress record lives in the DHT: a peer that dies
       stops counting toward the swarm's epoch and batch after at most this long.
     :param name: this peer's display name on the run's dashboard (``moshpit dashboard``),
       published with its progress: at most 32 printable characters, or None (the default).
-    :param mode_options: the mode's own knobs. ``sync``: ``compression``, ``dgc``,
-      ``delay_averaging``, ``round_timeout``. ``local``: ``average_every`` (steps between
-      rounds), ``adaptive_period``, ``max_period``, ``wait_for_rounds``, ``compression``.
-      ``diloco``: ``inner_steps``, ``outer_lr``, ``outer_momentum``, ``nesterov``,
-      ``compression`` (``"8bit"``, ``"4bit"``, ``"topk"`` or a codec), ``fragments``,
-      ``overlap_steps``. Every mode: ``checkpoint_every_epochs`` (default 1). The
+    :param mode_options: the mode's own knobs as keyword arguments (on top of a ``mode``
+      given as options): the fields of ``SyncOptions``, ``LocalOptions`` or
+      ``DiLoCoOptions`` (``moshpit.training.modes.options``), e.g. ``inner_steps=50``.
+      An unknown one is a ``TypeError`` naming the ones the mode takes. The
       [training guide](training.md) explains each.
     """
 
@@ -92,12 +126,12 @@ class Optimizer:
         run_id: str,
         batch_size_per_step: int,
         target_batch_size: int | None = None,
-        mode: str | None = None,
+        mode: str | ModeOptions | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every_seconds: float | None = None,
         extra_tensors: Iterable[torch.Tensor] = (),
         target_group_size: int = 16,
-        averager_options: dict[str, Any] | None = None,
+        averager_options: AveragerConfig | Mapping[str, Any] | None = None,
         load_state_timeout: float = 30.0,
         progress_ttl: float = 30.0,
         name: str | None = None,
@@ -105,39 +139,22 @@ class Optimizer:
     ) -> None:
         if mode is None:
             mode = "sync" if target_batch_size is not None else "local"
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}; got {mode!r}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.Adam(model."
-                f"parameters())), got {type(optimizer).__name__}"
-            )
-        if not hasattr(dht, "run_coroutine"):
-            raise TypeError("dht must be a running moshpit.DHT")
-        if not isinstance(run_id, str) or not run_id or any(c in run_id for c in " \n["):
-            raise ValueError(f"run_id must be a non-empty name without spaces, got {run_id!r}")
-        _check_positive_int("batch_size_per_step", batch_size_per_step)
-        if target_batch_size is not None:
-            _check_positive_int("target_batch_size", target_batch_size)
-            if target_batch_size < batch_size_per_step:
-                raise ValueError(
-                    f"target_batch_size ({target_batch_size}) is smaller than "
-                    f"batch_size_per_step ({batch_size_per_step}): the swarm's batch must hold "
-                    "at least one local batch"
-                )
-        if mode == "sync" and target_batch_size is None:
-            raise ValueError("mode='sync' needs target_batch_size (samples per global step)")
+        # the mode's knobs, checked before anything starts (a typo is a TypeError here)
+        options = options_for(mode, **mode_options)
+        mode = options.mode
+        _check_arguments(optimizer, dht, run_id, batch_size_per_step, target_batch_size, mode)
         self.inner = optimizer
         self.dht = dht
         self.run_id = run_id
         self.batch_size_per_step = batch_size_per_step
         self.target_batch_size = target_batch_size
         self.mode_name = mode
+        self.mode_options = options
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every_seconds = checkpoint_every_seconds
         self.extra_tensors = list(extra_tensors)
         self.target_group_size = target_group_size
-        self.averager_options = dict(averager_options or {})
+        self.averager_config = AveragerConfig.build(averager_options)
         self.load_state_timeout = float(load_state_timeout)
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.skipped_steps = 0  # local steps dropped for non-finite gradients
@@ -155,7 +172,7 @@ class Optimizer:
             dht, run_id, target_batch_size=target_batch_size, ttl=progress_ttl, name=name
         )
         try:
-            self.mode = make_mode(mode, self, **mode_options)
+            self.mode = make_mode(options, self)
         except BaseException:
             self.tracker.shutdown()
             raise
@@ -180,7 +197,7 @@ class Optimizer:
             extra_tensors=self.extra_tensors,
             join_timeout=self.load_state_timeout,
         )
-        settings.update(self.averager_options)
+        settings["config"] = self.averager_config
         settings.update(options)
         return TrainingStateAverager(**settings)
 
@@ -192,7 +209,7 @@ class Optimizer:
     @property
     def epoch(self) -> int:
         """The global step number this peer is at."""
-        return self.mode.state.epoch
+        return int(self.mode.state.epoch)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -293,7 +310,7 @@ class Optimizer:
             timeout=self.load_state_timeout if timeout is None else timeout
         )
         self.mode.on_state_loaded()
-        return epoch
+        return int(epoch)
 
     # ------------------------------------------------------------------ state_dict
 

@@ -270,7 +270,7 @@ def test_joiner_and_laggard_load_theta_and_momentum(make_dhts, tmp_path):
         # it would catch up by loading state, which the count below is not about
         all_three = dict(FAST, min_group_size=3)
         for p in [*peers, late]:
-            p.opt.mode.averager_options = all_three
+            p.opt.mode.averager_config = moshpit.AveragerConfig(**all_three)
         _train_all([*peers, late], 4)
         for p in [*peers, late]:
             assert p.opt.epoch == 4
@@ -280,7 +280,7 @@ def test_joiner_and_laggard_load_theta_and_momentum(make_dhts, tmp_path):
         # the late peer pauses while the other two go on without it
         fast = dict(FAST, min_matchmaking_time=1.0)
         for p in [*peers, late]:
-            p.opt.mode.averager_options = fast
+            p.opt.mode.averager_config = moshpit.AveragerConfig(**fast)
         for p in peers:
             p.opt.target_group_size = 2
         _train_all(peers, 6)
@@ -512,7 +512,7 @@ def test_laggard_without_donors_waits_then_goes_on_alone(make_dhts):
         *others, laggard = peers
         for p in others:  # the other two go on without the laggard
             p.opt.target_group_size = 2
-            p.opt.mode.averager_options = dict(quick)
+            p.opt.mode.averager_config = moshpit.AveragerConfig(**quick)
         _train_all(others, 2)
         others[0].opt.tracker.refresh(timeout=5)
         mode = laggard.opt.mode

@@ -1,28 +1,33 @@
-"""The training modes of ``moshpit.Optimizer``; each module holds one (see docs/training.md)."""
+"""The training modes of ``moshpit.Optimizer``; each module holds one (see docs/training.md),
+and ``options.py`` their knobs."""
 
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import Any
 
 from moshpit.training.modes.base import TrainingMode
+from moshpit.training.modes.options import (
+    DiLoCoOptions,
+    LocalOptions,
+    ModeOptions,
+    SyncOptions,
+    options_for,
+)
 
-__all__ = ["TrainingMode", "make_mode"]
+__all__ = [
+    "DiLoCoOptions",
+    "LocalOptions",
+    "ModeOptions",
+    "SyncOptions",
+    "TrainingMode",
+    "make_mode",
+    "options_for",
+]
 
 
-def make_mode(name: str, optimizer: Any, **options: Any) -> TrainingMode:
-    """Build mode ``name``; an option it does not know is a TypeError listing the ones it does."""
-    mode_class = importlib.import_module(f"moshpit.training.modes.{name}").MODE
-    known = [
-        p.name
-        for p in inspect.signature(mode_class.__init__).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise TypeError(
-            f"unknown option(s) for mode={name!r}: {', '.join(unknown)}; "
-            f"it takes: {', '.join(known) or 'none'}"
-        )
-    return mode_class(optimizer, **options)
+def make_mode(options: ModeOptions, optimizer: Any) -> TrainingMode:
+    """The mode that ``options`` configure (``options_for`` builds and checks them)."""
+    mode_class = importlib.import_module(f"moshpit.training.modes.{options.mode}").MODE
+    mode: TrainingMode = mode_class(optimizer, options)
+    return mode

@@ -38,6 +38,7 @@ The epoch counts outer steps.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import logging
 import time
@@ -57,13 +58,7 @@ from compression import (
     Uniform8Bit,
 )
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
-from moshpit.averaging.averager import (
-    DEFAULT_MIN_MATCHMAKING_TIME,
-    DEFAULT_REQUEST_TIMEOUT,
-    Averager,
-    StepResult,
-    default_matchmaking_timeout,
-)
+from moshpit.averaging.averager import Averager, StepResult
 from moshpit.averaging.matchmaking import SchemaMemory
 from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.health import first_non_finite
@@ -73,6 +68,7 @@ from moshpit.training.modes.epoch_rounds import (
     EpochRounds,
     wait_unless_left_behind,
 )
+from moshpit.training.modes.options import DiLoCoOptions
 from moshpit.training.modes.streaming import FragmentRound, split_fragments
 
 logger = logging.getLogger(__name__)
@@ -148,65 +144,35 @@ def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC
 
 
 class DiLoCoMode(TrainingMode):
-    """Knobs: ``inner_steps`` (H, default 500) or the Optimizer's ``target_batch_size``
-    (swarm-wide epochs, see below), ``outer_lr`` (0.7), ``outer_momentum`` (0.9),
-    ``nesterov`` (True), ``compression`` (None, ``"fp16"``, ``"8bit"``, ``"4bit"``, ``"topk"``, a codec, a
-    ``TwoWayCompression`` or a ``GraVAC``), ``topk_density`` (0.01), ``round_timeout`` (s,
-    default: the averager's own timeouts), ``refresh_period`` (s between reads of the swarm's
-    progress), ``checkpoint_every_epochs`` (1 when a ``checkpoint_dir`` is given: what donors
-    serve to joiners and laggards), ``fragments`` (1) and ``overlap_steps`` (0): streaming
-    DiLoCo when either is set (see ``streaming.py``; an epoch is then one fragment's round)."""
+    """DiLoCo with its knobs in ``DiLoCoOptions``: ``inner_steps`` (H, default 500) or the
+    Optimizer's ``target_batch_size`` (swarm-wide epochs), the outer Nesterov step, the
+    pseudo-gradient's codec, and streaming DiLoCo when ``fragments`` or ``overlap_steps`` is
+    set (see ``streaming.py``; an epoch is then one fragment's round)."""
 
     name = "diloco"
 
-    def __init__(
-        self,
-        optimizer: Any,
-        *,
-        inner_steps: int | None = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        compression: Any = None,
-        topk_density: float = 0.01,
-        round_timeout: float | None = None,
-        refresh_period: float | None = None,
-        checkpoint_every_epochs: int | None = 1,
-        fragments: int = 1,
-        overlap_steps: int = 0,
-    ) -> None:
+    def __init__(self, optimizer: Any, options: DiLoCoOptions) -> None:
         super().__init__(optimizer)
         # swarm-wide epochs: an outer step per target_batch_size samples of the whole swarm
         self.target: int | None = optimizer.target_batch_size
-        if self.target is not None and inner_steps is not None:
+        if self.target is not None and options.inner_steps is not None:
             raise ValueError(
                 "mode='diloco' takes target_batch_size (an outer step whenever the whole "
                 "swarm processed that many samples; peers of any speed) or inner_steps (an "
                 "outer step after that many inner steps of every peer), not both"
             )
-        if inner_steps is None:
-            inner_steps = DEFAULT_INNER_STEPS
-        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
-            raise ValueError(f"inner_steps must be a positive integer, got {inner_steps!r}")
-        if not outer_lr > 0:
-            raise ValueError(f"outer_lr must be positive, got {outer_lr!r}")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
-        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int):
-            raise ValueError(f"overlap_steps must be an integer >= 0, got {overlap_steps!r}")
-        if overlap_steps < 0:
-            raise ValueError(f"overlap_steps must be an integer >= 0, got {overlap_steps!r}")
+        inner_steps = options.inner_steps or DEFAULT_INNER_STEPS
         self.inner_steps = inner_steps
-        self.round_timeout = round_timeout
+        self.round_timeout = options.round_timeout
         self.refresh_period = (
-            float(refresh_period)
-            if refresh_period is not None
+            float(options.refresh_period)
+            if options.refresh_period is not None
             else optimizer.tracker.min_refresh_period
         )
-        self.compression, self.gravac = make_compression(compression, topk_density)
+        self.compression, self.gravac = make_compression(options.compression, options.topk_density)
         self.params = params_of(optimizer.inner)
-        self.fragments = split_fragments([p.numel() for p in self.params], fragments)
-        self.overlap_steps = overlap_steps
+        self.fragments = split_fragments([p.numel() for p in self.params], options.fragments)
+        overlap_steps = self.overlap_steps = options.overlap_steps
         # streaming: one fragment's round every inner_steps / fragments steps, in the background
         self.streaming = len(self.fragments) > 1 or overlap_steps > 0
         self.period = max(1, inner_steps // len(self.fragments)) if self.streaming else inner_steps
@@ -221,23 +187,23 @@ class DiLoCoMode(TrainingMode):
         self.theta = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.outer = torch.optim.SGD(
             self.theta,
-            lr=float(outer_lr),
-            momentum=float(outer_momentum),
-            nesterov=bool(nesterov and outer_momentum > 0),
+            lr=float(options.outer_lr),
+            momentum=float(options.outer_momentum),
+            nesterov=bool(options.nesterov and options.outer_momentum > 0),
         )
-        options: dict[str, Any] = {"average_optimizer_statistics": False}
-        if optimizer.checkpoint_dir is not None and checkpoint_every_epochs is not None:
-            options["checkpoint_every_epochs"] = checkpoint_every_epochs
+        state_options: dict[str, Any] = {"average_optimizer_statistics": False}
+        every = options.checkpoint_every_epochs
+        if optimizer.checkpoint_dir is not None and every is not None:
+            state_options["checkpoint_every_epochs"] = every
         # checkpoints, serves and loads θ + momentum; its own averaging is never used (the
         # pseudo-gradient is averaged by the per-epoch averager below)
-        self.state = optimizer.make_state_averager(self.outer, **options)
-        self.averager_options = dict(optimizer.averager_options)
-        self.averager_options.pop("compression", None)
+        self.state = optimizer.make_state_averager(self.outer, **state_options)
+        self.averager_config = dataclasses.replace(optimizer.averager_config, compression=None)
         # peers of another tensor schema, shared by the per-epoch averagers (asked once,
         # warned about once)
         self.schema_memory = SchemaMemory()
         if self.compression is None:
-            self.compression = optimizer.averager_options.get("compression")
+            self.compression = optimizer.averager_config.compression
         self.deltas = [torch.zeros_like(t) for t in self.theta]
         self.local_steps = 0  # inner steps since the round's θ
         self.samples = 0
@@ -424,17 +390,13 @@ class DiLoCoMode(TrainingMode):
         ``epoch_rounds.py``), for at least ``slowest_step`` seconds more than usual (the
         longest step among them: the last may reach the round only when its step ends).
         ``weight``: the samples behind the pseudo-gradient."""
-        options = dict(self.averager_options)
-        if self.compression is not None:
-            options["compression"] = self.compression
-        options["min_group_size"] = max(
-            options.get("min_group_size", 2), min(expected, self.opt.target_group_size)
-        )
+        config = self.averager_config
+        options: dict[str, Any] = {
+            "compression": self.compression,
+            "min_group_size": max(config.min_group_size, min(expected, self.opt.target_group_size)),
+        }
         if slowest_step > 0:
-            window = options.get("matchmaking_timeout") or default_matchmaking_timeout(
-                options.get("min_matchmaking_time", DEFAULT_MIN_MATCHMAKING_TIME),
-                options.get("request_timeout", DEFAULT_REQUEST_TIMEOUT),
-            )
+            window = config.effective_matchmaking_timeout
             options["matchmaking_timeout"] = window + RECENT_STEPS * slowest_step
         averager = Averager(
             tensors,
@@ -442,7 +404,7 @@ class DiLoCoMode(TrainingMode):
             prefix=outer_prefix(self.opt.run_id, epoch),
             target_group_size=self.opt.target_group_size,
             schema_memory=self.schema_memory,
-            **options,
+            config=dataclasses.replace(config, **options),
         )
         digest = self._theta_digest()
         try:

@@ -36,8 +36,8 @@ MAX_EXTRAPOLATION = 10.0  # s a peer's last report is projected forward at most
 def reported_recently(peer: Any, now: float) -> bool:
     """Did ``peer`` report within ``RECENT_REPORT`` s, or within ``RECENT_STEPS`` of its own
     step times (long steps: it is still computing, not gone)?"""
-    step = peer.step_seconds or 0.0
-    return now - peer.time < max(RECENT_REPORT, RECENT_STEPS * step)
+    step = float(peer.step_seconds or 0.0)
+    return bool(now - peer.time < max(RECENT_REPORT, RECENT_STEPS * step))
 
 
 class EpochRounds:
@@ -117,9 +117,7 @@ class EpochRounds:
         """The longest step time among the peers this epoch's round waits for (0 when none
         says): a round must wait that long for the last of them to reach it."""
         awaited = self.awaited(view, epoch, now)
-        return max(
-            (p.step_seconds or 0.0 for p in view.peers if p.peer_id in awaited), default=0.0
-        )
+        return max((p.step_seconds or 0.0 for p in view.peers if p.peer_id in awaited), default=0.0)
 
     def projected_samples(
         self, view: Any, epoch: int, own: int, own_rate: float, now: float | None = None
@@ -221,7 +219,7 @@ class EpochRounds:
 
 
 def wait_unless_left_behind(
-    future: concurrent.futures.Future, epoch: int, period: float, view: Callable[[], Any]
+    future: concurrent.futures.Future[Any], epoch: int, period: float, view: Callable[[], Any]
 ) -> bool:
     """Wait for a round of ``epoch``; False as soon as the swarm's view shows a later epoch
     first (the peers the round waits for have moved on: it can only time out, while the

@@ -32,6 +32,7 @@ import torch
 from compression import Codec, Float16, GraVAC, TopK, TwoWayCompression, Uniform8Bit
 from moshpit.training.adaptive_period import AdaptivePeriod
 from moshpit.training.modes.base import TrainingMode
+from moshpit.training.modes.options import LocalOptions
 
 logger = logging.getLogger(__name__)
 
@@ -58,52 +59,36 @@ def local_compression(compression: Any) -> Any:
 
 
 class LocalMode(TrainingMode):
-    """Knobs: ``average_every`` (initial H, default 4), ``adaptive_period`` (default True),
-    ``max_period`` (64), ``calibration_rounds`` (3), ``period_tolerance`` (1.0),
-    ``period_growth`` (2.0), ``wait_for_rounds`` (False: averaging never stalls training),
-    ``round_timeout``, ``compression`` (None, "fp16", "8bit", a codec),
-    ``checkpoint_every_epochs`` (1 when a ``checkpoint_dir`` is given: what joiners load)."""
+    """Local steps with parameters averaged in the background every H steps, H adapting over
+    training; its knobs are in ``LocalOptions``."""
 
     name = "local"
 
-    def __init__(
-        self,
-        optimizer: Any,
-        *,
-        average_every: int = 4,
-        adaptive_period: bool = True,
-        max_period: int = 64,
-        calibration_rounds: int = 3,
-        period_tolerance: float = 1.0,
-        period_growth: float = 2.0,
-        wait_for_rounds: bool = False,
-        round_timeout: float | None = None,
-        compression: Any = None,
-        checkpoint_every_epochs: int | None = 1,
-    ) -> None:
+    def __init__(self, optimizer: Any, options: LocalOptions) -> None:
         super().__init__(optimizer)
         self.period = AdaptivePeriod(
-            average_every,
-            adaptive=adaptive_period,
-            max_period=max(max_period, average_every),
-            calibration_rounds=calibration_rounds,
-            tolerance=period_tolerance,
-            growth=period_growth,
+            options.average_every,
+            adaptive=options.adaptive_period,
+            max_period=max(options.max_period, options.average_every),
+            calibration_rounds=options.calibration_rounds,
+            tolerance=options.period_tolerance,
+            growth=options.period_growth,
         )
-        self.wait_for_rounds = wait_for_rounds
-        self.round_timeout = round_timeout
+        self.wait_for_rounds = options.wait_for_rounds
+        self.round_timeout = options.round_timeout
         # [period, rounds, target, deviation_ema]; floats stored as their int64 bit patterns
         self._shared_period = torch.zeros(4, dtype=torch.int64)
         self._pack_period()
-        options: dict[str, Any] = {
+        state_options: dict[str, Any] = {
             "extra_tensors": [*optimizer.extra_tensors, self._shared_period],
         }
-        codec = local_compression(compression)
+        codec = local_compression(options.compression)
         if codec is not None:
-            options["compression"] = codec
-        if optimizer.checkpoint_dir is not None and checkpoint_every_epochs is not None:
-            options["checkpoint_every_epochs"] = checkpoint_every_epochs
-        self.state = optimizer.make_state_averager(optimizer.inner, **options)
+            state_options["compression"] = codec
+        every = options.checkpoint_every_epochs
+        if optimizer.checkpoint_dir is not None and every is not None:
+            state_options["checkpoint_every_epochs"] = every
+        self.state = optimizer.make_state_averager(optimizer.inner, **state_options)
         self.local_steps = 0  # since the last round started
         self.samples = 0  # since the last round started
         self.rounds_started = 0

@@ -57,7 +57,7 @@ class FragmentRound:
     epoch: int
     indices: list[int]  # the fragment's parameters (fragment epoch % F)
     averager: Any
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future[Any]
     start_local: list[torch.Tensor]
     digest: bytes
     steps_since_start: int = 0

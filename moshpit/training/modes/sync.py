@@ -39,6 +39,7 @@ computed and applies its result one step late (see docs/training.md, "sync").
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -51,6 +52,7 @@ from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.grad_averager import GradientAverager, GradientRound, grads_prefix
 from moshpit.training.modes.base import TrainingMode, params_of
 from moshpit.training.modes.epoch_rounds import EpochRounds, wait_unless_left_behind
+from moshpit.training.modes.options import SyncOptions
 from moshpit.training.preemption import critical_section
 
 logger = logging.getLogger(__name__)
@@ -60,51 +62,33 @@ SHORT_EPOCHS_GOAL = 4.0  # suggest a target with compute >= 4x the round time
 
 
 class SyncMode(TrainingMode):
-    """Knobs: ``refresh_period`` (s between two reads of the swarm's progress, default: the
-    tracker's ``min_refresh_period``), ``round_timeout`` (s, default: the averager's own
-    timeouts), ``compression``, ``dgc`` (False) with ``dgc_options`` (``compression`` is then
-    chosen by DGC), ``delay_averaging`` (False), ``checkpoint_every_epochs`` (1 when a
-    ``checkpoint_dir`` is given: what donors serve to joiners and laggards)."""
+    """Synchronous data parallelism over the swarm, with its knobs in ``SyncOptions``: one
+    optimizer step per ``target_batch_size`` samples of the whole swarm, on the averaged
+    gradient (raw, compressed, or DGC's sparse update)."""
 
     name = "sync"
 
-    def __init__(
-        self,
-        optimizer: Any,
-        *,
-        refresh_period: float | None = None,
-        round_timeout: float | None = None,
-        compression: Any = None,
-        dgc: bool = False,
-        dgc_options: dict[str, Any] | None = None,
-        delay_averaging: bool = False,
-        checkpoint_every_epochs: int | None = 1,
-        serve_state: bool = True,
-    ) -> None:
+    def __init__(self, optimizer: Any, options: SyncOptions) -> None:
         super().__init__(optimizer)
-        if dgc and compression is not None:
-            raise ValueError("dgc=True chooses its own compression; drop compression=")
-        if not dgc and dgc_options:
-            raise ValueError("dgc_options need dgc=True")
         self.target = int(optimizer.target_batch_size)
         self.refresh_period = (
-            float(refresh_period)
-            if refresh_period is not None
+            float(options.refresh_period)
+            if options.refresh_period is not None
             else optimizer.tracker.min_refresh_period
         )
-        self.round_timeout = round_timeout
-        self.delay_averaging = delay_averaging
+        self.round_timeout = options.round_timeout
+        self.delay_averaging = options.delay_averaging
         self.gravac: GraVAC | None = None
+        compression = options.compression
         if isinstance(compression, GraVAC):
             self.gravac = compression
             compression = TwoWayCompression(compression.as_codec(), NoCompression())
         self.compression = compression
         self.dgc = None
-        if dgc:
+        if options.dgc:
             from moshpit.training.dgc import DGC
 
-            options = dict(dgc_options or {})
-            self.dgc = DGC(**options)
+            self.dgc = DGC(**(options.dgc_options or {}))
             if self.dgc.momentum_correction:
                 for group in optimizer.inner.param_groups:
                     if group.get("momentum", 0) or group.get("nesterov", False):
@@ -113,34 +97,31 @@ class SyncMode(TrainingMode):
                             "it a momentum-free optimizer, e.g. torch.optim.SGD(params, lr=...), "
                             "and set dgc_options={'momentum': ...}"
                         )
-        options: dict[str, Any] = {}
+        state_options: dict[str, Any] = {}
         self._serve_dir: str | None = None
-        if optimizer.checkpoint_dir is None and serve_state:
+        if optimizer.checkpoint_dir is None and options.serve_state:
             # a peer that missed one round can only come back by loading state from a donor,
             # and only peers with a store serve: keep one in a temporary directory
             self._serve_dir = tempfile.mkdtemp(prefix="moshpit-sync-state-")
-            options["checkpoint_dir"] = self._serve_dir
-            options["keep_checkpoints"] = 1
-        if checkpoint_every_epochs is not None and (
-            optimizer.checkpoint_dir is not None or self._serve_dir is not None
-        ):
-            options["checkpoint_every_epochs"] = checkpoint_every_epochs
+            state_options["checkpoint_dir"] = self._serve_dir
+            state_options["keep_checkpoints"] = 1
+        every = options.checkpoint_every_epochs
+        if every is not None and (optimizer.checkpoint_dir is not None or self._serve_dir):
+            state_options["checkpoint_every_epochs"] = every
         # the state averager only checkpoints, serves and loads: gradients keep peers in sync
         try:
-            self.state = optimizer.make_state_averager(optimizer.inner, **options)
+            self.state = optimizer.make_state_averager(optimizer.inner, **state_options)
         except BaseException:
             self._remove_serve_dir()
             raise
-        averager_options = dict(optimizer.averager_options)
-        averager_options.pop("compression", None)
         self.grads = GradientAverager(
             params_of(optimizer.inner),
             dht=optimizer.dht,
             run_id=optimizer.run_id,
             target_group_size=optimizer.target_group_size,
-            **averager_options,
+            config=dataclasses.replace(optimizer.averager_config, compression=None),
         )
-        self._default_compression = optimizer.averager_options.get("compression")
+        self._default_compression = optimizer.averager_config.compression
         self._last_refresh = -float("inf")
         self._next_catch_up = -float("inf")
         self._alone = False  # a round found nobody and the tracker shows nobody at our epoch

@@ -1,0 +1,165 @@
+"""Each training mode's knobs as one validated value: ``SyncOptions``, ``LocalOptions`` and
+``DiLoCoOptions``.
+
+``Optimizer(mode="diloco", inner_steps=50)`` and ``Optimizer(mode=DiLoCoOptions(inner_steps=50))``
+build the same thing; either way the options are checked when the Optimizer is made, with the
+option's name in the message, and the mode's constructor reads typed fields instead of a
+keyword soup. What can only be checked against the model or the swarm (fragments against the
+parameter count, inner_steps against target_batch_size, a codec's name) stays in the mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+__all__ = ["DiLoCoOptions", "LocalOptions", "ModeOptions", "SyncOptions", "options_for"]
+
+
+def _positive_seconds(name: str, value: Any) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def _integer(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeOptions:
+    """What every mode takes. ``checkpoint_every_epochs``: with a ``checkpoint_dir``, write
+    a checkpoint every this many epochs (what donors serve to joiners and laggards); None:
+    only the Optimizer's ``checkpoint_every_seconds``."""
+
+    mode: ClassVar[str] = ""
+    checkpoint_every_epochs: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every_epochs is not None:
+            _integer("checkpoint_every_epochs", self.checkpoint_every_epochs, 1)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncOptions(ModeOptions):
+    """``mode="sync"``: ``refresh_period`` (s between two reads of the swarm's progress;
+    default: the tracker's ``min_refresh_period``), ``round_timeout`` (s; default: the
+    averager's own timeouts), ``compression`` (a codec), ``dgc`` with ``dgc_options`` (DGC then
+    chooses the compression), ``delay_averaging`` (each round overlaps the next batch),
+    ``serve_state`` (keep a temporary store to serve a peer that missed a round, when there
+    is no ``checkpoint_dir``)."""
+
+    mode: ClassVar[str] = "sync"
+    refresh_period: float | None = None
+    round_timeout: float | None = None
+    compression: Any = None
+    dgc: bool = False
+    dgc_options: dict[str, Any] | None = None
+    delay_averaging: bool = False
+    serve_state: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive_seconds("refresh_period", self.refresh_period)
+        _positive_seconds("round_timeout", self.round_timeout)
+        if self.dgc and self.compression is not None:
+            raise ValueError("dgc=True chooses its own compression; drop compression=")
+        if not self.dgc and self.dgc_options:
+            raise ValueError("dgc_options need dgc=True")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalOptions(ModeOptions):
+    """``mode="local"``: ``average_every`` (the initial period H in steps), ``adaptive_period``
+    with ``max_period``, ``calibration_rounds``, ``period_tolerance`` and ``period_growth``
+    (see ``adaptive_period.py``), ``wait_for_rounds`` (False: averaging never stalls
+    training), ``round_timeout`` (s), ``compression`` (None, "fp16", "8bit" or a dense
+    codec)."""
+
+    mode: ClassVar[str] = "local"
+    average_every: int = 4
+    adaptive_period: bool = True
+    max_period: int = 64
+    calibration_rounds: int = 3
+    period_tolerance: float = 1.0
+    period_growth: float = 2.0
+    wait_for_rounds: bool = False
+    round_timeout: float | None = None
+    compression: Any = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _integer("average_every", self.average_every, 1)
+        _integer("max_period", self.max_period, 1)
+        _positive_seconds("round_timeout", self.round_timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCoOptions(ModeOptions):
+    """``mode="diloco"``: ``inner_steps`` (H; default 500, or unset when the Optimizer's
+    ``target_batch_size`` sets swarm-wide epochs), ``outer_lr``, ``outer_momentum``,
+    ``nesterov``, ``compression`` ("fp16", "8bit", "4bit", "topk", "sparse2bit", a codec, a
+    ``TwoWayCompression`` or a ``GraVAC``) with ``topk_density``, ``round_timeout`` (s),
+    ``refresh_period`` (s), and streaming DiLoCo's ``fragments`` and ``overlap_steps``."""
+
+    mode: ClassVar[str] = "diloco"
+    inner_steps: int | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    compression: Any = None
+    topk_density: float = 0.01
+    round_timeout: float | None = None
+    refresh_period: float | None = None
+    fragments: int = 1
+    overlap_steps: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.inner_steps is not None:
+            _integer("inner_steps", self.inner_steps, 1)
+        ok = isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
+        if not ok or not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"outer_lr must be positive, got {self.outer_lr!r}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        _integer("fragments", self.fragments, 1)
+        _integer("overlap_steps", self.overlap_steps, 0)
+        _positive_seconds("round_timeout", self.round_timeout)
+        _positive_seconds("refresh_period", self.refresh_period)
+
+
+_BY_MODE: dict[str, type[ModeOptions]] = {
+    cls.mode: cls for cls in (SyncOptions, LocalOptions, DiLoCoOptions)
+}
+
+
+def options_for(mode: str | ModeOptions, **overrides: Any) -> ModeOptions:
+    """The options of ``mode`` (a mode name or a ``*Options`` value) with ``overrides`` on top.
+    An option the mode does not take is a ``TypeError`` naming the ones it does."""
+    if isinstance(mode, ModeOptions):
+        cls: type[ModeOptions] = type(mode)
+        base: ModeOptions | None = mode
+    elif mode in _BY_MODE:
+        cls, base = _BY_MODE[mode], None
+    else:
+        names = ", ".join(map(repr, _BY_MODE))
+        raise ValueError(f"mode must be one of {names} or a mode's options; got {mode!r}")
+    known = cls.field_names()
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) for mode={cls.mode!r}: {', '.join(unknown)}; "
+            f"it takes: {', '.join(known)}"
+        )
+    if base is None:
+        return cls(**overrides)
+    return dataclasses.replace(base, **overrides) if overrides else base
