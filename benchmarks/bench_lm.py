@@ -421,6 +421,25 @@ def max_rise(curve: list[list[float]]) -> float:
     return round(rise, 4)
 
 
+def ddp_step_too_slow(args: argparse.Namespace, link: str) -> str | None:
+    """Why DDP cannot run on ``link`` (None if it can): one step's ring all-reduce of the
+    float32 gradient would take longer than the whole budget (and gloo's start, a broadcast
+    of the weights to every rank, longer than its 120-s timeout)."""
+    rate = link_bits_per_second(link)
+    if rate is None:
+        return None
+    from lm_task import make_model
+
+    numel = sum(p.numel() for p in make_model(context=CONTEXT).parameters())
+    seconds = 2 * (args.peers - 1) / args.peers * 4 * numel * 8 / rate
+    if seconds <= args.budget:
+        return None
+    return (
+        f"one DDP step would take {seconds:.0f} s on {link} (ring all-reduce of "
+        f"{4 * numel / 1e6:.1f} MB), more than the {args.budget:.0f}-s budget"
+    )
+
+
 def time_to(curve: list[list[float]], target: float) -> float | None:
     """The first wall-clock time the curve reaches ``target`` (linear between points)."""
     for (t0, l0), (t1, l1) in zip(curve, curve[1:], strict=False):
@@ -432,27 +451,32 @@ def time_to(curve: list[list[float]], target: float) -> float | None:
 
 
 def summarize(rows: list[dict]) -> dict:
+    """Per link: every method's final loss and bytes; with DDP in the run (it cannot run on
+    the slowest links), also the time to DDP's final loss and the bytes, as ratios to DDP."""
     ddp = next((r for r in rows if r["method"] == "ddp"), None)
     out: dict[str, Any] = {"kind": "summary", "link": rows[0]["link"]}
-    if ddp is None:
-        return out
-    target = ddp["final_bpb_worker0"]
-    ddp_time = time_to(ddp["curve_worker0"], target) or ddp["budget_s"]
-    out.update(ddp_final_bpb=target, ddp_time_to_final_s=ddp_time)
+    target = ddp_time = None
+    if ddp is not None:
+        target = ddp["final_bpb_worker0"]
+        ddp_time = time_to(ddp["curve_worker0"], target) or ddp["budget_s"]
+        out.update(ddp_final_bpb=target, ddp_time_to_final_s=ddp_time)
     for r in rows:
-        took = time_to(r["curve_worker0"], target)
-        out[r["method"]] = {
-            "time_to_ddp_loss_s": took,
-            "final_bpb": r["final_bpb_worker0"],
-            "time_to_ddp_loss_vs_ddp": None if took is None else round(took / ddp_time, 2),
-            "bytes_vs_ddp": round(
-                r["payload_bytes_sent_per_peer"] / max(1, ddp["payload_bytes_sent_per_peer"]), 4
-            ),
-        }
+        entry: dict[str, Any] = {"final_bpb": r["final_bpb_worker0"]}
+        if ddp is not None and target is not None and ddp_time:
+            took = time_to(r["curve_worker0"], target)
+            entry.update(
+                time_to_ddp_loss_s=took,
+                time_to_ddp_loss_vs_ddp=None if took is None else round(took / ddp_time, 2),
+                bytes_vs_ddp=round(
+                    r["payload_bytes_sent_per_peer"] / max(1, ddp["payload_bytes_sent_per_peer"]),
+                    4,
+                ),
+            )
         for name in ("bytes_per_outer_step_per_peer", "compression_vs_float32",
                      "rounds_failed_all", "max_loss_rise_bpb"):  # fmt: skip
             if name in r:
-                out[r["method"]][name] = r[name]
+                entry[name] = r[name]
+        out[r["method"]] = entry
     lockstep = next((r for r in rows if r["method"] == "diloco"), None)
     if lockstep is not None:  # swarm-wide epochs against lockstep: time to its final loss
         goal = lockstep["final_bpb_worker0"]
@@ -586,19 +610,26 @@ def main() -> int:
     for link in args.links:
         rows: list[dict] = []
         for method in methods:
-            if link == "loopback":
-                rows.append(run_method(args, method, link, None))
-                _emit(rows[-1])
-            else:
-                from wan_testbed import WanTestbed, unavailable_reason
+            too_slow = method == "ddp" and ddp_step_too_slow(args, link)
+            if too_slow:
+                _emit({"kind": "skipped", "link": link, "method": method, "reason": too_slow})
+                continue
+            try:
+                if link == "loopback":
+                    rows.append(run_method(args, method, link, None))
+                else:
+                    from wan_testbed import WanTestbed, unavailable_reason
 
-                reason = unavailable_reason()
-                if reason is not None:
-                    _emit({"kind": "skipped", "link": link, "reason": reason})
-                    break
-                with WanTestbed(args.peers, link) as tb:  # fresh per method: nothing left over
-                    rows.append(run_method(args, method, link, tb))
-                _emit(rows[-1])
+                    reason = unavailable_reason()
+                    if reason is not None:
+                        _emit({"kind": "skipped", "link": link, "reason": reason})
+                        break
+                    with WanTestbed(args.peers, link) as tb:  # fresh per method: no leftovers
+                        rows.append(run_method(args, method, link, tb))
+            except Exception as e:  # noqa: BLE001 - one method's crash must not end the race
+                _emit({"kind": "failed", "link": link, "method": method, "error": repr(e)})
+                continue
+            _emit(rows[-1])
         if rows:
             _emit(summarize(rows))
             all_rows += rows

@@ -3,7 +3,16 @@ from the curves, or the race's verdicts mean nothing."""
 
 from __future__ import annotations
 
-from benchmarks.bench_lm import link_bits_per_second, max_rise, summarize_race, time_to
+import argparse
+
+from benchmarks.bench_lm import (
+    ddp_step_too_slow,
+    link_bits_per_second,
+    max_rise,
+    summarize,
+    summarize_race,
+    time_to,
+)
 
 
 def _row(link: str, method: str, final: float) -> dict:
@@ -49,3 +58,24 @@ def test_the_race_compares_every_link_with_4bit_diloco_on_the_fastest():
     }
     # 2M parameters on 1 Mbit/s weigh what 90M do on a 45 Mbit/s uplink
     assert slow["equivalent_params_on_45mbit_uplink"] == 90_000_000
+
+
+def test_a_link_without_ddp_still_summarizes_every_method():
+    """DDP cannot start on 1 Mbit/s (its weight broadcast outlasts gloo's timeout): the link's
+    summary still gives each method's loss and bytes, without ratios to a missing DDP."""
+    row = _row("1mbit", "diloco_sparse2bit", 3.31)
+    row.update(curve_worker0=[[0, 5.0], [60, 3.31]], payload_bytes_sent_per_peer=250_000)
+    row["bytes_per_outer_step_per_peer"] = 62_500
+    summary = summarize([row])
+    assert summary["diloco_sparse2bit"] == {
+        "final_bpb": 3.31,
+        "bytes_per_outer_step_per_peer": 62_500,
+    }
+    assert "ddp_final_bpb" not in summary
+
+
+def test_ddp_is_skipped_only_where_one_step_outlasts_the_budget():
+    args = argparse.Namespace(peers=4, budget=60.0)
+    assert ddp_step_too_slow(args, "loopback") is None
+    assert ddp_step_too_slow(args, "10mbit") is None  # ~11 s a step: slow, but it runs
+    assert "109 s" in ddp_step_too_slow(args, "1mbit")
