@@ -543,16 +543,19 @@ def plot(rows: list[dict], path: str) -> None:
 
     links = sorted({r["link"] for r in rows}, key=LINKS.index)
     fig, axes = plt.subplots(2, len(links), figsize=(5.5 * len(links), 8.4), squeeze=False)
+    palette = plt.get_cmap("tab10").colors
+    present = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    colour = {m: palette[i % len(palette)] for i, m in enumerate(present)}  # same on every link
     for column, link in enumerate(links):
         by_time, by_bytes = axes[0][column], axes[1][column]
         for r in (r for r in rows if r["link"] == link):
             t, loss = zip(*r["curve_worker0"], strict=True)
             width = 2.2 if r["method"] == "ddp" else 1.4
-            by_time.plot(t, loss, label=r["method"], lw=width)
+            style = dict(label=r["method"], lw=width, color=colour[r["method"]])
+            by_time.plot(t, loss, **style)
             sent = [(b / 1e6, v) for b, v in zip(r["curve_bytes_sent_worker0"], loss, strict=True)]
             if any(b > 0 for b, _ in sent):  # log scale: from the first byte on
-                by_bytes.plot(*zip(*[(b, v) for b, v in sent if b > 0], strict=True),
-                              label=r["method"], lw=width)  # fmt: skip
+                by_bytes.plot(*zip(*[(b, v) for b, v in sent if b > 0], strict=True), **style)
         by_time.set(title=link, xlabel="wall clock (s)", ylabel="validation bits per byte")
         by_bytes.set(xlabel="MB sent per peer (log)", ylabel="validation bits per byte")
         by_bytes.set_xscale("log")
@@ -561,7 +564,7 @@ def plot(rows: list[dict], path: str) -> None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
 
 
 def main() -> int:
@@ -597,9 +600,26 @@ def main() -> int:
     parser.add_argument(
         "--profile", default=None, help="pyinstrument text of worker 1 to this file"
     )
+    parser.add_argument(
+        "--replot", nargs="+", default=None, metavar="JSONL",
+        help="no runs: read the rows of earlier runs' output, print the race line, draw --plot",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return 0
+    if args.replot:
+        import json
+
+        rows = [
+            row
+            for path in args.replot
+            for row in map(json.loads, Path(path).read_text().splitlines())
+            if row.get("kind") == "run"
+        ]
+        _emit(summarize_race(rows))
+        if args.plot:
+            plot(rows, args.plot)
         return 0
     methods = ["ddp"] + [m for m in args.methods if m != "ddp"]  # the baseline, same run
     _emit({"kind": "machine", "date": datetime.date.today().isoformat(),
