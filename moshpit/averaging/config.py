@@ -125,13 +125,3 @@ class AveragerConfig:
                 f"known: {', '.join(sorted(known))}"
             )
         return dataclasses.replace(base, **options) if options else base
-
-    def changed(self) -> dict[str, Any]:
-        """The fields that differ from the defaults (for logs and for layers that pass them on
-        as keyword arguments)."""
-        default = AveragerConfig()
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(default, f.name)
-        }
