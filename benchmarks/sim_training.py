@@ -221,6 +221,19 @@ class Stats:
     published: dict[bytes, tuple[int, list[torch.Tensor] | None]] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
+    def failed_round(self, result: StepResult) -> None:
+        """Count a failed round under (the start of) its reason."""
+        self.rounds_failed += 1
+        reason = str(result.reason)[:60]
+        self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
+
+    def check_thetas(self, result: StepResult, digest: bytes) -> None:
+        """``DiLoCoMode._check_thetas``: a member that started from another θ is counted."""
+        gathered = result.gathered.values()
+        thetas = [g.get("theta") if isinstance(g, dict) else None for g in gathered]
+        if result.succeeded and any(t != digest for t in thetas):
+            self.theta_mismatches += 1
+
 
 @dataclass
 class SimRound:
@@ -476,9 +489,7 @@ class SimPeer:
         result, self.round, self.round_running = self.round, None, False
         stats = self.sim.stats
         if not result.succeeded:
-            stats.rounds_failed += 1
-            reason = str(result.reason)[:60]
-            stats.failure_reasons[reason] = stats.failure_reasons.get(reason, 0) + 1
+            stats.failed_round(result)
             return
         delta_sq = norm_sq = mean_sq = 0.0
         with torch.no_grad():
@@ -523,19 +534,26 @@ class SimPeer:
         if self.local_steps >= self.cfg.inner_steps:
             await self.outer_round()
 
+    async def may_start_round(self, view: Any, epoch: int) -> bool:
+        """``DiLoCoMode._may_start_round``: False when peers are past ``epoch`` (then catch up,
+        at most every refresh period); a peer at our epoch means we are not alone any more."""
+        same, ahead = self.rounds.others(view, epoch)
+        if ahead:
+            if trio.current_time() >= self.next_catch_up:
+                await self.catch_up()
+            return False
+        if same:
+            self.alone = False
+        return True
+
     async def outer_round(self) -> None:
         """``DiLoCoMode._outer_round``."""
         epoch, stats = self.epoch, self.sim.stats
         view = await self.view()
         if get_dht_time() - view.time > FRESH_VIEW:
             view = await self.view(force=True)
-        same, ahead = self.rounds.others(view, epoch)
-        if ahead:
-            if trio.current_time() >= self.next_catch_up:
-                await self.catch_up()
+        if not await self.may_start_round(view, epoch):
             return
-        if same:
-            self.alone = False
         with torch.no_grad():
             for d, t, p in zip(self.deltas, self.theta, self.params, strict=True):
                 torch.sub(t, p, out=d)
@@ -543,18 +561,13 @@ class SimPeer:
             self.apply(None)
             return
         result = await self.average(epoch, self.rounds.expected(view, epoch))
-        thetas = [g.get("theta") if isinstance(g, dict) else None for g in result.gathered.values()]
-        if result.succeeded and any(t != self._theta_digest for t in thetas):
-            stats.theta_mismatches += 1
+        stats.check_thetas(result, self._theta_digest)
         if result.succeeded and self.rounds.complete(result):
             stats.rounds_ok += 1
             self.apply(result)
             await self.checkpoint()
             return
-        stats.rounds_failed += 1
-        stats.failure_reasons[str(result.reason)[:60]] = (
-            stats.failure_reasons.get(str(result.reason)[:60], 0) + 1
-        )
+        stats.failed_round(result)
         view = await self.view(force=True)
         same, ahead = self.rounds.others(view, epoch)
         self.rounds.forget_unseen(view)
@@ -611,13 +624,8 @@ class SimPeer:
         averaged in the background with the peers of the epoch; the matchmaking window is
         widened by ``RECENT_STEPS`` times the slowest awaited peer's step."""
         epoch = self.epoch
-        same, ahead = self.rounds.others(view, epoch)  # _may_start_round
-        if ahead:
-            if trio.current_time() >= self.next_catch_up:
-                await self.catch_up()
+        if not await self.may_start_round(view, epoch):
             return
-        if same:
-            self.alone = False
         start_local = [p.detach().clone() for p in self.params]
         with torch.no_grad():
             for d, t, local in zip(self.deltas, self.theta, start_local, strict=True):
@@ -684,18 +692,14 @@ class SimPeer:
         result = rnd.result
         if result is None:  # cancelled
             result = StepResult(False, rnd.averager.keys.key, reason="the swarm moved on")
-        thetas = [g.get("theta") if isinstance(g, dict) else None for g in result.gathered.values()]
-        if result.succeeded and any(t != rnd.digest for t in thetas):
-            stats.theta_mismatches += 1
+        stats.check_thetas(result, rnd.digest)
         if result.succeeded and self.rounds.complete(result):
             stats.rounds_ok += 1
             self.commit(rnd)
             self.apply_merged(rnd.epoch, rnd.start_local, result)
             await self.checkpoint()
             return
-        stats.rounds_failed += 1
-        reason = str(result.reason)[:60]
-        stats.failure_reasons[reason] = stats.failure_reasons.get(reason, 0) + 1
+        stats.failed_round(result)
         view = self.tracker.global_progress  # cached, as _land reads it
         same, ahead = self.rounds.others(view, rnd.epoch)
         self.rounds.forget_unseen(view)
