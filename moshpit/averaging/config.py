@@ -19,6 +19,8 @@ __all__ = [
     "DEFAULT_MIN_MATCHMAKING_TIME",
     "DEFAULT_REQUEST_TIMEOUT",
     "AveragerConfig",
+    "check_integer",
+    "check_seconds",
     "default_matchmaking_timeout",
 ]
 
@@ -32,14 +34,19 @@ def default_matchmaking_timeout(min_matchmaking_time: float, request_timeout: fl
     return max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)
 
 
-def _seconds(name: str, value: Any, *, positive: bool) -> None:
+def check_seconds(name: str, value: Any, *, positive: bool, optional: bool = False) -> None:
+    """A ``ValueError`` naming ``name`` unless ``value`` is a finite number of seconds (> 0 if
+    ``positive``; None passes if ``optional``). The knobs' dataclasses share it."""
+    if optional and value is None:
+        return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (positive and value == 0):
         kind = "a positive" if positive else "a finite"
         raise ValueError(f"{name} must be {kind} number of seconds, got {value!r}")
 
 
-def _count(name: str, value: Any, *, minimum: int) -> None:
+def check_integer(name: str, value: Any, *, minimum: int) -> None:
+    """A ``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
@@ -73,13 +80,12 @@ class AveragerConfig:
     def __post_init__(self) -> None:
         if self.client_mode and self.auxiliary:
             raise ValueError("a peer cannot be both client_mode and auxiliary")
-        _count("min_group_size", self.min_group_size, minimum=1)
-        _seconds("min_matchmaking_time", self.min_matchmaking_time, positive=False)
+        check_integer("min_group_size", self.min_group_size, minimum=1)
+        check_seconds("min_matchmaking_time", self.min_matchmaking_time, positive=False)
         for name in ("request_timeout", "allreduce_timeout", "ban_seconds"):
-            _seconds(name, getattr(self, name), positive=True)
+            check_seconds(name, getattr(self, name), positive=True)
         for name in ("matchmaking_timeout", "sender_timeout", "reducer_timeout"):
-            if getattr(self, name) is not None:
-                _seconds(name, getattr(self, name), positive=True)
+            check_seconds(name, getattr(self, name), positive=True, optional=True)
         bandwidth = self.bandwidth
         if bandwidth is not None and (
             isinstance(bandwidth, bool)
@@ -88,8 +94,8 @@ class AveragerConfig:
         ):
             raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
         if self.expected_num_peers is not None:
-            _count("expected_num_peers", self.expected_num_peers, minimum=1)
-        _count("ban_after_failures", self.ban_after_failures, minimum=1)
+            check_integer("expected_num_peers", self.expected_num_peers, minimum=1)
+        check_integer("ban_after_failures", self.ban_after_failures, minimum=1)
         bits = self.initial_group_bits
         if bits is not None and (not isinstance(bits, str) or set(bits) - {"0", "1"}):
             raise ValueError(f"initial_group_bits must be a string of 0s and 1s, got {bits!r}")

@@ -78,8 +78,9 @@ class GradientAverager:
     :param dht: a running ``moshpit.DHT``.
     :param run_id: the run's name; rounds use ``grads_prefix(run_id, epoch)``.
     :param target_group_size: Moshpit group size.
-    :param averager_options: for each round's :class:`~moshpit.Averager` (timeouts,
-      ``compression=`` a codec or ``TwoWayCompression``, ...).
+    :param config: for each round's :class:`~moshpit.Averager` (an ``AveragerConfig``);
+      ``averager_options`` (timeouts, ``compression=`` a codec or ``TwoWayCompression``, ...)
+      go on top of it.
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class GradientAverager:
         dht: Any,
         run_id: str,
         target_group_size: int,
+        config: AveragerConfig | None = None,
         **averager_options: Any,
     ) -> None:
         self.params = list(params)
@@ -97,9 +99,7 @@ class GradientAverager:
         self.dht = dht
         self.run_id = run_id
         self.target_group_size = target_group_size
-        self.averager_config = AveragerConfig.build(
-            averager_options.pop("config", None), **averager_options
-        )
+        self.averager_config = AveragerConfig.build(config, **averager_options)
         self.sums = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
         # what a round averages in place (local mean, or DGC's sparse update); a round's
         # averager is the only writer while it runs

@@ -14,20 +14,9 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
+from moshpit.averaging.config import check_integer, check_seconds
+
 __all__ = ["DiLoCoOptions", "LocalOptions", "ModeOptions", "SyncOptions", "options_for"]
-
-
-def _positive_seconds(name: str, value: Any) -> None:
-    if value is None:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-
-
-def _integer(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +30,7 @@ class ModeOptions:
 
     def __post_init__(self) -> None:
         if self.checkpoint_every_epochs is not None:
-            _integer("checkpoint_every_epochs", self.checkpoint_every_epochs, 1)
+            check_integer("checkpoint_every_epochs", self.checkpoint_every_epochs, minimum=1)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -68,8 +57,8 @@ class SyncOptions(ModeOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _positive_seconds("refresh_period", self.refresh_period)
-        _positive_seconds("round_timeout", self.round_timeout)
+        check_seconds("refresh_period", self.refresh_period, positive=True, optional=True)
+        check_seconds("round_timeout", self.round_timeout, positive=True, optional=True)
         if self.dgc and self.compression is not None:
             raise ValueError("dgc=True chooses its own compression; drop compression=")
         if not self.dgc and self.dgc_options:
@@ -97,9 +86,9 @@ class LocalOptions(ModeOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _integer("average_every", self.average_every, 1)
-        _integer("max_period", self.max_period, 1)
-        _positive_seconds("round_timeout", self.round_timeout)
+        check_integer("average_every", self.average_every, minimum=1)
+        check_integer("max_period", self.max_period, minimum=1)
+        check_seconds("round_timeout", self.round_timeout, positive=True, optional=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +114,16 @@ class DiLoCoOptions(ModeOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.inner_steps is not None:
-            _integer("inner_steps", self.inner_steps, 1)
+            check_integer("inner_steps", self.inner_steps, minimum=1)
         ok = isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool)
         if not ok or not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr!r}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
-        _integer("fragments", self.fragments, 1)
-        _integer("overlap_steps", self.overlap_steps, 0)
-        _positive_seconds("round_timeout", self.round_timeout)
-        _positive_seconds("refresh_period", self.refresh_period)
+        check_integer("fragments", self.fragments, minimum=1)
+        check_integer("overlap_steps", self.overlap_steps, minimum=0)
+        check_seconds("round_timeout", self.round_timeout, positive=True, optional=True)
+        check_seconds("refresh_period", self.refresh_period, positive=True, optional=True)
 
 
 _BY_MODE: dict[str, type[ModeOptions]] = {
