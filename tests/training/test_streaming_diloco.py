@@ -26,6 +26,22 @@ def _loss(model, idx):
     return torch.nn.functional.mse_loss(model(X[idx]).squeeze(-1), Y[idx])
 
 
+def _streaming_opts(dhts, models, **options):
+    """One streaming-DiLoCo Optimizer (2 fragments, Adam inside, 1-s matchmaking) per peer."""
+    fast = dict(FAST, min_matchmaking_time=1.0)
+    return [
+        _opt(
+            d,
+            m,
+            inner=torch.optim.Adam(m.parameters(), lr=0.01),
+            fragments=2,
+            averager_options=fast,
+            **options,
+        )  # fmt: skip
+        for d, m in zip(dhts, models, strict=True)
+    ]
+
+
 def test_fragments_are_contiguous_balanced_and_never_empty():
     assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
     assert split_fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
@@ -96,20 +112,7 @@ def test_no_inner_step_waits_for_a_round_in_flight(make_dhts, monkeypatch):
 def test_two_peers_have_bit_identical_theta_after_every_fragment_round(make_dhts, compression):
     dhts = make_dhts(2)
     models = [_model() for _ in dhts]
-    fast = dict(FAST, min_matchmaking_time=1.0)
-    opts = [
-        _opt(
-            d,
-            m,
-            inner=torch.optim.Adam(m.parameters(), lr=0.01),
-            inner_steps=4,
-            fragments=2,
-            overlap_steps=2,
-            compression=compression,
-            averager_options=fast,
-        )
-        for d, m in zip(dhts, models, strict=True)
-    ]
+    opts = _streaming_opts(dhts, models, inner_steps=4, overlap_steps=2, compression=compression)
     theta_at: list[dict[int, list[torch.Tensor]]] = [{}, {}]
     epochs = 6
 
@@ -171,21 +174,14 @@ def test_fragment_rounds_on_the_swarms_sample_schedule_never_fail(make_dhts):
     and θ is bit-identical on every peer after every fragment round."""
     dhts = make_dhts(3)
     models = [_model() for _ in dhts]
-    fast = dict(FAST, min_matchmaking_time=1.0)
-    opts = [
-        _opt(
-            d,
-            m,
-            inner=torch.optim.Adam(m.parameters(), lr=0.01),
-            inner_steps=None,
-            target_batch_size=3 * BATCH * 8,  # ~8 steps of each peer per outer step
-            fragments=2,
-            compression="4bit",
-            target_group_size=3,
-            averager_options=fast,
-        )
-        for d, m in zip(dhts, models, strict=True)
-    ]
+    opts = _streaming_opts(
+        dhts,
+        models,
+        inner_steps=None,
+        target_batch_size=3 * BATCH * 8,  # ~8 steps of each peer per outer step
+        compression="4bit",
+        target_group_size=3,
+    )
     theta_at: list[dict[int, list[torch.Tensor]]] = [{}, {}, {}]
     steps = [0, 0, 0]
     epochs = 6
