@@ -35,8 +35,20 @@ def _wire(ct: CompressedTensor, max_numel: int | None = None) -> CompressedTenso
     return CompressedTensor.from_msg(msg, max_numel=max_numel or max(1, ct.numel))
 
 
-def _chunks(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    return list(x.reshape(-1).split(chunk))
+def _chunk_indices(n: int, chunk: int, interleave: bool) -> list[torch.Tensor]:
+    """The tensor positions of each chunk, in order: consecutive runs of ``chunk``, or
+    ``C = ceil(n / chunk)`` interleaved chunks (chunk j: j, j + C, ...) when n > chunk."""
+    if not interleave or n <= chunk:
+        return list(torch.arange(n).split(chunk))
+    count = -(-n // chunk)
+    return [torch.arange(j, n, count) for j in range(count)]
+
+
+def _kept_counts(n: int, chunk: int, k: int, interleave: bool) -> list[int]:
+    return [
+        k if idx.numel() == chunk else tail_count(k, chunk, idx.numel())
+        for idx in _chunk_indices(n, chunk, interleave)
+    ]
 
 
 def _sse(mags: list[float], j: int) -> float:
@@ -46,24 +58,33 @@ def _sse(mags: list[float], j: int) -> float:
     return err + (sum((v - sum(lo) / len(lo)) ** 2 for v in lo) if lo else 0.0)
 
 
+@pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 1000])
 @pytest.mark.parametrize("chunk,density", [(64, 0.1), (16, 0.5), (4096, 0.02), (1, 1.0)])
-def test_keeps_the_top_k_of_every_chunk_as_sign_and_two_magnitudes(n, chunk, density):
+def test_keeps_the_top_k_of_every_chunk_as_sign_and_two_magnitudes(n, chunk, density, interleave):
     """Reference check, one chunk at a time in Python: the kept set is the chunk's top k, each
     kept value decodes to exactly +-lo or +-hi of its chunk with its own sign, the hi group is
     the largest magnitudes, and (lo, hi) is the best 2-level split of the kept magnitudes."""
     gen = torch.Generator().manual_seed(n + chunk)
     x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen).pow(3) * 10
-    codec = TopK2Bit(density, chunk=chunk)
+    codec = TopK2Bit(density, chunk=chunk, interleave=interleave)
     ct = codec.compress(x)
     y = decompress(_wire(ct))
     positions, _, scales = TopK2Bit.parse(ct)
     k = min(chunk, max(1, round(density * chunk)))
     assert ct.meta["k"] == k and ct.meta["chunk"] == chunk
-    start = 0
-    for i, (xc, yc) in enumerate(zip(_chunks(x, chunk), _chunks(y, chunk), strict=True)):
+    assert ct.meta["interleave"] == int(interleave)
+    indices = _chunk_indices(n, chunk, interleave)
+    assert len(scales) == len(indices)
+    first = 0
+    for i, idx in enumerate(indices):
+        xc, yc = x[idx], y[idx]
         kept_here = k if xc.numel() == chunk else tail_count(k, chunk, xc.numel())
-        mine = positions[(positions >= start) & (positions < start + xc.numel())] - start
+        # parse lists the kept positions chunk after chunk, ascending inside each
+        in_chunk = positions[first : first + kept_here]
+        first += kept_here
+        assert bool(torch.isin(in_chunk, idx).all()) and bool((in_chunk.diff() > 0).all())
+        mine = torch.isin(idx, in_chunk).nonzero().squeeze(1)  # offsets inside the chunk
         assert mine.numel() == kept_here
         # the kept magnitudes are the chunk's largest (ties aside: compare the values)
         top = torch.topk(xc.abs(), kept_here).values
@@ -86,19 +107,22 @@ def test_keeps_the_top_k_of_every_chunk_as_sign_and_two_magnitudes(n, chunk, den
         assert hi == pytest.approx(sum(mags[:nhi]) / nhi, rel=1e-6)
         if nhi < len(mags):
             assert lo == pytest.approx(sum(mags[nhi:]) / (len(mags) - nhi), rel=1e-6)
-        start += xc.numel()
+    assert first == positions.numel()
 
 
-def test_decoding_is_exact_and_matches_what_error_feedback_sees(device):
+@pytest.mark.parametrize("interleave", [True, False])
+def test_decoding_is_exact_and_matches_what_error_feedback_sees(device, interleave):
     x = torch.randn(3 * 4096 + 77, generator=torch.Generator().manual_seed(2))
     x[12288:] *= 1e-3  # a tail of tiny values
-    x[[100, 5000, 12300]] = torch.tensor([50.0, -80.0, 7e-3])  # an outlier in each chunk
-    ct, decoded = TopK2Bit(0.02).roundtrip(x.to(device))
+    # an outlier in each of three chunks, both layouts (interleaved: 4 chunks, j = i mod 4,
+    # each a sample of the whole tensor: the third outlier must stand out of plain values)
+    outliers = torch.tensor([50.0, -80.0, 30.0 if interleave else 7e-3])
+    x[[100, 5001, 12302]] = outliers
+    ct, decoded = TopK2Bit(0.02, interleave=interleave).roundtrip(x.to(device))
     for target in ("cpu", device):
         assert torch.equal(decompress(_wire(ct), device=target).cpu(), decoded.cpu())
     # an outlier is a group of its own (the best split): it comes back exactly
-    for i in (100, 5000, 12300):
-        assert decoded[i] == x[i]
+    assert torch.equal(decoded.cpu()[[100, 5001, 12302]], outliers)
 
 
 def test_cuda_and_cpu_encode_to_the_same_bytes(device):
@@ -123,7 +147,7 @@ def test_bits_per_value_and_layout():
 
 def test_bitmap_when_it_is_smaller():
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(5))
-    dense = TopK2Bit(0.5, chunk=256).compress(x)
+    dense = TopK2Bit(0.5, chunk=256, interleave=False).compress(x)
     assert dense.meta["bitmap"] == 1 and dense.meta["width"] == 0
     m = 39 * 128 + tail_count(128, 256, 10_000 - 39 * 256)
     assert dense.nbytes == 8 * 40 + math.ceil(m / 4) + math.ceil(10_000 / 8)
@@ -131,6 +155,13 @@ def test_bitmap_when_it_is_smaller():
     assert positions.numel() == m and bool((positions.diff() > 0).all())
     sparse = TopK2Bit(0.05, chunk=256).compress(x)
     assert sparse.meta["bitmap"] == 0
+    # interleaved: 40 chunks of exactly 250 values, 125 kept each, the bitmap chunk by chunk
+    woven = TopK2Bit(0.5, chunk=256).compress(x)
+    assert woven.meta["bitmap"] == 1
+    positions, _, _ = TopK2Bit.parse(woven)
+    assert positions.numel() == 40 * 125 and positions.unique().numel() == 40 * 125
+    assert (positions.view(40, 125) % 40 == torch.arange(40).unsqueeze(1)).all()
+    assert torch.equal(decompress(_wire(woven)), TopK2Bit(0.5, chunk=256).roundtrip(x)[1])
 
 
 def test_density_and_chunk_are_checked():
@@ -158,23 +189,28 @@ def test_non_finite_input_is_refused():
     density=st.floats(0.001, 1.0),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
     seed=st.integers(0, 2**16),
+    interleave=st.booleans(),
 )
-def test_round_trip_property(n, log_chunk, density, dtype, seed):
+def test_round_trip_property(n, log_chunk, density, dtype, seed, interleave):
     """Any tensor: shape and dtype back, at most one kept value per position, exactly the
     per-chunk counts, every decoded value one of its chunk's four levels."""
     chunk = 1 << log_chunk
     x = (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
-    ct = TopK2Bit(density, chunk=chunk).compress(x)
+    ct = TopK2Bit(density, chunk=chunk, interleave=interleave).compress(x)
     y = decompress(_wire(ct))
     assert y.shape == x.shape and y.dtype == dtype
     positions, codes, scales = TopK2Bit.parse(ct)
-    k = ct.meta["k"]
-    nfull, tail = divmod(n, chunk)
-    assert positions.numel() == nfull * k + tail_count(k, chunk, tail) == codes.numel()
-    assert bool((positions.diff() > 0).all()) and (n == 0 or int(positions[-1]) < n)
-    counts = torch.bincount(positions // chunk, minlength=nfull + (tail > 0))
-    assert counts[:nfull].tolist() == [k] * nfull
-    level = scales[positions // chunk, (codes >> 1).long()]
+    counts = _kept_counts(n, chunk, ct.meta["k"], interleave)
+    assert positions.numel() == sum(counts) == codes.numel()
+    assert positions.unique().numel() == positions.numel()
+    assert n == 0 or (0 <= int(positions.min()) and int(positions.max()) < n)
+    chunk_of = torch.empty(n, dtype=torch.int64)
+    for j, idx in enumerate(_chunk_indices(n, chunk, interleave)):
+        chunk_of[idx] = j
+    owner = chunk_of[positions]  # chunk after chunk, ascending inside each
+    assert bool((owner.diff() >= 0).all()) and bool((positions.diff()[owner.diff() == 0] > 0).all())
+    assert torch.bincount(owner, minlength=len(counts)).tolist() == counts
+    level = scales[owner, (codes >> 1).long()]
     decoded = TopK2Bit.decode(ct, torch.device("cpu"))  # float32, before the cast to dtype
     assert torch.equal(decoded[positions].abs(), level)
     assert torch.equal(decoded.to(dtype), y)
@@ -211,7 +247,7 @@ def _with_gaps(msg: dict, gaps: torch.Tensor, width: int) -> dict:
 
 
 def test_positions_past_their_chunk_are_refused():
-    msg = _msg(TopK2Bit(0.1, chunk=64), 64 * 3 + 20)  # k = 6, tail of 20 keeps 2
+    msg = _msg(TopK2Bit(0.1, chunk=64, interleave=False), 64 * 3 + 20)  # k = 6, tail of 20 keeps 2
     assert msg["meta"]["k"] == 6 and msg["meta"]["bitmap"] == 0
     m = 3 * 6 + 2
     good = torch.zeros(m, dtype=torch.int64)  # positions 0..5 of each chunk: valid
@@ -231,11 +267,31 @@ def test_positions_past_their_chunk_are_refused():
     )
 
 
+def test_interleaved_offsets_past_their_chunk_are_refused():
+    """212 values, chunk 64: 4 interleaved chunks of 53 values (positions j, j + 4, ...), 5
+    kept each. An offset of 53 in chunk 1 would be position 213: refused, named."""
+    msg = _msg(TopK2Bit(0.1, chunk=64), 212)
+    meta = msg["meta"]
+    assert meta["interleave"] == 1 and meta["k"] == 6 and meta["bitmap"] == 0
+    head = 8 * 4 + math.ceil(20 / 4)
+
+    def with_gaps(gaps: torch.Tensor) -> dict:
+        payload = bytes(msg["payload"][:head]) + bytes(pack_uint(gaps, 6).numpy())
+        return {**msg, "payload": payload, "meta": {**meta, "width": 6}}
+
+    good = torch.zeros(20, dtype=torch.int64)  # offsets 0..4 of each chunk
+    positions = TopK2Bit.parse(CompressedTensor.from_msg(with_gaps(good), max_numel=212))[0]
+    assert positions.tolist() == [j + 4 * i for j in range(4) for i in range(5)]
+    over = good.clone()
+    over[5 + 4] = 53 - 4  # chunk 1's last offset becomes 53
+    _refused(with_gaps(over), PayloadValueError, r"chunk 1: position 53 .*index 213 out of range")
+
+
 def test_duplicate_or_unsorted_positions_cannot_be_expressed():
     """Gaps add at least 1: whatever the index bytes, positions come out strictly increasing
     inside their chunk, or the message is refused (what duplicates or a descending order
     would need is not representable)."""
-    msg = _msg(TopK2Bit(0.1, chunk=64), 200)
+    msg = _msg(TopK2Bit(0.1, chunk=64, interleave=False), 200)
     meta = msg["meta"]
     m = 3 * 6 + 1
     for seed in range(200):
@@ -254,7 +310,7 @@ def test_duplicate_or_unsorted_positions_cannot_be_expressed():
 
 
 def test_bitmap_counts_must_match():
-    msg = _msg(TopK2Bit(0.5, chunk=32), 32 * 4 + 6)  # k = 16; the tail of 6 keeps 3
+    msg = _msg(TopK2Bit(0.5, chunk=32, interleave=False), 32 * 4 + 6)  # k = 16; the tail of 6 keeps 3
     assert msg["meta"]["bitmap"] == 1
     payload = bytearray(msg["payload"])
     bitmap_at = len(payload) - math.ceil(134 / 8)
@@ -291,6 +347,8 @@ def test_bad_meta_and_lengths_are_refused_before_decoding():
         ("bitmap", 2),
         ("bitmap", True),
         ("k", 6.0),
+        ("interleave", 2),
+        ("interleave", None),  # absent
     ]:
         with pytest.raises(MalformedMessageError):
             CompressedTensor.from_msg({**msg, "meta": {**meta, key: value}}, max_numel=300)
@@ -341,7 +399,7 @@ def test_three_member_butterfly_aggregation():
     means = [torch.zeros(part_len, dtype=torch.float64) for _ in range(members)]
     returned = [torch.zeros(part_len, dtype=torch.float64) for _ in range(members)]
     true_mean = torch.zeros(members * part_len, dtype=torch.float64)
-    m = 5 * codec.k + tail_count(codec.k, 512, part_len - 5 * 512)
+    m = sum(_kept_counts(part_len, 512, codec.k, interleave=True))  # 6 chunks of 500: 15 each
     for _ in range(rounds):
         grads = [torch.randn(members * part_len, generator=gen) * (i + 1) for i in range(members)]
         true_mean += torch.stack(grads).double().mean(0)

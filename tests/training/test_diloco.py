@@ -350,12 +350,17 @@ def _mlp(hidden: int = 3072) -> torch.nn.Module:
 def test_sparse2bit_three_peers_end_every_outer_step_bit_identical_and_learn(make_dhts):
     """compression='sparse2bit': each member sends the top 2% of every 4096 values of its
     pseudo-gradient at 2 bits, each reducer sums the decoded parts and sends the mean back
-    re-sparsified, with error feedback on both sides."""
+    re-sparsified, with error feedback on both sides.
+
+    20 outer steps: with chunks of consecutive values (before chunks were interleaved), the
+    loss fell to ~0.6-1.0 by step 8 and then climbed back to 2-5 by step 20 in every run, as
+    the chunks that fell on the output layer held its update back in their residuals and
+    released it late. Interleaved, it keeps falling (10 runs: 0.20-0.58 at step 20)."""
     dhts = make_dhts(3)
     models = [_mlp() for _ in dhts]
     numel = sum(p.numel() for p in models[0].parameters())
     all_three = dict(FAST, min_group_size=3)
-    epochs = 8
+    epochs = 20
     peers = []
     try:
         for i, (d, m) in enumerate(zip(dhts, models, strict=True)):
@@ -395,15 +400,15 @@ def test_sparse2bit_three_peers_end_every_outer_step_bit_identical_and_learn(mak
                 theta = dict(zip(names, peers[0].theta_at[epoch], strict=True))
                 pred = torch.func.functional_call(models[0], theta, (X,)).squeeze(-1)
                 losses.append(float(torch.nn.functional.mse_loss(pred, Y)))
-        # the loss falls (5 runs: 13.6 -> 12.4-13.0, ..., 0.81-0.98); near its floor (~1) a
-        # step may nudge it up, as the group's parts, hence what each reducer re-sparsifies,
-        # change with the random group order (full-suite runs rose after 1.02, and from 1.15
-        # by over 10%): later steps may wobble, never run away from the best loss so far
+        # the loss falls (10 runs: 13.6 -> 12.2-13.4 -> ... -> 0.20-0.58 at step 20); a step
+        # may nudge it up, as the group's order, hence what each reducer re-sparsifies,
+        # changes from round to round (10 runs: at most 1.51x the best loss so far), but it
+        # never drifts back: the last loss is below every loss of the first 8 steps
         trace = f"start {start:.3f}, losses {[round(x, 3) for x in losses]}"
         assert all(b < a for a, b in zip([start, *losses[:5]], losses[:5], strict=False)), trace
         for k in range(5, epochs):
-            assert losses[k] < 1.5 * min(losses[:k]), trace
-        assert losses[-1] < 0.25 * start, trace
+            assert losses[k] < 2 * min(losses[:k]), trace
+        assert losses[-1] < min(losses[:8]) and losses[-1] < 0.06 * start, trace
     finally:
         _shutdown(peers)
 
