@@ -71,6 +71,9 @@ class RoutingTable:
         # called with (added, None) / (None, removed) whenever the set of contacts changes
         # (the node hands records to peers that became replicas of its keys)
         self.on_change: Callable[[Contact | None, Contact | None], None] | None = None
+        # called with the far half of every split: a bucket that may hold few of the peers in
+        # its range, as they were met before it existed (the node refreshes it)
+        self.on_split: Callable[[KBucket], None] | None = None
 
     def __len__(self) -> int:
         return len(self._by_peer)
@@ -124,7 +127,10 @@ class RoutingTable:
                     self.on_change(contact, None)
                 return None
             if bucket.covers(self.node_id) and bucket.upper - bucket.lower > 1:
-                self.buckets[index : index + 1] = bucket.split()
+                halves = bucket.split()
+                self.buckets[index : index + 1] = halves
+                if self.on_split is not None:
+                    self.on_split(halves[1] if halves[0].covers(self.node_id) else halves[0])
                 continue
             bucket.add_replacement(contact)
             oldest = next(iter(bucket.contacts.values()))

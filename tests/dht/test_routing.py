@@ -28,6 +28,22 @@ def test_nearest_matches_brute_force_and_table_splits():
     assert all(c.peer_id in table for c in own)
 
 
+def test_every_split_reports_the_far_half_with_what_it_holds():
+    """The node refreshes a bucket split off its own (DHTNode._on_split): the table must name
+    the half that does not cover our ID, once per split, with the contacts it inherited."""
+    rng = random.Random(3)
+    table = RoutingTable(rng.randrange(MAX_ID), bucket_size=4)
+    reported = []
+    table.on_split = lambda far: reported.append((far.lower, far.upper, len(far.contacts)))
+    for i in range(400):
+        table.add_or_update(contact(i, rng.randrange(MAX_ID)), now=0.0)
+    assert len(reported) == len(table.buckets) - 1 > 3  # one far half per split
+    ranges = {(b.lower, b.upper) for b in table.buckets}
+    for lower, upper, held in reported:
+        assert not lower <= table.node_id < upper and held <= 4
+        assert (lower, upper) in ranges  # far halves never split again
+
+
 def test_full_bucket_returns_oldest_and_keeps_newcomer_as_replacement():
     table = RoutingTable(0, bucket_size=2, recheck_after=1.0)
     far = MAX_ID // 2  # the upper half never contains our ID, so it never splits

@@ -105,6 +105,30 @@ async def test_joined_peers_know_their_neighbourhood(autojump_clock, virtual_dht
         assert known / (10 * len(nodes)) >= 0.99
 
 
+async def test_no_far_bucket_stays_empty_after_joining_through_one_address(
+    autojump_clock, virtual_dht_time
+):
+    """A far bucket is split off a node's own bucket whenever that one fills, often after the
+    join, and its range then holds only the peers met before. Unrefreshed until the periodic
+    refresh (10 min), 26-27 of 128 peers that joined one after another through one address
+    kept an empty far bucket over 25-65 live peers; lookups through them could not reach
+    that range, and a 256-peer CI run stored a key away from its true nearest and missed it.
+    Every split now refreshes its far half (DHTNode._on_split)."""
+    async with open_swarm(1, seed=5) as swarm:
+        first = swarm.nodes[0]
+        for _ in range(127):
+            await swarm.add(initial=[first])
+        await trio.sleep(5)  # the last joiners' refresh lookups
+        ids = sorted(n.node_id for n in swarm.nodes)
+        gaps = []
+        for node in swarm.nodes:
+            for bucket in node.routing_table.buckets:
+                live = sum(bucket.lower <= i < bucket.upper for i in ids)
+                if not bucket.covers(node.node_id) and not bucket.contacts and live >= 3:
+                    gaps.append((swarm.nodes.index(node), hex(bucket.lower)[:6], live))
+        assert not gaps, gaps
+
+
 @pytest.mark.slow
 async def test_churn_30_percent(autojump_clock, virtual_dht_time):
     """After 30% of the peers die, 99% of the keys that still have a live replica can be read,
