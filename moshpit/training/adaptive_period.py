@@ -22,6 +22,7 @@ With ``adaptive=False`` the period stays ``initial_period`` (constant-period ave
 from __future__ import annotations
 
 import math
+from typing import Any
 
 __all__ = ["AdaptivePeriod"]
 
@@ -89,7 +90,7 @@ class AdaptivePeriod:
         self._calibration.clear()
         self.history.append(self.period)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "period": self.period,
             "target": self.target,
@@ -98,7 +99,7 @@ class AdaptivePeriod:
             "calibration": list(self._calibration),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.period = int(state["period"])
         self.target = state["target"]
         self.deviation_ema = state["deviation_ema"]

@@ -39,7 +39,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import trio
 
@@ -196,11 +196,11 @@ class GlobalProgress:
         )
 
 
-def _is_int(value: Any, low: int, high: int) -> bool:
+def _is_int(value: Any, low: int, high: int) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -574,7 +574,7 @@ class ProgressTracker:
         self._wake_pending = False
         self._publish_lock: trio.Lock | None = None
         self._scope: trio.CancelScope | None = None
-        self._service: concurrent.futures.Future | None = None
+        self._service: concurrent.futures.Future[None] | None = None
         self._running = False
         self._closed = False
         if start and self._facade is not None:
@@ -1043,7 +1043,8 @@ class ProgressTracker:
 
     def refresh(self, timeout: float | None = None) -> GlobalProgress:
         """Read the swarm's progress now (sync facade); TimeoutError after ``timeout``."""
-        return self._call(self.arefresh, timeout)
+        progress: GlobalProgress = self._call(self.arefresh, timeout)
+        return progress
 
     async def awithdraw(self) -> None:
         """Replace our record with a tombstone now: readers drop us at once."""

@@ -133,8 +133,8 @@ def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC
         )
     if isinstance(compression, GraVAC):
         # the same controller on both directions: the factor follows the gain of what is sent
-        codec = compression.as_codec()
-        return _two_way(codec, codec), compression
+        adaptive = compression.as_codec()
+        return _two_way(adaptive, adaptive), compression
     if isinstance(compression, (Codec, TwoWayCompression)):
         return compression, None
     raise TypeError(
@@ -384,7 +384,7 @@ class DiLoCoMode(TrainingMode):
         tensors: list[torch.Tensor],
         weight: int,
         slowest_step: float = 0.0,
-    ) -> tuple[Averager, concurrent.futures.Future, bytes]:
+    ) -> tuple[Averager, concurrent.futures.Future[StepResult], bytes]:
         """Start averaging ``tensors`` with the peers of outer epoch ``epoch`` (background);
         the group waits for the ``expected`` peers this one knows at the epoch (see
         ``epoch_rounds.py``), for at least ``slowest_step`` seconds more than usual (the

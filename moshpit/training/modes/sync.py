@@ -191,7 +191,7 @@ class SyncMode(TrainingMode):
                     self._catch_up(f"the swarm is at epoch {view.epoch}")
             elif self.grads.samples > 0 and self._ready(view):
                 self._global_step(view)
-        return self.state.epoch != epoch
+        return bool(self.state.epoch != epoch)
 
     def _ready(self, view: Any) -> bool:
         """Our own count alone, or the swarm's projected to now (module doc), reached the
