@@ -229,13 +229,12 @@ class DHTNode:
         self.maintenance = MaintenanceStats()
         # RPCs this node answered, by type (monitoring reads it; never reset)
         self.requests_served = {"ping": 0, "store": 0, "find": 0}
-        self.routing_table = RoutingTable(self.node_id, bucket_size)
+        self.routing_table = RoutingTable(self.node_id, bucket_size, self._refresh_far_bucket)
         # peer -> (was it a contact before the first change since the last hand-over pass)
         self._routing_changes: dict[Any, tuple[bool, Contact]] = {}
         self._routing_changed = trio.Event()
         if handover and not client_mode:
             self.routing_table.on_change = self._on_routing_change
-        self.routing_table.on_split = self._on_split
         self.blacklist = Blacklist()
         self.storage = LocalStorage(limits)
         self.validators = default_validators(identity, validators)
@@ -516,19 +515,11 @@ class DHTNode:
         # whole neighbourhood; with only beam_size, neighbours ranked 5-10 from a key often
         # never met, so later lookups could stop short of the nearest replicas (issue 3).
         await self.find_nearest_peers(self.node_id, self.bucket_size)
-        # ... and then refresh every bucket farther away than our own (Kademlia's join, second
-        # half), in the background. The self-lookup only meets peers near us: when everyone
-        # joins through one address, far buckets would hold little more than that peer until
-        # the periodic refresh, and at 1024 peers 2-4 % of fresh keys were stored on (and read
-        # from) peers outside their true nearest (benchmarks/sim_dht.py, docs/dht.md). Buckets
-        # split off during the self-lookup were already refreshed once (_on_split), with the
-        # little the table knew then: without this second pass 256-peer swarms kept a few
-        # empty far buckets.
-        for bucket in list(self.routing_table.buckets):
-            if not bucket.covers(self.node_id):
-                self._spawn(
-                    self.find_nearest_peers, random_id(bucket.lower, bucket.upper), self.beam_size
-                )
+        # ... then refresh every farther bucket (the join's second half), in the background:
+        # the self-lookup meets only peers near us, and the buckets it split off were refreshed
+        # with what the table knew then (docs/dht.md, "Fix found by this simulation").
+        for bucket in [b for b in self.routing_table.buckets if not b.covers(self.node_id)]:
+            self._refresh_far_bucket(bucket)
         logger.info(
             "joined the DHT through %d initial peer(s); %d contacts",
             len(joined),
@@ -582,17 +573,9 @@ class DHTNode:
             if not self._spawn(self._check_oldest, oldest):
                 self._pinging.discard(oldest.peer_id)
 
-    def _on_split(self, far: KBucket) -> None:
-        """Look up a random ID in a bucket split off our own, unless it is already full.
-
-        Its range was part of our own bucket until now, where peers near us crowd out the
-        rest; so it may hold few or none of the peers there. Left alone until the periodic
-        refresh (``refresh_period``), such a bucket made lookups that pass through us miss
-        that whole range: right after 256 peers joined through one address, 40-110 of them
-        had an empty far bucket over 30-120 live peers, and stores landed on peers outside
-        a key's true nearest (benchmarks/sim_dht.py). A split happens once per bucket, so
-        this costs about log2(N) lookups in a node's life.
-        """
+    def _refresh_far_bucket(self, far: KBucket) -> None:
+        """Look up a random ID in a bucket not covering our ID unless it is full: at the join
+        and whenever a split makes one (docs/dht.md, "Second fix"); ~log2 N lookups in all."""
         if len(far.contacts) < far.size:
             self._spawn(self.find_nearest_peers, random_id(far.lower, far.upper), self.beam_size)
 
@@ -648,8 +631,7 @@ class DHTNode:
         contacts plus this node, with departed contacts added back for the old set); keys
         whose nearest ``num_replicas`` members are all closer than every changed peer are
         skipped after two bisections, so a pass costs O(keys x changes) plus the few keys
-        near a change.
-        """
+        near a change."""
         table = {c.peer_id: c for c in self.routing_table}
         changed: dict[int, tuple[bool, Contact]] = {}  # node ID -> (joined the pool, contact)
         for peer_id, (was_in, contact) in changes.items():

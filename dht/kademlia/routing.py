@@ -60,7 +60,13 @@ class KBucket:
 class RoutingTable:
     """k-buckets around ``node_id``. Not thread-safe; used from one trio loop."""
 
-    def __init__(self, node_id: int, bucket_size: int = 20, recheck_after: float = 60.0):
+    def __init__(
+        self,
+        node_id: int,
+        bucket_size: int = 20,
+        on_split: Callable[[KBucket], None] | None = None,
+        recheck_after: float = 60.0,
+    ):
         self.node_id = node_id
         self.bucket_size = bucket_size
         self.recheck_after = recheck_after  # contacts seen more recently are not pinged again
@@ -73,7 +79,7 @@ class RoutingTable:
         self.on_change: Callable[[Contact | None, Contact | None], None] | None = None
         # called with the far half of every split: a bucket that may hold few of the peers in
         # its range, as they were met before it existed (the node refreshes it)
-        self.on_split: Callable[[KBucket], None] | None = None
+        self.on_split = on_split
 
     def __len__(self) -> int:
         return len(self._by_peer)

@@ -29,7 +29,7 @@ def test_nearest_matches_brute_force_and_table_splits():
 
 
 def test_every_split_reports_the_far_half_with_what_it_holds():
-    """The node refreshes a bucket split off its own (DHTNode._on_split): the table must name
+    """The node refreshes a bucket split off its own (DHTNode._refresh_far_bucket): the table must name
     the half that does not cover our ID, once per split, with the contacts it inherited."""
     rng = random.Random(3)
     table = RoutingTable(rng.randrange(MAX_ID), bucket_size=4)

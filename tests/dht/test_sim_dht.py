@@ -24,7 +24,7 @@ async def test_all_lookups_within_log2_n_hops_after_joining_through_one_address(
     Without the far-bucket refresh at join (DHTNode._bootstrap) such swarms stored and read
     ~0.6 % of fresh keys (1-4 % at 1024 peers) away from their true nearest peers, so gets
     right after the stores missed some. Without the refresh of buckets split off later
-    (DHTNode._on_split) 43-111 far buckets stayed empty here, and ~1 get in 6000 missed (a CI
+    (DHTNode._refresh_far_bucket) 43-111 far buckets stayed empty here, and ~1 get in 6000 missed (a CI
     run failed on one of 300). Peer IDs are random, so the misses show only in some runs; the
     empty buckets show in every run.
     """

@@ -113,7 +113,7 @@ async def test_no_far_bucket_stays_empty_after_joining_through_one_address(
     refresh (10 min), 26-27 of 128 peers that joined one after another through one address
     kept an empty far bucket over 25-65 live peers; lookups through them could not reach
     that range, and a 256-peer CI run stored a key away from its true nearest and missed it.
-    Every split now refreshes its far half (DHTNode._on_split)."""
+    Every split now refreshes its far half (DHTNode._refresh_far_bucket)."""
     async with open_swarm(1, seed=5) as swarm:
         first = swarm.nodes[0]
         for _ in range(127):
