@@ -39,7 +39,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import trio
 
@@ -1043,8 +1043,7 @@ class ProgressTracker:
 
     def refresh(self, timeout: float | None = None) -> GlobalProgress:
         """Read the swarm's progress now (sync facade); TimeoutError after ``timeout``."""
-        progress: GlobalProgress = self._call(self.arefresh, timeout)
-        return progress
+        return cast(GlobalProgress, self._call(self.arefresh, timeout))
 
     async def awithdraw(self) -> None:
         """Replace our record with a tombstone now: readers drop us at once."""
