@@ -65,10 +65,21 @@ class ErrorFeedback:
     def residual(self, key: Hashable) -> torch.Tensor | None:
         return self._residuals.get(key)
 
+    def snapshot(self) -> dict[Hashable, torch.Tensor]:
+        """The residuals as they are now, to :meth:`restore` if what is compressed next is
+        never delivered (a round that fails after it began sending). No copy: compressing
+        and rescaling put new tensors under the keys instead of changing the old ones."""
+        return dict(self._residuals)
+
+    def restore(self, snapshot: dict[Hashable, torch.Tensor]) -> None:
+        """Back to :meth:`snapshot`'s residuals: messages compressed since then count as
+        never sent (their mass is in the caller's next tensor again)."""
+        self._residuals = dict(snapshot)
+
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (e.g. lr_{t-1}/lr_t when the lr changes)."""
-        for r in self._residuals.values():
-            r.mul_(factor)
+        # new tensors, as compressing makes: a snapshot keeps the residuals it saw
+        self._residuals = {k: r * factor for k, r in self._residuals.items()}
 
     def reset(self, key: Hashable | None = None) -> None:
         """Forget the residual of ``key`` (or of every key)."""
@@ -131,6 +142,16 @@ class TwoWayCompression:
     def reset(self) -> None:
         self.sender.reset()
         self.reducer.reset()
+
+    def snapshot(self) -> tuple[dict[Hashable, torch.Tensor], dict[Hashable, torch.Tensor]]:
+        """Both sides' residuals now (see :meth:`ErrorFeedback.snapshot`)."""
+        return self.sender.snapshot(), self.reducer.snapshot()
+
+    def restore(
+        self, snapshot: tuple[dict[Hashable, torch.Tensor], dict[Hashable, torch.Tensor]]
+    ) -> None:
+        self.sender.restore(snapshot[0])
+        self.reducer.restore(snapshot[1])
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -142,3 +142,25 @@ def test_lr_rescale_of_sender_residuals():
     fresh = TwoWayCompression(TopK(0.1), Float16(), rescale_by_lr=True)
     fresh.load_state_dict(state)
     assert torch.equal(fresh.sender.residual("p"), tw.sender.residual("p"))
+
+
+def test_snapshot_and_restore_undo_what_was_compressed_since():
+    """A round that fails after sending: restoring the snapshot makes its messages count as
+    never sent, on both sides; a later rescale does not reach into the snapshot."""
+    spec = TwoWayCompression(TopK(0.25, exact=True), TopK(0.25, exact=True))
+    spec.compress_send(torch.tensor([1.0, 2.0, 3.0, 4.0]), "a")
+    spec.reducer.compress(torch.tensor([5.0, 6.0, 7.0, 8.0]), "a")
+    saved = spec.snapshot()
+    kept = {
+        side: {k: v.clone() for k, v in residuals.items()}
+        for side, residuals in zip(("sender", "reducer"), saved, strict=True)
+    }
+    spec.compress_send(torch.tensor([40.0, 30.0, 20.0, 10.0]), "a")
+    spec.compress_send(torch.ones(2), "b")
+    spec.reducer.compress(torch.tensor([1.0, 1.0, 1.0, 1.0]), "a")
+    spec.sender.rescale(10.0)
+    spec.restore(saved)
+    assert set(spec.sender._residuals) == {"a"} and set(spec.reducer._residuals) == {"a"}
+    assert torch.equal(spec.sender.residual("a"), kept["sender"]["a"])
+    assert torch.equal(spec.reducer.residual("a"), kept["reducer"]["a"])
+    assert torch.equal(spec.sender.residual("a"), torch.tensor([1.0, 2.0, 3.0, 0.0]))

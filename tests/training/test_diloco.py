@@ -17,6 +17,7 @@ import torch
 
 import moshpit
 from compression import Float16, GraVAC, TopK2Bit, TwoWayCompression
+from compression import decompress as moshpit_decompress
 from moshpit.training.modes.diloco import _RegroupingFeedback, make_compression, outer_prefix
 
 _spec = importlib.util.spec_from_file_location(
@@ -411,6 +412,71 @@ def test_sparse2bit_three_peers_end_every_outer_step_bit_identical_and_learn(mak
         assert losses[-1] < min(losses[:8]) and losses[-1] < 0.06 * start, trace
     finally:
         _shutdown(peers)
+
+
+def _residuals(spec: TwoWayCompression) -> dict:
+    state = spec.state_dict()
+    return {side: state[side]["residuals"] for side in ("sender", "reducer")}
+
+
+def test_a_failed_round_leaves_the_error_feedback_as_it_found_it(make_dhts, monkeypatch):
+    """A round that fails after it began sending was never applied, and its Δ is taken again
+    at the retry; the residuals it left would count that Δ twice (with top-k at 25%, three
+    quarters of it). They are restored to what they were before the round."""
+    (dht,) = make_dhts(1)
+    model = _model()
+    opt = _opt(dht, model, compression="topk", topk_density=0.25, inner_steps=2)
+    try:
+        mode, spec = opt.mode, opt.mode.compression
+        _loss(model, torch.arange(BATCH)).backward()
+        opt.step()  # the first step starts the mode (its state, hence its residuals, reset)
+        opt.zero_grad()
+        spec.compress_send(torch.arange(5.0), (0, 5))  # left by an earlier round
+        before = _residuals(spec)
+        assert before["sender"]
+
+        def failing_average(epoch, expected):
+            flat = torch.cat([d.reshape(-1) for d in mode.deltas])
+            assert flat.abs().sum() > 0
+            spec.compress_send(flat, (0, flat.numel()))  # sent, then a member left
+            return moshpit.StepResult(False, "k", reason="a member left mid-round")
+
+        monkeypatch.setattr(mode, "_average", failing_average)
+        # another peer is at our epoch, so a failed round is retried at the next step
+        monkeypatch.setattr(mode.rounds, "others", lambda view, epoch: (["another"], []))
+        monkeypatch.setattr(mode.rounds, "expected", lambda view, epoch: 2)
+        mode._alone = False
+        _loss(model, torch.arange(BATCH)).backward()
+        opt.step()
+        assert mode.rounds_failed == 1 and mode.state.epoch == 0  # retried at the next step
+        after = _residuals(spec)
+        for side in ("sender", "reducer"):
+            assert before[side].keys() == after[side].keys()
+            assert all(torch.equal(before[side][k], after[side][k]) for k in before[side])
+    finally:
+        opt.shutdown()
+
+
+def test_fragments_keep_their_error_feedback_apart(make_dhts):
+    """Streaming: each fragment's round keys its residuals by flat ranges of its own tensors,
+    so two fragments' ranges coincide; sharing a residual would send one fragment's unsent
+    values as the other's. Fragment 0 compresses [1, 2, 3, 4], fragment 1 [10, 20, 30, 40]
+    under the same range; fragment 0's next message holds only its own leftovers."""
+    (dht,) = make_dhts(1)
+    model = _model()
+    opt = _opt(dht, model, compression="topk", topk_density=0.25, fragments=2)
+    try:
+        mode, spec = opt.mode, opt.mode.compression
+        mode._feedback_snapshot(0)
+        spec.compress_send(torch.tensor([1.0, 2.0, 3.0, 4.0]), (0, 4))
+        mode._feedback_snapshot(1)
+        spec.compress_send(torch.tensor([10.0, 20.0, 30.0, 40.0]), (0, 4))
+        mode._feedback_snapshot(0)
+        sent = spec.compress_send(torch.zeros(4), (0, 4))
+        values = moshpit_decompress(sent)
+        assert 0 < float(values.abs().max()) <= 3.0, values
+    finally:
+        opt.shutdown()
 
 
 def test_bad_knobs_and_state_dict_round_trip(make_dhts):

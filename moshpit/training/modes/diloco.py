@@ -92,14 +92,22 @@ class _RegroupingFeedback(ErrorFeedback):
     failing the round: what it held is lost once, the invariant holds again from there on.
     """
 
+    # streaming DiLoCo: the fragment whose round compresses now. Its keys are flat ranges of
+    # the fragment's own tensors, so two fragments' ranges coincide and would share (and
+    # mix) residuals; keys are stored as (scope, key) to keep each fragment's apart.
+    scope = 0
+
+    def residual(self, key: Any) -> torch.Tensor | None:
+        return super().residual((self.scope, key))
+
     def compress_with_decoded(self, tensor: torch.Tensor, key: Any, **kwargs: Any) -> Any:
         residual = self.residual(key)
         if residual is not None and (
             residual.shape != tensor.shape or residual.device != tensor.device
         ):
             logger.debug("error-feedback key %r changed shape (new group): residual dropped", key)
-            self.reset(key)
-        return super().compress_with_decoded(tensor, key, **kwargs)
+            self.reset((self.scope, key))
+        return super().compress_with_decoded(tensor, (self.scope, key), **kwargs)
 
 
 def _two_way(sender: Codec, reducer: Codec) -> TwoWayCompression:
@@ -337,6 +345,7 @@ class DiLoCoMode(TrainingMode):
             return
         self.blocked_steps += 1
         started = time.monotonic()
+        feedback = self._feedback_snapshot()
         result = self._average(epoch, self.rounds.expected(view, epoch))
         self.note_round(result, waited=time.monotonic() - started)
         self.last_result = result
@@ -356,6 +365,7 @@ class DiLoCoMode(TrainingMode):
             self.round_seconds["applied"] += time.monotonic() - started
             return
         self.rounds_failed += 1
+        self._feedback_restore(feedback)
         view = self._view(force=True)
         same, ahead = self.rounds.others(view, epoch)
         self.rounds.forget_unseen(view)
@@ -369,6 +379,24 @@ class DiLoCoMode(TrainingMode):
             self.opt.tracker.mark_idle()  # the wait was not training time
             logger.info("no outer round at epoch %d (%s); retrying", epoch, result.reason)
             self.waiting(f"its outer rounds do not hold every peer at the epoch ({result.reason})")
+
+    def _feedback_snapshot(self, fragment: int = 0) -> Any:
+        """The error-feedback residuals before a round (None without error feedback), and
+        the fragment whose residuals the round's compression uses."""
+        spec = self.compression
+        if not isinstance(spec, TwoWayCompression):
+            return None
+        for side in (spec.sender, spec.reducer):
+            if isinstance(side, _RegroupingFeedback):
+                side.scope = fragment
+        return spec.snapshot()
+
+    def _feedback_restore(self, snapshot: Any) -> None:
+        """A failed round: what it compressed was never applied, and its Δ is taken again
+        (or applied alone, uncompressed). Keeping the residuals it left would count that Δ
+        twice: once in them, once in the next Δ; with top-k (1-2% sent) almost all of it."""
+        if snapshot is not None and isinstance(self.compression, TwoWayCompression):
+            self.compression.restore(snapshot)
 
     def _load_deltas(self) -> None:
         """``Δ = θ - θ_local`` into the buffers the round averages."""
@@ -546,6 +574,7 @@ class DiLoCoMode(TrainingMode):
             self.samples = 0
             return
         slowest = self.rounds.slowest_step(view, epoch) if self.swarm_wide else 0.0
+        feedback = self._feedback_snapshot(epoch % len(self.fragments))
         averager, future, digest = self._start_round(
             epoch,
             self.rounds.expected(view, epoch),
@@ -554,7 +583,14 @@ class DiLoCoMode(TrainingMode):
             slowest,
         )
         self.in_flight = FragmentRound(
-            epoch, indices, averager, future, start_local, digest, samples=self.samples
+            epoch,
+            indices,
+            averager,
+            future,
+            start_local,
+            digest,
+            samples=self.samples,
+            feedback=feedback,
         )
         self.samples = 0
 
@@ -581,6 +617,7 @@ class DiLoCoMode(TrainingMode):
             self.round_seconds["applied"] += time.monotonic() - started
             return
         self.rounds_failed += 1
+        self._feedback_restore(rnd.feedback)
         view = self.opt.tracker.global_progress
         same, ahead = self.rounds.others(view, rnd.epoch)
         self.rounds.forget_unseen(view)

@@ -62,6 +62,7 @@ class FragmentRound:
     digest: bytes
     steps_since_start: int = 0
     samples: int = 0  # the samples behind its pseudo-gradient (its weight in the round)
+    feedback: Any = None  # error-feedback residuals before the round, restored if it fails
 
     def close(self) -> None:
         """Abandon the round (if still running) and free its averager. A cancelled step
