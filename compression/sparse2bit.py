@@ -159,8 +159,8 @@ class TopK2Bit(Codec):
     from ``j``, so every chunk samples the whole tensor. With consecutive runs instead, a
     chunk that falls on one layer gets the same budget as every other chunk however much of
     the update that layer carries; error feedback then holds its values back for dozens of
-    rounds and releases them late, which made 3-peer DiLoCo drift from a loss of 0.6 back to
-    5-10 within 20 outer steps where interleaved chunks (like one global top-k) kept falling.
+    rounds and releases them late, which made 3-peer DiLoCo drift from a loss of 0.6-1.0 back
+    to 2-5 within 20 outer steps where interleaved chunks (like one global top-k) kept falling.
     """
 
     codec_id = 11

@@ -381,8 +381,8 @@ class DiLoCoMode(TrainingMode):
             self.waiting(f"its outer rounds do not hold every peer at the epoch ({result.reason})")
 
     def _feedback_snapshot(self, fragment: int = 0) -> Any:
-        """The error-feedback residuals before a round (None without error feedback), and
-        the fragment whose residuals the round's compression uses."""
+        """Point the error feedback at ``fragment``'s residuals (streaming; 0 otherwise) and
+        return them as they are before the round (None without error feedback)."""
         spec = self.compression
         if not isinstance(spec, TwoWayCompression):
             return None
