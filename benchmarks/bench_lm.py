@@ -161,6 +161,8 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
         if base == "streaming":
             options["fragments"] = args.fragments
             options["overlap_steps"] = args.overlap_steps
+    if mode == "diloco" and args.local_error_feedback:
+        options["local_error_feedback"] = True
     opt = moshpit.Optimizer(
         optimizer=inner,
         dht=dht,
@@ -342,6 +344,8 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
                 "--speed", str(args.speeds[rank % len(args.speeds)])]  # fmt: skip
         if args.profile:
             argv += ["--profile", f"{args.profile}.{link}.{method}.txt"]
+        if args.local_error_feedback:
+            argv.append("--local-error-feedback")
         return spawn(argv, rank, bootstrap, tb)
 
     peers = start_peers(n, start)
@@ -367,6 +371,7 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
         "batch_per_peer": args.batch,
         "budget_s": args.budget,
         "speeds": args.speeds,
+        "local_error_feedback": args.local_error_feedback,
         "local_steps_all": [r["steps"] for r in results],
         "optimizer_steps_worker0": first["epochs"],
         "local_steps_worker0": first["steps"],
@@ -583,6 +588,11 @@ def main() -> int:
     parser.add_argument("--eval-windows", type=int, default=128, help="validation windows")
     parser.add_argument("--inner-steps", type=int, default=25, help="DiLoCo H")
     parser.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo fragments")
+    parser.add_argument(
+        "--local-error-feedback",
+        action="store_true",
+        help="diloco methods: restart the inner loop from θ minus the unsent residual",
+    )
     parser.add_argument(
         "--topk-density", type=float, default=0.01, help="sparse2bit: share of values sent"
     )

@@ -65,6 +65,10 @@ class ErrorFeedback:
     def residual(self, key: Hashable) -> torch.Tensor | None:
         return self._residuals.get(key)
 
+    def items(self) -> list[tuple[Hashable, torch.Tensor]]:
+        """(key, residual) pairs; the residuals themselves, to read, not to modify."""
+        return list(self._residuals.items())
+
     def snapshot(self) -> dict[Hashable, torch.Tensor]:
         """The residuals as they are now, to :meth:`restore` if what is compressed next is
         never delivered (a round that fails after it began sending). No copy: compressing

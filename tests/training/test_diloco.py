@@ -84,13 +84,16 @@ class Peer:
         self.consumed: list[tuple[int, torch.Tensor]] = []
         self.theta_at: dict[int, list[torch.Tensor]] = {}
         self.momentum_at: dict[int, list[torch.Tensor]] = {}
+        self.restart_at: dict[int, list[torch.Tensor]] = {}
         self.steps = 0
 
     def batch(self) -> torch.Tensor:
         gen = torch.Generator().manual_seed(1000 * self.index + self.steps)
         return torch.randint(0, len(X), (BATCH,), generator=gen)
 
-    def train(self, until_epoch: int, pause: float = 0.01, max_steps: int = 2000) -> None:
+    def train(
+        self, until_epoch: int, pause: float = 0.01, max_steps: int = 2000, from_theta: bool = True
+    ) -> None:
         while self.opt.epoch < until_epoch and self.steps < max_steps:
             idx = self.batch()
             epoch = self.opt.epoch
@@ -107,8 +110,10 @@ class Peer:
                     for t in mode.theta
                     if "momentum_buffer" in mode.outer.state.get(t, {})
                 ]
-                # the model restarts its inner loop from θ
-                assert _same(self.model.parameters(), mode.theta)
+                self.restart_at[self.opt.epoch] = [p.detach().clone() for p in self.model.parameters()]
+                # the model restarts its inner loop from θ (local error feedback: from θ minus
+                # this peer's unsent residual)
+                assert _same(self.model.parameters(), mode.theta) == from_theta
             threading.Event().wait(pause)  # stands for a real model's compute time
 
 
@@ -455,6 +460,51 @@ def test_a_failed_round_leaves_the_error_feedback_as_it_found_it(make_dhts, monk
             assert all(torch.equal(before[side][k], after[side][k]) for k in before[side])
     finally:
         opt.shutdown()
+
+
+def test_local_error_feedback_restarts_from_theta_minus_what_was_not_sent(make_dhts):
+    """local_error_feedback=True: after each round the codec's sender residual moves into the
+    model (θ minus it) and out of the codec, so the next Δ carries it once; θ stays
+    bit-identical across peers. With 2 peers each sends one part (its own part is reduced
+    uncompressed): the restart differs from θ by that part's residual, and nowhere else."""
+    dhts = make_dhts(2)
+    models = [_model() for _ in dhts]
+    peers = []
+    try:
+        for i, (d, m) in enumerate(zip(dhts, models, strict=True)):
+            opt = _opt(d, m, compression="topk", topk_density=0.25, local_error_feedback=True)
+            peers.append(Peer(i, m, opt))
+        seen: list[list[tuple]] = [[] for _ in peers]
+        for peer, log in zip(peers, seen, strict=True):
+            mode = peer.opt.mode
+            original = mode._keep_unsent_local
+
+            def keep(indices, fragment, mode=mode, original=original, log=log):
+                log.append(list(mode.compression.sender.items()))
+                original(indices, fragment)
+                assert mode.compression.sender.items() == []  # now in the model
+
+            mode._keep_unsent_local = keep
+        with concurrent.futures.ThreadPoolExecutor(len(peers)) as pool:
+            jobs = [pool.submit(p.train, 4, from_theta=False) for p in peers]
+            for job in jobs:
+                job.result(timeout=120)
+        for peer, log in zip(peers, seen, strict=True):
+            mode = peer.opt.mode
+            assert mode.rounds_succeeded == 4 and len(log) == 4
+            for epoch, residuals in enumerate(log, start=1):
+                (key, residual), = residuals  # the part sent to the other reducer
+                (_, (start, end)) = key
+                theta = torch.cat([t.reshape(-1) for t in peer.theta_at[epoch]])
+                restart = torch.cat([t.reshape(-1) for t in peer.restart_at[epoch]])
+                gap = theta - restart
+                assert torch.allclose(gap[start:end], residual, atol=1e-6)
+                assert float(residual.abs().sum()) > 0
+                assert not bool(gap[:start].any()) and not bool(gap[end:].any())
+        for epoch in range(1, 5):
+            assert _same(peers[0].theta_at[epoch], peers[1].theta_at[epoch])
+    finally:
+        _shutdown(peers)
 
 
 def test_fragments_keep_their_error_feedback_apart(make_dhts):

@@ -42,7 +42,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -178,6 +178,7 @@ class DiLoCoMode(TrainingMode):
             else optimizer.tracker.min_refresh_period
         )
         self.compression, self.gravac = make_compression(options.compression, options.topk_density)
+        self.local_error_feedback = options.local_error_feedback
         self.params = params_of(optimizer.inner)
         self.fragments = split_fragments([p.numel() for p in self.params], options.fragments)
         overlap_steps = self.overlap_steps = options.overlap_steps
@@ -398,6 +399,31 @@ class DiLoCoMode(TrainingMode):
         if snapshot is not None and isinstance(self.compression, TwoWayCompression):
             self.compression.restore(snapshot)
 
+    def _keep_unsent_local(self, indices: list[int], fragment: int) -> None:
+        """``local_error_feedback``: move this peer's sender residuals of the round just
+        applied (keys: flat ranges of ``indices``' parameters) out of the codec and subtract
+        them from those parameters. The next Δ = θ - θ_local then carries them, so the codec
+        must not add them again."""
+        spec = self.compression
+        if not self.local_error_feedback or not isinstance(spec, TwoWayCompression):
+            return
+        sizes = [self.params[i].numel() for i in indices]
+        unsent = torch.zeros(sum(sizes))
+        scoped = isinstance(spec.sender, _RegroupingFeedback)
+        for key, residual in spec.sender.items():
+            # ours are (fragment, (start, end)); a caller's own codec's are (start, end)
+            scope, (start, end) = cast(
+                tuple[int, tuple[int, int]], key if scoped else (fragment, key)
+            )
+            if scope != fragment:
+                continue
+            unsent[start:end] += residual.reshape(-1).to("cpu", torch.float32)
+            spec.sender.reset(key)
+        with torch.no_grad():
+            for i, part in zip(indices, torch.split(unsent, sizes), strict=True):
+                p = self.params[i]
+                p.sub_(part.view_as(p).to(device=p.device, dtype=p.dtype))
+
     def _load_deltas(self) -> None:
         """``Δ = θ - θ_local`` into the buffers the round averages."""
         with torch.no_grad():
@@ -495,6 +521,8 @@ class DiLoCoMode(TrainingMode):
         for theta in self.theta:
             theta.grad = None
         self._model_from_theta()
+        if result is not None:
+            self._keep_unsent_local(list(range(len(self.params))), 0)
         self.outer_steps += 1
         if solo:
             self.solo_steps += 1
@@ -655,6 +683,8 @@ class DiLoCoMode(TrainingMode):
                 p = self.params[i]
                 merged = p.detach().to("cpu", torch.float32) - local  # the progress since Δ
                 p.copy_(merged.add_(self.theta[i]))  # copy_ casts to p's device and dtype
+        if result is not None:
+            self._keep_unsent_local(indices, epoch % len(self.fragments))
         self.outer_steps += 1
         if solo:
             self.solo_steps += 1

@@ -97,7 +97,10 @@ class DiLoCoOptions(ModeOptions):
     ``target_batch_size`` sets swarm-wide epochs), ``outer_lr``, ``outer_momentum``,
     ``nesterov``, ``compression`` ("fp16", "8bit", "4bit", "topk", "sparse2bit", a codec, a
     ``TwoWayCompression`` or a ``GraVAC``) with ``topk_density``, ``round_timeout`` (s),
-    ``refresh_period`` (s), and streaming DiLoCo's ``fragments`` and ``overlap_steps``."""
+    ``refresh_period`` (s), streaming DiLoCo's ``fragments`` and ``overlap_steps``, and
+    ``local_error_feedback``: after each round the inner loop restarts from ``θ`` minus what
+    this peer's codec has not sent yet (its sender residual), which then travels in the next
+    Δ instead of the codec's buffer; with top-k, the peer keeps its unsent progress."""
 
     mode: ClassVar[str] = "diloco"
     inner_steps: int | None = None
@@ -110,6 +113,7 @@ class DiLoCoOptions(ModeOptions):
     refresh_period: float | None = None
     fragments: int = 1
     overlap_steps: int = 0
+    local_error_feedback: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -122,6 +126,10 @@ class DiLoCoOptions(ModeOptions):
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         check_integer("fragments", self.fragments, minimum=1)
         check_integer("overlap_steps", self.overlap_steps, minimum=0)
+        if not isinstance(self.local_error_feedback, bool):
+            raise TypeError(
+                f"local_error_feedback must be a bool, not {self.local_error_feedback!r}"
+            )
         check_seconds("round_timeout", self.round_timeout, positive=True, optional=True)
         check_seconds("refresh_period", self.refresh_period, positive=True, optional=True)
 
