@@ -163,6 +163,8 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
             options["overlap_steps"] = args.overlap_steps
     if mode == "diloco" and args.local_error_feedback:
         options["local_error_feedback"] = True
+    if mode == "diloco" and args.outer_momentum is not None:
+        options["outer_momentum"] = args.outer_momentum
     opt = moshpit.Optimizer(
         optimizer=inner,
         dht=dht,
@@ -346,6 +348,8 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
             argv += ["--profile", f"{args.profile}.{link}.{method}.txt"]
         if args.local_error_feedback:
             argv.append("--local-error-feedback")
+        if args.outer_momentum is not None:
+            argv += ["--outer-momentum", str(args.outer_momentum)]
         return spawn(argv, rank, bootstrap, tb)
 
     peers = start_peers(n, start)
@@ -372,6 +376,7 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
         "budget_s": args.budget,
         "speeds": args.speeds,
         "local_error_feedback": args.local_error_feedback,
+        "outer_momentum": args.outer_momentum,
         "local_steps_all": [r["steps"] for r in results],
         "optimizer_steps_worker0": first["epochs"],
         "local_steps_worker0": first["steps"],
@@ -588,6 +593,9 @@ def main() -> int:
     parser.add_argument("--eval-windows", type=int, default=128, help="validation windows")
     parser.add_argument("--inner-steps", type=int, default=25, help="DiLoCo H")
     parser.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo fragments")
+    parser.add_argument(
+        "--outer-momentum", type=float, default=None, help="diloco methods (default 0.9)"
+    )
     parser.add_argument(
         "--local-error-feedback",
         action="store_true",
