@@ -27,6 +27,9 @@ Methods (``--methods``):
   peers x batch x ``--inner-steps``, the samples of one lockstep outer step), rounds in the
   background, pseudo-gradients weighted by samples.
 
+``--local-error-feedback`` and ``--outer-momentum M`` pass those options to every ``diloco``
+method (the run rows record them).
+
 ``--speeds 1 2 4 8`` makes the peers unequal: worker ``i`` times its own forward and backward
 pass before the race (the median of 3, no communication) and sleeps ``speeds[i] - 1`` times
 that after every step, so its compute takes that many times as long (a race of an H100
