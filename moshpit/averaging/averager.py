@@ -209,21 +209,29 @@ class Averager:
     :param target_group_size: the group size matchmaking aims for (the grid side ``M``).
     :param config: an :class:`~moshpit.AveragerConfig` holding the options below; options
       given as keyword arguments go on top of it. Either way they are checked at once.
-    :param min_group_size: a group smaller than this never runs (default 2).
-    :param min_matchmaking_time: after this long a leader proceeds with the members it has
+    :param schema_memory: where this averager remembers the peers of another tensor schema
+      (a ``moshpit.averaging.matchmaking.SchemaMemory``): they are never asked to
+      group with us again while they declare the same schema, and their conflict is logged
+      once. Averagers that take turns under one run (the training modes' per-epoch rounds)
+      share one; default: a fresh one.
+
+    Options (fields of ``config``, or keyword arguments):
+
+    - ``min_group_size``: a group smaller than this never runs (default 2).
+    - ``min_matchmaking_time``: after this long a leader proceeds with the members it has
       (>= ``min_group_size``); a full group proceeds at once.
-    :param request_timeout: limit for each matchmaking request/DHT operation.
-    :param allreduce_timeout: limit for the all-reduce phase.
-    :param compression: a ``compression`` codec or ``TwoWayCompression`` (default: none).
-    :param bandwidth: this peer's uplink in bytes/s (e.g. ``100e6 / 8`` for 100 Mbit/s). It
+    - ``request_timeout``: limit for each matchmaking request/DHT operation.
+    - ``allreduce_timeout``: limit for the all-reduce phase.
+    - ``compression``: a ``compression`` codec or ``TwoWayCompression`` (default: none).
+    - ``bandwidth``: this peer's uplink in bytes/s (e.g. ``100e6 / 8`` for 100 Mbit/s). It
       sizes this peer's part of each all-reduce, and, unless ``pace_uplink=False``, caps the
       round's connections so that together they send at most this fast, each at a share that
       lets them finish together (see ``pacing.py``; over shaped 100 Mbit/s links it raised
       link use from 71-82% to 88-92%). An overestimate leaves the sharing to TCP; an
       underestimate slows every round to the stated rate.
-    :param pace_uplink: set False to use ``bandwidth`` only for part sizes (and chunk sizes:
+    - ``pace_uplink``: set False to use ``bandwidth`` only for part sizes (and chunk sizes:
       with the members' codec densities it tells how long a round keeps the links busy).
-    :param client_mode: this peer cannot accept connections: it never leads or reduces.
+    - ``client_mode``: this peer cannot accept connections: it never leads or reduces.
       Also chosen per round when the DHT node acts as a client (its role follows AutoNAT),
       and when peers reach this one only through a relay whose per-connection byte limit
       (``node.relay_limit``) is below twice (some relays spend one budget on both
@@ -232,29 +240,24 @@ class Averager:
       reduce more than its relay carries (an auxiliary peer then sits the round out).
       Leading only takes small matchmaking messages, so a relayed peer whose tensors fit
       still leads and reduces.
-    :param auxiliary: this peer helps reduce but contributes nothing (weight 0).
-    :param initial_group_bits: the starting key bits (a string of 0/1; its length is the number
+    - ``auxiliary``: this peer helps reduce but contributes nothing (weight 0).
+    - ``initial_group_bits``: the starting key bits (a string of 0/1; its length is the number
       of bits kept forever). Default: random bits, ``(d-1)*ceil(log2 M)`` of them for a
       ``d``-dimensional grid sized from ``expected_num_peers``. Without either, the grid
       adapts: it starts with one shared key (random groups) and gains or loses dimensions
       as the number of peers seen under the key shows the swarm's size (``group_keys.py``).
-    :param matchmaking_timeout: how long a step looks for a group before giving up (default
+    - ``matchmaking_timeout``: how long a step looks for a group before giving up (default
       ``max(2 * min_matchmaking_time, min_matchmaking_time + request_timeout)``).
-    :param aggregation: how the reducer of a part combines the members' contributions:
+    - ``aggregation``: how the reducer of a part combines the members' contributions:
       ``"mean"`` (default: the weighted mean; exact, but one member can move it arbitrarily),
       ``"trimmed_mean"`` (drops the top and bottom 20% per coordinate), ``"median"``, or an
       ``Aggregator`` from ``moshpit.averaging.aggregation`` (``TrimmedMean(trim)``,
       ``Median()``, ``ClippedMean(tau)``, ``CenteredClip(tau)``). The robust ones ignore the
       members' weights and keep every contribution of a chunk in memory until it is complete
       (docs/averaging.md, "Robust aggregation", says what they guarantee and what not).
-    :param ban_after_failures: a peer that failed this many consecutive rounds with us is
+    - ``ban_after_failures``: a peer that failed this many consecutive rounds with us is
       not grouped with for ``ban_seconds``.
-    :param ban_seconds: how long such a peer stays out of our groups.
-    :param schema_memory: where this averager remembers the peers of another tensor schema
-      (a ``moshpit.averaging.matchmaking.SchemaMemory``): they are never asked to
-      group with us again while they declare the same schema, and their conflict is logged
-      once. Averagers that take turns under one run (the training modes' per-epoch rounds)
-      share one; default: a fresh one.
+    - ``ban_seconds``: how long such a peer stays out of our groups.
     """
 
     def __init__(
