@@ -282,7 +282,9 @@ class TopK2Bit(Codec):
             offsets = cls._from_bitmap(ct, at, layout)
         else:
             offsets = cls._from_gaps(ct, at, layout, width)
-        chunk = torch.arange(nchunks, dtype=torch.int64).repeat_interleave(_kept_per_chunk(layout))
+        chunk = torch.arange(nchunks, dtype=torch.int64).repeat_interleave(
+            _per_chunk(layout, 2, torch.device("cpu"))
+        )
         return chunk * layout.chunk_step + offsets * layout.value_step, codes, scales
 
     @staticmethod
@@ -349,10 +351,6 @@ def _per_chunk(layout: _Layout, field: int, device: torch.device) -> torch.Tenso
     rows = torch.tensor([g[0] for g in layout.groups], dtype=torch.int64, device=device)
     values = torch.tensor([g[field] for g in layout.groups], dtype=torch.int64, device=device)
     return values.repeat_interleave(rows)
-
-
-def _kept_per_chunk(layout: _Layout) -> torch.Tensor:
-    return _per_chunk(layout, 2, torch.device("cpu"))
 
 
 def _chunk_starts(layout: _Layout, device: torch.device) -> torch.Tensor:
