@@ -61,7 +61,7 @@ class Volunteer:
     def start(self, bootstrap: str | None) -> None:
         args = self.args
         cmd = [
-            sys.executable, "-m", "moshpit", "train", "--json",
+            sys.executable, "-m", "moshpit", *(["-v"] if args.verbose else []), "train", "--json",
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--identity", str(self.workdir / f"peer{self.index}.key"),
             "--checkpoint-dir", str(self.workdir / f"peer{self.index}"),
@@ -74,9 +74,12 @@ class Volunteer:
         if bootstrap:
             cmd += ["--initial-peers", bootstrap]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-        )
+        stderr: Any = subprocess.DEVNULL
+        if args.log_dir:  # one file per peer, appended across its restarts
+            stderr = open(Path(args.log_dir) / f"peer{self.index}.log", "a")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        if args.log_dir:
+            stderr.close()  # the child holds its own copy
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
 
     def _read(self, proc: subprocess.Popen) -> None:
@@ -130,7 +133,11 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--stall-after", type=float, default=45.0)
     parser.add_argument("--max-behind", type=int, default=2)
+    parser.add_argument("--log-dir", help="keep each peer's log (stderr) here")
+    parser.add_argument("--verbose", action="store_true", help="peers log at INFO")
     args = parser.parse_args()
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
 
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="moshpit-chaos-"))
