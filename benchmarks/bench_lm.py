@@ -152,6 +152,7 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
             options["compression"] = codec
         if codec == "sparse2bit":
             options["topk_density"] = args.topk_density
+            options["reducer_density"] = args.reducer_density
         if base == "streamingswarm":
             options["fragments"] = args.fragments
     elif base in ("diloco", "streaming"):
@@ -161,6 +162,7 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
             options["compression"] = codec
         if codec == "sparse2bit":
             options["topk_density"] = args.topk_density
+            options["reducer_density"] = args.reducer_density
         if base == "streaming":
             options["fragments"] = args.fragments
             options["overlap_steps"] = args.overlap_steps
@@ -353,6 +355,8 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
             argv.append("--local-error-feedback")
         if args.outer_momentum is not None:
             argv += ["--outer-momentum", str(args.outer_momentum)]
+        if args.reducer_density is not None:
+            argv += ["--reducer-density", str(args.reducer_density)]
         return spawn(argv, rank, bootstrap, tb)
 
     peers = start_peers(n, start)
@@ -380,6 +384,7 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
         "speeds": args.speeds,
         "local_error_feedback": args.local_error_feedback,
         "outer_momentum": args.outer_momentum,
+        "reducer_density": args.reducer_density,
         "local_steps_all": [r["steps"] for r in results],
         "optimizer_steps_worker0": first["epochs"],
         "local_steps_worker0": first["steps"],
@@ -607,6 +612,10 @@ def main() -> int:
     parser.add_argument(
         "--topk-density", type=float, default=0.01, help="sparse2bit: share of values sent"
     )
+    parser.add_argument(
+        "--reducer-density", type=float, default=None,
+        help="sparse2bit: share of the summed part a reducer sends back (default: --topk-density)",
+    )  # fmt: skip
     parser.add_argument("--overlap-steps", type=int, default=5, help="streaming: inner steps")
     parser.add_argument("--average-every", type=int, default=4, help="local: initial period")
     parser.add_argument("--refresh", type=float, default=0.05, help="s between progress reads")

@@ -110,7 +110,9 @@ class Peer:
                     for t in mode.theta
                     if "momentum_buffer" in mode.outer.state.get(t, {})
                 ]
-                self.restart_at[self.opt.epoch] = [p.detach().clone() for p in self.model.parameters()]
+                self.restart_at[self.opt.epoch] = [
+                    p.detach().clone() for p in self.model.parameters()
+                ]
                 # the model restarts its inner loop from θ (local error feedback: from θ minus
                 # this peer's unsent residual)
                 assert _same(self.model.parameters(), mode.theta) == from_theta
@@ -328,6 +330,13 @@ def test_compression_names_and_errors():
     for name in ("topk", "sparse2bit"):
         with pytest.raises(ValueError, match="topk_density"):
             make_compression(name, 0.0)
+        with pytest.raises(ValueError, match="reducer_density"):
+            make_compression(name, 0.01, 1.5)
+    # the reducer may send back more of the summed part than each member sent of its own
+    spec, _ = make_compression("sparse2bit", 0.02, 0.08)
+    assert spec.sender.codec.k == 82 and spec.reducer.codec.k == 328
+    with pytest.raises(ValueError, match="reducer_density"):
+        moshpit.training.modes.options.DiLoCoOptions(reducer_density=0)
     with pytest.raises(TypeError, match="compression must be"):
         make_compression(3, 0.1)
 
@@ -494,7 +503,7 @@ def test_local_error_feedback_restarts_from_theta_minus_what_was_not_sent(make_d
             mode = peer.opt.mode
             assert mode.rounds_succeeded == 4 and len(log) == 4
             for epoch, residuals in enumerate(log, start=1):
-                (key, residual), = residuals  # the part sent to the other reducer
+                ((key, residual),) = residuals  # the part sent to the other reducer
                 (_, (start, end)) = key
                 theta = torch.cat([t.reshape(-1) for t in peer.theta_at[epoch]])
                 restart = torch.cat([t.reshape(-1) for t in peer.restart_at[epoch]])

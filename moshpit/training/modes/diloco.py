@@ -117,8 +117,11 @@ def _two_way(sender: Codec, reducer: Codec) -> TwoWayCompression:
     return spec
 
 
-def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC | None]:
-    """(what the averager gets, the GraVAC controller if any) for the ``compression=`` knob."""
+def make_compression(
+    compression: Any, topk_density: float, reducer_density: float | None = None
+) -> tuple[Any, GraVAC | None]:
+    """(what the averager gets, the GraVAC controller if any) for the ``compression=`` knob;
+    the sparse codecs' reducers keep ``reducer_density`` (default ``topk_density``)."""
     if compression is None or compression == "none":
         return None, None
     if isinstance(compression, str):
@@ -131,10 +134,12 @@ def make_compression(compression: Any, topk_density: float) -> tuple[Any, GraVAC
         if compression in ("topk", "sparse2bit"):
             if not 0 < topk_density <= 1:
                 raise ValueError(f"topk_density must be in (0, 1], got {topk_density!r}")
+            back = topk_density if reducer_density is None else reducer_density
+            if not 0 < back <= 1:
+                raise ValueError(f"reducer_density must be in (0, 1], got {back!r}")
             if compression == "sparse2bit":  # top-k of every 4096 values, 2 bits each
-                return _two_way(TopK2Bit(topk_density), TopK2Bit(topk_density)), None
-            codec = TopK(topk_density)
-            return _two_way(codec, TopK(topk_density)), None
+                return _two_way(TopK2Bit(topk_density), TopK2Bit(back)), None
+            return _two_way(TopK(topk_density), TopK(back)), None
         raise ValueError(
             f"compression must be one of {', '.join(map(repr, COMPRESSION_NAMES))}, a codec, a "
             f"TwoWayCompression or a GraVAC controller; got {compression!r}"
@@ -177,7 +182,9 @@ class DiLoCoMode(TrainingMode):
             if options.refresh_period is not None
             else optimizer.tracker.min_refresh_period
         )
-        self.compression, self.gravac = make_compression(options.compression, options.topk_density)
+        self.compression, self.gravac = make_compression(
+            options.compression, options.topk_density, options.reducer_density
+        )
         self.local_error_feedback = options.local_error_feedback
         self.params = params_of(optimizer.inner)
         self.fragments = split_fragments([p.numel() for p in self.params], options.fragments)

@@ -96,7 +96,10 @@ class DiLoCoOptions(ModeOptions):
     """``mode="diloco"``: ``inner_steps`` (H; default 500, or unset when the Optimizer's
     ``target_batch_size`` sets swarm-wide epochs), ``outer_lr``, ``outer_momentum``,
     ``nesterov``, ``compression`` ("fp16", "8bit", "4bit", "topk", "sparse2bit", a codec, a
-    ``TwoWayCompression`` or a ``GraVAC``) with ``topk_density``, ``round_timeout`` (s),
+    ``TwoWayCompression`` or a ``GraVAC``) with ``topk_density`` (the share of values a
+    member sends) and ``reducer_density`` (the share a reducer sends back of the summed
+    part, default ``topk_density``; the sum of G members' parts holds up to G times as many
+    values, and what is cut waits in the reducer's residual), ``round_timeout`` (s),
     ``refresh_period`` (s), streaming DiLoCo's ``fragments`` and ``overlap_steps``, and
     ``local_error_feedback``: after each round the inner loop restarts from ``θ`` minus what
     this peer's codec has not sent yet (its sender residual), which then travels in the next
@@ -109,6 +112,7 @@ class DiLoCoOptions(ModeOptions):
     nesterov: bool = True
     compression: Any = None
     topk_density: float = 0.01
+    reducer_density: float | None = None
     round_timeout: float | None = None
     refresh_period: float | None = None
     fragments: int = 1
@@ -124,6 +128,13 @@ class DiLoCoOptions(ModeOptions):
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr!r}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        for name in ("topk_density", "reducer_density"):
+            value = getattr(self, name)
+            if value is None and name == "reducer_density":
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
         check_integer("fragments", self.fragments, minimum=1)
         check_integer("overlap_steps", self.overlap_steps, minimum=0)
         if not isinstance(self.local_error_feedback, bool):
