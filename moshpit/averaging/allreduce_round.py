@@ -392,6 +392,19 @@ class AllReduceRound:
             self.reducer.mark_sent(self.me, k)
         self.part_ok[self.me] = True
 
+    async def run_own_part(self) -> None:
+        assert self.reducer is not None
+        if self.is_sender:
+            self.reducer.declare(self.me, self.weight)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.reducer.run)
+            if self.is_sender:
+                nursery.start_soon(_until_left_out, self._local_sender)
+                nursery.start_soon(_until_left_out, self._local_receiver)
+        await self.reducer.wait_all_sent()
+
+    # ---- results of any part (the sending side records its parts' results here too) ----
+
     def note_missing(
         self, j: int, bounds: tuple[int, int], got: bool, missing: tuple[int, ...]
     ) -> None:
@@ -412,18 +425,8 @@ class AllReduceRound:
         if got and n - (1 if self.weight > 0 else 0) >= 1:
             self.part_averaged[j] += bounds[1] - bounds[0]
 
-    async def run_own_part(self) -> None:
-        assert self.reducer is not None
-        if self.is_sender:
-            self.reducer.declare(self.me, self.weight)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.reducer.run)
-            if self.is_sender:
-                nursery.start_soon(_until_left_out, self._local_sender)
-                nursery.start_soon(_until_left_out, self._local_receiver)
-        await self.reducer.wait_all_sent()
-
     def write(self, bounds: tuple[int, int], values: torch.Tensor | None) -> None:
+        """Put a chunk's result into the outputs (None: keep the local values there)."""
         assert self.outputs is not None and self.tensors is not None and self.layout is not None
         if values is None:  # nobody with positive weight contributed: keep local values
             copy_range(self.tensors, self.outputs, self.layout, *bounds)
