@@ -216,16 +216,16 @@ def test_averager_paces_at_its_bandwidth_and_reports_its_codec_density(two_dhts,
 async def test_members_stating_different_links_and_codecs_still_chunk_alike(monkeypatch):
     """The chunk size follows the GroupInfo (slowest stated link, densest reported codec),
     which every member has: a member that used its own would be refused by the others."""
-    import moshpit.averaging.allreduce as allreduce_module
+    import moshpit.averaging.allreduce_round as round_module
 
     sizes: list[int] = []
-    real = allreduce_module.chunk_numel_for
+    real = round_module.chunk_numel_for
 
     def spy(*args, **kwargs):
         sizes.append(real(*args, **kwargs))
         return sizes[-1]
 
-    monkeypatch.setattr(allreduce_module, "chunk_numel_for", spy)
+    monkeypatch.setattr(round_module, "chunk_numel_for", spy)
     async with swarm(3) as services:
         group = dataclasses.replace(
             make_group(services, bandwidths=[2e6, None, 5e6]), bytes_per_value=(4.0, None, 1.0)
