@@ -20,31 +20,33 @@ import hashlib
 import logging
 import math
 import threading
-import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import msgpack
 import torch
 import trio
 
+from dht.kademlia.node import DHTNode
 from moshpit.averaging.aggregation import make_aggregator
 from moshpit.averaging.allreduce import AllReduceResult, AllReduceService
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
+from moshpit.averaging.averager_services import AllReduceServices
+from moshpit.averaging.averager_services import CountingBackend as _CountingBackend
 from moshpit.averaging.config import AveragerConfig
 from moshpit.averaging.errors import AveragingError
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE, GroupInfo
 from moshpit.averaging.group_keys import GroupKeyManager
-from moshpit.averaging.matchmaking import (
-    MAX_GATHER_BYTES,
-    DHTMatchmakingBackend,
-    Matchmaker,
-    SchemaMemory,
-)
+from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, Matchmaker, SchemaMemory
 from moshpit.averaging.partition import empty_like_all
+from moshpit.averaging.step_result import StepResult
 from moshpit.critical import critical_section
+
+if TYPE_CHECKING:
+    from dht.facade import DHT
+    from dht.p2p.host import Host
+    from dht.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 # the longest a step waits, after matchmaking, for its look at the longer grid
@@ -95,107 +97,7 @@ def tensor_schema(tensors: Iterable[torch.Tensor]) -> tuple[bytes, str]:
     return digest, f"{len(shapes)} tensors, {numel} values"
 
 
-@dataclass
-class StepResult:
-    """What one :meth:`Averager.step` did.
-
-    ``succeeded``: at least one element of this peer's tensors was averaged with at least one
-    other peer's contribution (other parts may have kept local values; see
-    ``averaged_fraction`` and ``failed``). ``reason`` says why not when it did not: no group
-    formed, the round was cancelled, or the group formed but nothing was averaged (e.g. every
-    reducer left this peer out because it stalled or its tensors differ from the group's, or
-    every other member failed).
-    ``averaged_fraction``: the share (0..1) of this peer's elements that were averaged with at
-    least one other peer; the rest kept their local values. For an aux peer (no tensors of
-    its own): the share of the part it reduced that combined >= 2 peers' contributions.
-    ``complete_fraction``: the share of this peer's elements whose result holds every
-    contribution; below ``averaged_fraction`` when a part was averaged without someone (a
-    peer that died mid-round after delivering to some reducers only), and ``failed`` then
-    names who is missing (reducers name the senders their results lack).
-    ``gathered`` maps every group member to the metadata it passed as ``gather=``.
-    ``group_deviation``: the group's spread before averaging, the sum over parts of
-    ``sum_i w_i ||x_i - mean||^2 / sum_i w_i``; the same number for every member (adaptive
-    averaging periods use it to decide alike); None unless every part came back.
-    """
-
-    succeeded: bool
-    group_key: str
-    group_id: bytes | None = None
-    members: tuple[Any, ...] = ()
-    modes: tuple[str, ...] = ()
-    gathered: dict[Any, Any] = field(default_factory=dict)
-    failed: set[Any] = field(default_factory=set)
-    excluded: dict[Any, str] = field(default_factory=dict)
-    reason: str | None = None
-    matchmaking_seconds: float = 0.0
-    allreduce_seconds: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    timed_out: bool = False
-    next_group_key: str = ""
-    averaged_fraction: float = 0.0
-    group_deviation: float | None = None
-    complete_fraction: float = 0.0
-
-    @property
-    def group_size(self) -> int:
-        return len(self.members)
-
-
-class _CountingBackend(DHTMatchmakingBackend):
-    """The DHT backend, noting which peers each read of a key showed (swarm-size estimate).
-
-    Only peers declaring ``schema`` count: peers of another schema are never grouped with
-    us, so counting them would size the grid for groups that cannot fill.
-    """
-
-    def __init__(self, node: Any, schema: bytes | None = None):
-        super().__init__(node)
-        self.schema = schema
-        self.seen: dict[str, set[Any]] = {}
-
-    async def list_candidates(self, key: str) -> list[Any]:
-        found = await super().list_candidates(key)
-        seen = self.seen.setdefault(key, set())
-        if len(seen) < 1 << 16:  # bounded: a key holds at most max_subkeys_per_key records
-            seen.update(c.peer for c in found if self.schema is None or c.schema == self.schema)
-        return found
-
-    def take_count(self, key: str) -> int:
-        """Distinct peers (us included) seen under ``key`` since the last call; resets."""
-        seen = self.seen.pop(key, set())
-        self.seen.clear()
-        seen.add(self.local_peer)
-        return len(seen)
-
-
-class _AllReduceServices:
-    """One AllReduceService per Host, shared by every averager on it (ref-counted)."""
-
-    def __init__(self) -> None:
-        self._services: weakref.WeakKeyDictionary[Any, tuple[AllReduceService, int]] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    def acquire(self, host: Any) -> AllReduceService:
-        service, refs = self._services.get(host, (None, 0))
-        if service is None:
-            service = AllReduceService(host)
-        self._services[host] = (service, refs + 1)
-        return service
-
-    def release(self, host: Any) -> None:
-        service, refs = self._services.get(host, (None, 0))
-        if service is None:
-            return
-        if refs <= 1:
-            service.close()
-            del self._services[host]
-        else:
-            self._services[host] = (service, refs - 1)
-
-
-_allreduce_services = _AllReduceServices()
+_allreduce_services = AllReduceServices()
 
 
 class Averager:
@@ -263,7 +165,7 @@ class Averager:
     def __init__(
         self,
         tensors: Iterable[torch.Tensor],
-        dht: Any,
+        dht: DHT | DHTNode,
         prefix: str,
         target_group_size: int,
         *,
@@ -315,26 +217,26 @@ class Averager:
         self._lock = threading.Lock()  # guards the tensors (user threads and the trio thread)
         self._lock_owner: int | None = None  # thread id inside get_tensors() (re-entry check)
         self._loop_thread: int | None = None  # the thread running the DHT's trio loop
-        self._failures: dict[Any, int] = {}
-        self._banned_until: dict[Any, float] = {}
+        self._failures: dict[PeerID, int] = {}
+        self._banned_until: dict[PeerID, float] = {}
         # peers of another tensor schema, across rounds (and averagers sharing the memory)
         self._schema_memory = schema_memory if schema_memory is not None else SchemaMemory()
         self._step_scopes: set[trio.CancelScope] = set()
         self._step_lock: trio.Lock | None = None
         self._mm_backend: _CountingBackend | None = None
-        self._facade = None
-        self._node = None
-        self._host = None
+        self._facade: DHT | None = None
+        self._node: DHTNode | None = None
+        self._host: Host | None = None
         self.matchmaker: Matchmaker | None = None
         self._allreduce: AllReduceService | None = None
         self._started = False
         self._closed = False
         # called with the GroupInfo between matchmaking and all-reduce (tests, demo --kill)
-        self._before_allreduce: Callable[[Any], Awaitable[None]] | None = None
-        if hasattr(dht, "run_coroutine"):  # the sync facade
-            self._facade = dht
-        else:
+        self._before_allreduce: Callable[[GroupInfo], Awaitable[None]] | None = None
+        if isinstance(dht, DHTNode):
             self._node = dht
+        else:  # the sync facade
+            self._facade = dht
         # validate matchmaking parameters now, with a clear error, before any I/O
         Matchmaker._check_config(target_group_size, self.min_group_size, self.mode)
         if start:
@@ -348,14 +250,15 @@ class Averager:
             return
         if self._facade is not None:
 
-            async def attach(_dht: Any, node: Any) -> None:
+            async def attach(_dht: DHT, node: DHTNode) -> None:
                 self._attach(node)
 
             self._facade.run_coroutine(attach)
         else:
+            assert self._node is not None  # the constructor holds a node or a facade
             self._attach(self._node)
 
-    def _attach(self, node: Any) -> None:
+    def _attach(self, node: DHTNode) -> None:
         """Runs on the DHT's trio thread."""
         self._node = node
         self._host = node.host
@@ -398,7 +301,7 @@ class Averager:
             return
         if self._facade is not None and not _in_trio():
 
-            async def detach(_dht: Any, _node: Any) -> None:
+            async def detach(_dht: DHT, _node: DHTNode) -> None:
                 self._detach()
 
             try:
@@ -492,7 +395,7 @@ class Averager:
 
     # ------------------------------------------------------------------ failures
 
-    def _is_banned(self, peer: Any) -> bool:
+    def _is_banned(self, peer: PeerID) -> bool:
         until = self._banned_until.get(peer)
         if until is None:
             return False
@@ -501,7 +404,7 @@ class Averager:
             return False
         return True
 
-    def _record_round(self, members: Iterable[Any], failed: set[Any], me: Any) -> None:
+    def _record_round(self, members: Iterable[PeerID], failed: set[PeerID], me: PeerID) -> None:
         for peer in members:
             if peer == me:
                 continue
@@ -573,7 +476,7 @@ class Averager:
                     "use `await averager.astep(...)` there"
                 )
 
-        async def run(_dht: Any, _node: Any) -> StepResult:
+        async def run(_dht: DHT, _node: DHTNode) -> StepResult:
             return await self.astep(weight=weight, gather=gather, timeout=timeout)
 
         future: concurrent.futures.Future[StepResult]
@@ -679,7 +582,7 @@ class Averager:
         whatever it waits for; the phases' own timeouts should always end it before."""
         return self.matchmaking_timeout + self.allreduce_timeout + 4 * self.request_timeout
 
-    def _attached(self) -> tuple[Matchmaker, _CountingBackend, AllReduceService, Any]:
+    def _attached(self) -> tuple[Matchmaker, _CountingBackend, AllReduceService, Host]:
         """The parts :meth:`start` attached (a step before it is a bug in the caller)."""
         mm, backend, allreduce = self.matchmaker, self._mm_backend, self._allreduce
         if mm is None or backend is None or allreduce is None or self._host is None:

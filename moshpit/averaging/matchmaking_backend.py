@@ -62,9 +62,9 @@ class MatchmakingBackend(Protocol):
     def dht_time(self) -> float: ...
 
     async def declare(
-        self, key: str, order: float, expiration: float, mode: str, **extra: Any
+        self, key: str, order: float, expiration: float, mode: str, schema: bytes | None = None
     ) -> bool:
-        """Store our declaration; ``extra`` may hold ``schema`` (bytes) when we have one."""
+        """Store our declaration (``schema`` is passed only when we have one)."""
         ...
 
     def withdraw(
