@@ -26,7 +26,6 @@ SAYS_WHY = re.compile(r"\blines\b")  # a docstring that talks about its own leng
 LONG_FILES = {
     "moshpit/averaging/matchmaking.py": 1210,
     "dht/kademlia/node.py": 1201,  # raised once: the NAT work's public-by-configuration start
-    "moshpit/training/store.py": 1164,
     "moshpit/averaging/allreduce.py": 1110,
     "moshpit/training/progress.py": 1075,
     "moshpit/training/state_averager.py": 901,
