@@ -302,7 +302,7 @@ class SimPeer:
             self.outer = torch.optim.SGD(
                 self.theta, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
             )
-            # TrainingStateAverager._init_optimizer_state: a zero-gradient step creates the
+            # StateTensors.create_optimizer_state: a zero-gradient step creates the
             # momentum buffers, so a joiner's schema matches a donor's before any outer step
             for t in self.theta:
                 t.grad = torch.zeros_like(t)

@@ -16,7 +16,7 @@ class CheckpointDirLock(ExclusiveFileLock):
     :mod:`dht.filelock`; the kernel drops it when the holder dies, so a killed peer's restart
     is never blocked)."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = pathlib.Path(directory)
         super().__init__(self.directory / "LOCK", create=True)
 

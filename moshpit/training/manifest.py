@@ -315,7 +315,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    # numpy arrays are buffers; its stubs say so only for Python 3.12's Buffer protocol
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def build_manifest(

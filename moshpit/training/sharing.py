@@ -140,7 +140,7 @@ class SharingNode(Protocol):
         self, key: str, value: dict[str, Any] | None, expiration_time: float, subkey: str
     ) -> bool: ...
 
-    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration | None: ...
+    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration[Any] | None: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +376,8 @@ class StateSharing:
         raise P2PTimeoutError(f"state request to {short(peer)} timed out")
 
     def _served_by_root(self, root: bytes) -> ServedState | None:
-        for served in (self._published, self._downloading and self._downloading.served):
+        downloading = self._downloading.served if self._downloading is not None else None
+        for served in (self._published, downloading):
             if served is not None and served.manifest.root == root:
                 return served
         return None

@@ -17,7 +17,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import trio
@@ -469,7 +469,7 @@ class DownloadRun:
         left: -1 then, which nothing fits). What earlier transfers on it spent is gone."""
         network = getattr(self.sharing.node, "network", None)
         relayed_only = getattr(network, "relayed_only", None)
-        if relayed_only is None or not relayed_only(peer):
+        if network is None or relayed_only is None or not relayed_only(peer):
             return None
         relay_room = getattr(network, "relay_room", None)
         if relay_room is not None:
@@ -530,7 +530,7 @@ class DownloadRun:
 
     async def _assemble(self, dl: Download) -> list[torch.Tensor]:
         index = {d: i for i, d in enumerate(dl.digests)}
-        data = dl.data
+        data = cast("list[bytes]", dl.data)  # assembled once every chunk is in
         specs = dl.manifest.tensors
 
         def build() -> list[torch.Tensor]:

@@ -29,12 +29,17 @@ network; ``sharing.py`` runs it over streams.
 
 from __future__ import annotations
 
+import builtins
 import math
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
 from moshpit.training.sharing_protocol import REQUEST_BYTES, Record
+
+if TYPE_CHECKING:
+    from dht.p2p.identity import PeerID
 
 __all__ = [
     "BUSY_BACKOFF",
@@ -60,7 +65,9 @@ BUSY_BACKOFF = (0.05, 2.0)  # first and largest wait after a "busy" answer, seco
 # answers' msgpack/yamux/Noise framing, DHT and other RPCs sharing the connection
 RELAY_HEADROOM = 32 * 1024
 
-Peer = Hashable  # a PeerID in the network; anything hashable and orderable in tests
+# a PeerID in the network (and so to the type checker); any hashable, orderable stand-in in
+# tests, as nothing here looks inside it
+Peer: TypeAlias = "PeerID"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +83,9 @@ class AdvertisedState:
     bytes: int
     donors: list[Peer]  # peers announcing the whole state (complete=True)
     partial: list[Peer] = field(default_factory=list)  # joiners holding part of it
-    schema: bytes | None = None  # state_schema_digest as announced (None: not announced)
+    # state_schema_digest as announced (None: not announced); ``builtins.``: ``bytes`` above
+    # is a field here
+    schema: builtins.bytes | None = None
 
 
 def advertised_states(records: Sequence[Record]) -> list[AdvertisedState]:
@@ -198,7 +207,8 @@ class DownloadPlan:
         else:
             candidates = self._overdue(h, now)
             limit = 0  # one chunk
-        batch, total = [], 0
+        batch: list[int] = []
+        total = 0
         for i in candidates:
             if batch and (total + self.sizes[i] > limit or len(batch) >= max_count):
                 break
@@ -268,7 +278,7 @@ def note_failure(h: Holder, now: float, drop_for: float) -> float | None:
         h.gone = True
         h.retry_at = now + drop_for
         return None
-    return min(0.1 * 2**h.failures, 2.0)
+    return min(0.1 * 2.0**h.failures, 2.0)
 
 
 def note_busy(h: Holder, now: float, jitter: float) -> None:

@@ -164,6 +164,15 @@ def check_digest(value: Any, what: str) -> bytes:
     return value
 
 
+def _record_number(value: dict[Any, Any], name: str) -> int:
+    number = value.get(name)
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise ValueError(f"{name} must be an integer")
+    if not 0 <= number < MAX_RECORD_NUMBER:
+        raise ValueError(f"{name} out of range")
+    return number
+
+
 def parse_record(subkey: Any, value: Any, peer_from_base58: Callable[[str], PeerID]) -> Record:
     """One DHT entry under ``{prefix}.state`` as a :class:`Record` (ValueError if invalid;
     ``peer_from_base58`` may raise its own error for a subkey that names no valid peer)."""
@@ -174,12 +183,8 @@ def parse_record(subkey: Any, value: Any, peer_from_base58: Callable[[str], Peer
     if not isinstance(value, dict):
         raise ValueError("record must be a map")
     root = check_digest(value.get("root"), "root")
-    epoch, nbytes, complete = value.get("epoch"), value.get("bytes"), value.get("complete")
-    for name, number in (("epoch", epoch), ("bytes", nbytes)):
-        if isinstance(number, bool) or not isinstance(number, int):
-            raise ValueError(f"{name} must be an integer")
-        if not 0 <= number < MAX_RECORD_NUMBER:
-            raise ValueError(f"{name} out of range")
+    epoch, nbytes = _record_number(value, "epoch"), _record_number(value, "bytes")
+    complete = value.get("complete")
     if not isinstance(complete, bool):
         raise ValueError("complete must be a bool")
     raw_addrs = value.get("addrs", [])
@@ -326,9 +331,8 @@ def answer_length(chunks: Sequence[bytes | None], batch_bytes: int) -> int:
 
 def refusal(reply: Any) -> str | None:
     """The reason of an error reply (shortened), or None for any other answer."""
-    if isinstance(reply, dict) and isinstance(reply.get("error"), str):
-        return reply["error"][:MAX_ERROR_CHARS]
-    return None
+    error = reply.get("error") if isinstance(reply, dict) else None
+    return error[:MAX_ERROR_CHARS] if isinstance(error, str) else None
 
 
 def read_manifest_reply(reply: Any, root: bytes) -> Manifest | None:

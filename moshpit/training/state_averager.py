@@ -12,8 +12,9 @@ delta is applied from that thread (at the next :meth:`step`, :meth:`apply_pendin
 :meth:`AveragingRound.wait`), never from a background thread.
 
 The same state is what checkpoints store (``store.py``) and what donors serve to joiners
-(``sharing.py``): both go through :meth:`_named_state`, whose names and order define the schema a
-joiner must match.
+(``sharing.py``): both go through :meth:`_named_state`, whose names and order
+(``state_tensors.py``) define the schema a joiner must match. The constructor's own options are
+``state_options.StateAveragerOptions``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import math
 import shutil
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -43,14 +44,47 @@ from moshpit.training.errors import (
     StateMismatchError,
 )
 from moshpit.training.health import NonFiniteStateError, first_non_finite
-from moshpit.training.manifest import Manifest, dtype_name
+from moshpit.training.manifest import Manifest
+from moshpit.training.state_options import StateAveragerOptions
+from moshpit.training.state_tensors import StateTensors, both_nonnegative, correct_after_round
+
+if TYPE_CHECKING:
+    from moshpit.training.dirlock import CheckpointDirLock
+    from moshpit.training.sharing import (
+        AdvertisedState,
+        DownloadResult,
+        SharingNode,
+        StateSharing,
+    )
+    from moshpit.training.store import StateStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AveragingRound", "TrainingStateAverager", "correct_after_round"]
+__all__ = [
+    "AveragingRound",
+    "StateAveragerOptions",
+    "StateDHT",
+    "TrainingStateAverager",
+    "correct_after_round",
+]
 
-# param_groups entries that are plain numbers/strings/bools travel in the state's metadata
-_SCALAR_TYPES = (int, float, str, bool, type(None))
+T = TypeVar("T")
+
+
+class StateDHT(Protocol):
+    """The synchronous DHT facade (a running ``moshpit.DHT``) as the state averager uses it:
+    its own work (sharing, lookups) runs as coroutines on the DHT's trio thread."""
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def run_coroutine(self, async_fn: Callable[[Any, Any], Awaitable[T]]) -> T: ...
+
+    def start_service(
+        self, async_fn: Callable[..., Awaitable[Any]], *args: Any
+    ) -> concurrent.futures.Future[Any]: ...
+
+
 # a state that keeps going non-finite although it was reloaded each time is not a glitch
 MAX_RECOVERIES = 5
 RECOVERY_WINDOW = 300.0  # seconds
@@ -59,13 +93,16 @@ RECOVERY_WINDOW = 300.0  # seconds
 # ``observer("download", state_averager, (error or None, seconds, DownloadResult or None))``
 # after each attempt to load the swarm's state. Empty unless metrics are on.
 live_state_averagers: weakref.WeakSet[TrainingStateAverager] = weakref.WeakSet()
-observers: list[Any] = []
+DownloadAttempt = tuple["Exception | None", float, "DownloadResult | None"]
+observers: list[Callable[[str, TrainingStateAverager, DownloadAttempt], object]] = []
 
 
 class AveragingRound:
     """A background averaging round started by ``TrainingStateAverager.step(wait=False)``."""
 
-    def __init__(self, owner: TrainingStateAverager, future: concurrent.futures.Future) -> None:
+    def __init__(
+        self, owner: TrainingStateAverager, future: concurrent.futures.Future[StepResult]
+    ) -> None:
         self._owner = owner
         self.future = future
         self.applied = False
@@ -91,98 +128,59 @@ class TrainingStateAverager:
     :param optimizer: a ``torch.optim.Optimizer``; its ``param_groups`` are the parameters.
     :param prefix: the run's name; peers with the same prefix train together.
     :param target_group_size: Moshpit group size for averaging rounds.
-    :param checkpoint_dir: where :meth:`save_checkpoint` writes (and what this peer serves to
-      joiners afterwards); None disables checkpoints and serving.
     :param extra_tensors: more state to keep in sync (e.g. ``model.buffers()``); floating-point
       ones are averaged, the others (e.g. BatchNorm's ``num_batches_tracked``) are only saved
       and loaded.
-    :param average_parameters: whether a round averages the parameters.
-    :param average_optimizer_statistics: whether a round averages the optimizer statistics:
-      the floating-point per-parameter tensors of the parameter's shape (Adam's moments);
-      scalar counters (Adam's ``step``) stay local but are saved and loaded with the state.
-    :param average_extra_tensors: whether a round averages the floating-point extra tensors.
-    :param sync_on_start: before the first round, load the swarm's newest state if a donor
-      serves one newer than ours; a peer with fresh weights is thus never averaged in at full
-      weight. Set False only if every peer starts from the same state by construction.
-    :param join_timeout: how long that first look for donors waits.
-    :param checkpoint_every_seconds: write a checkpoint this often (in a background thread,
-      from a snapshot taken on the training thread); None: only on request.
-    :param checkpoint_every_epochs: also write one every this many epochs; None: never.
-    :param keep_checkpoints: how many checkpoints stay on disk (older ones are deleted);
-      a damaged newest one falls back to the next.
-    :param restore_checkpoint: load the newest intact checkpoint of ``checkpoint_dir`` at
-      start (a restarted peer resumes where it stopped).
-    :param averager_options: passed to :class:`~moshpit.Averager` (timeouts, compression, ...).
+    :param options: a :class:`~moshpit.training.state_options.StateAveragerOptions` (where to
+      checkpoint, how often, what a round averages, whether to catch up with the swarm at
+      start). Keyword arguments named like its fields (``checkpoint_dir=``,
+      ``keep_checkpoints=``, ...) go on top of it; the other keyword arguments are the inner
+      :class:`~moshpit.Averager`'s (timeouts, compression, ``config=``, ...).
     """
 
     def __init__(
         self,
         *,
-        dht: Any,
+        dht: StateDHT,
         optimizer: torch.optim.Optimizer,
         prefix: str,
         target_group_size: int,
-        checkpoint_dir: str | Path | None = None,
         extra_tensors: Iterable[torch.Tensor] = (),
-        average_parameters: bool = True,
-        average_optimizer_statistics: bool = True,
-        average_extra_tensors: bool = True,
-        sync_on_start: bool = True,
-        join_timeout: float = 10.0,
-        checkpoint_every_seconds: float | None = None,
-        checkpoint_every_epochs: int | None = None,
-        keep_checkpoints: int = 2,
-        restore_checkpoint: bool = True,
-        **averager_options: Any,
+        options: StateAveragerOptions | None = None,
+        **keywords: Any,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
         if not hasattr(dht, "run_coroutine"):
             raise TypeError("dht must be a moshpit.DHT (the synchronous facade)")
+        self.options, averager_options = StateAveragerOptions.split(options, keywords)
         self.dht = dht
         self.optimizer = optimizer
         self.prefix = prefix
-        self.extra_tensors = list(extra_tensors)
-        self.sync_on_start = sync_on_start
-        self.join_timeout = float(join_timeout)
-        self.checkpoint_every_seconds = checkpoint_every_seconds
-        self.checkpoint_every_epochs = checkpoint_every_epochs
+        self._tensors = StateTensors(optimizer, extra_tensors)
+        self.extra_tensors = self._tensors.extras
+        self.sync_on_start = self.options.sync_on_start
+        self.join_timeout = float(self.options.join_timeout)
+        self.checkpoint_every_seconds = self.options.checkpoint_every_seconds
+        self.checkpoint_every_epochs = self.options.checkpoint_every_epochs
         self.epoch = 0
-        self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not self._params:
+        if not self._tensors.params:
             raise ValueError("the optimizer has no parameters")
-        self._init_optimizer_state()
-        self._averaged = self._select_averaged(
-            average_parameters, average_optimizer_statistics, average_extra_tensors
+        self._tensors.create_optimizer_state()
+        self._averaged = self._tensors.averaged_names(
+            self.options.average_parameters,
+            self.options.average_optimizer_statistics,
+            self.options.average_extra_tensors,
         )
         if not self._averaged:
             raise ValueError("nothing to average: enable parameters, statistics or extras")
         # one peer per checkpoint directory: a second one fails here, before it joins a round
         # or touches the files
-        self._store = None
-        self._dir_lock = None
-        if checkpoint_dir is not None:
-            from moshpit.training.dirlock import CheckpointDirLock
-            from moshpit.training.store import StateStore
-
-            self._dir_lock = CheckpointDirLock(checkpoint_dir)
-            self._dir_lock.acquire()
-            try:
-                self._store = StateStore(checkpoint_dir, keep=keep_checkpoints)
-            except BaseException:
-                self._dir_lock.release()
-                raise
-        # CPU buffers the inner Averager owns, and the snapshot each round starts from
-        pin = torch.cuda.is_available() and any(t.is_cuda for t in self._averaged_live())
-        self._buffers = [
-            torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self._averaged_live()
-        ]
-        self._snapshot = [torch.empty_like(b) for b in self._buffers]
+        self._store, self._dir_lock = _open_store(
+            self.options.checkpoint_dir, self.options.keep_checkpoints
+        )
         try:
-            self.averager = Averager(
-                self._buffers, dht=dht, prefix=prefix, target_group_size=target_group_size,
-                **averager_options,
-            )  # fmt: skip
+            self.averager = self._make_averager(target_group_size, averager_options)
         except BaseException:
             if self._dir_lock is not None:
                 self._dir_lock.release()
@@ -191,12 +189,40 @@ class TrainingStateAverager:
         self.last_round_deviation: float | None = None  # ||averaged - ours|| / ||ours||
         # sqrt(the group's variance) / ||the group's mean||: the same for every member
         self.last_group_spread: float | None = None
-        self._synchronized = not sync_on_start
+        self._synchronized = not self.sync_on_start
         self._closed = False
+        self._init_checkpointing()
+        self.recoveries = 0  # times a non-finite state was replaced by a good one
+        self._recovered_at: list[float] = []
+        self._sharing: StateSharing | None = None
+        self._sharing_service: concurrent.futures.Future[Any] | None = None
+        try:
+            self._start_sharing()
+            if self._store is not None and self.options.restore_checkpoint:
+                self._restore_if_present()
+        except BaseException:  # nothing half-open stays behind: round, server, directory lock
+            self.shutdown()
+            raise
+        live_state_averagers.add(self)
+
+    def _make_averager(self, target_group_size: int, averager_options: dict[str, Any]) -> Averager:
+        """The inner Averager, on CPU buffers it owns, and the snapshot each round starts from."""
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in self._averaged_live())
+        self._buffers = [
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self._averaged_live()
+        ]
+        self._snapshot = [torch.empty_like(b) for b in self._buffers]
+        return Averager(
+            self._buffers, dht=self.dht, prefix=self.prefix,
+            target_group_size=target_group_size, **averager_options,
+        )  # fmt: skip
+
+    def _init_checkpointing(self) -> None:
+        """The checkpoint writer thread, and the counters ``moshpit status`` shows."""
         self._last_checkpoint_time = time.monotonic()
         self._last_checkpoint_epoch = 0
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moshpit-ckpt")
-        self._writing: concurrent.futures.Future | None = None
+        self._writing: concurrent.futures.Future[Manifest] | None = None
         # background checkpoints that failed (disk full, read-only, non-finite state): counted,
         # logged at once (one line per reason and minute), shown by `moshpit status`
         self.checkpoint_failures = 0
@@ -206,71 +232,15 @@ class TrainingStateAverager:
         self.last_checkpoint_at: float | None = None  # time.monotonic() it was written at
         self._failure_lock = CriticalLock()
         self._failure_log = RateLimitedLogger(logger, 60.0)
-        self.recoveries = 0  # times a non-finite state was replaced by a good one
-        self._recovered_at: list[float] = []
-        self._sharing = None
-        self._sharing_service: concurrent.futures.Future | None = None
-        try:
-            self._start_sharing()
-            if self._store is not None and restore_checkpoint:
-                self._restore_if_present()
-        except BaseException:  # nothing half-open stays behind: round, server, directory lock
-            self.shutdown()
-            raise
-        live_state_averagers.add(self)
 
     # ------------------------------------------------------------------ the state's tensors
 
-    def _init_optimizer_state(self) -> None:
-        """Create lazily-initialised optimizer state (e.g. Adam moments) without changing params.
-
-        Every peer must list the same tensors before its first real step, or a joiner's schema
-        would not match a donor's. A zero-gradient step creates them; parameters, gradients and
-        counters are put back afterwards.
-        """
-        if all(p in self.optimizer.state and self.optimizer.state[p] for p in self._params):
-            return
-        saved = [(p.detach().clone(), p.grad) for p in self._params]
-        with torch.no_grad():
-            for p in self._params:
-                p.grad = torch.zeros_like(p)
-            self.optimizer.step()
-            for p, (data, grad) in zip(self._params, saved, strict=True):
-                p.copy_(data)
-                p.grad = grad
-                for key, value in self.optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() == 0 and key == "step":
-                        value.zero_()
-                    elif key == "step" and isinstance(value, (int, float)):
-                        self.optimizer.state[p][key] = type(value)(0)
-
     def _named_state(self) -> list[tuple[str, torch.Tensor]]:
         """Every state tensor with its stable name: parameters, optimizer state, extras."""
-        named = [(f"params.{i}", p) for i, p in enumerate(self._params)]
-        for i, p in enumerate(self._params):
-            for key in sorted(self.optimizer.state.get(p, {})):
-                value = self.optimizer.state[p][key]
-                if isinstance(value, torch.Tensor):
-                    named.append((f"optimizer.{i}.{key}", value))
-        named += [(f"extra.{i}", t) for i, t in enumerate(self.extra_tensors)]
-        return named
+        return self._tensors.named()
 
-    def _select_averaged(self, params: bool, stats: bool, extras: bool) -> list[str]:
-        names = []
-        shapes = {f"params.{i}": p.shape for i, p in enumerate(self._params)}
-        for name, tensor in self._named_state():
-            if not tensor.is_floating_point():
-                continue
-            kind = name.split(".", 1)[0]
-            if kind == "params" and params:
-                names.append(name)
-            elif kind == "optimizer" and stats:
-                index = name.split(".")[1]
-                if tensor.shape == shapes[f"params.{index}"] and tensor.dim() > 0:
-                    names.append(name)
-            elif kind == "extra" and extras:
-                names.append(name)
-        return names
+    def _metadata(self) -> dict[str, Any]:
+        return self._tensors.metadata()
 
     def _averaged_live(self) -> list[torch.Tensor]:
         state = dict(self._named_state())
@@ -278,7 +248,7 @@ class TrainingStateAverager:
 
     def schema(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """``(name, dtype, shape)`` of every state tensor, in manifest order."""
-        return [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self._named_state()]
+        return self._tensors.schema()
 
     def schema_digest(self) -> tuple[bytes, str]:
         """``(hash, description)`` of the state's tensor names and shapes (dtypes left out,
@@ -291,19 +261,6 @@ class TrainingStateAverager:
         values = sum(math.prod(shape) for _, _, shape in schema)
         digest = state_schema_digest(schema, with_dtypes=False)
         return digest, f"{len(schema)} state tensors, {values} values"
-
-    def _metadata(self) -> dict[str, Any]:
-        groups = []
-        for group in self.optimizer.param_groups:
-            groups.append(
-                {k: v for k, v in group.items() if k != "params" and isinstance(v, _SCALAR_TYPES)}
-            )
-        scalars = {}
-        for i, p in enumerate(self._params):
-            for key, value in self.optimizer.state.get(p, {}).items():
-                if isinstance(value, _SCALAR_TYPES):
-                    scalars[f"{i}.{key}"] = value
-        return {"param_groups": groups, "optimizer_scalars": scalars}
 
     # ------------------------------------------------------------------ averaging
 
@@ -321,7 +278,7 @@ class TrainingStateAverager:
         self.apply_pending()
         if self._pending is not None:
             return self._pending.wait() if wait else self._pending
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[StepResult] = concurrent.futures.Future()
         if not self._synchronized:
             try:
                 self._synchronize()
@@ -394,7 +351,7 @@ class TrainingStateAverager:
                 mean_sq += float(torch.linalg.vector_norm(buffer, dtype=torch.float64)) ** 2
                 # parameters have no domain; a statistic that is non-negative on both sides
                 # (Adam's exp_avg_sq, Adagrad's sum, BatchNorm's running_var) must stay so
-                nonnegative = not name.startswith("params.") and _nonnegative(snapshot, tensor)
+                nonnegative = not name.startswith("params.") and both_nonnegative(snapshot, tensor)
                 if nonnegative:
                     correct_after_round(tensor, buffer, snapshot, nonnegative=True)
                 buffer.sub_(snapshot)  # the buffer now holds this round's delta
@@ -412,34 +369,13 @@ class TrainingStateAverager:
 
     # ------------------------------------------------------------------ loading state
 
-    def _write_state(self, tensors: Sequence[torch.Tensor], metadata: dict[str, Any]) -> None:
-        """Copy a verified state into the live tensors and optimizer hyper-parameters."""
-        with critical_section(), torch.no_grad():
-            for (_, live), value in zip(self._named_state(), tensors, strict=True):
-                live.copy_(value.to(live.device))
-        groups = metadata.get("param_groups") if isinstance(metadata, dict) else None
-        if isinstance(groups, list) and len(groups) == len(self.optimizer.param_groups):
-            for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
-                if isinstance(saved, dict):
-                    for key, value in saved.items():
-                        if key in group and key != "params" and isinstance(value, _SCALAR_TYPES):
-                            group[key] = value
-        scalars = metadata.get("optimizer_scalars") if isinstance(metadata, dict) else None
-        if isinstance(scalars, dict):
-            for name, value in scalars.items():
-                index, _, key = str(name).partition(".")
-                if index.isdigit() and int(index) < len(self._params):
-                    state = self.optimizer.state.get(self._params[int(index)])
-                    if state is not None and key in state and isinstance(value, _SCALAR_TYPES):
-                        state[key] = value
-
     def _adopt(self, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> int:
         manifest.check_fits(self.schema())
         if self._pending is not None:  # a round's delta is relative to the state we replace
             self._pending.future.cancel()
             self._pending.applied = True
             self._pending = None
-        self._write_state(tensors, dict(manifest.metadata))
+        self._tensors.write(tensors, dict(manifest.metadata))
         self.epoch = manifest.epoch
         self._synchronized = True
         return self.epoch
@@ -506,10 +442,10 @@ class TrainingStateAverager:
         only after the whole state verified.
         """
         self._check_open()
-        sharing = self._sharing
+        sharing = self._running_sharing()
         schema = self.schema()
 
-        async def download(_dht: Any, _node: Any) -> Any:
+        async def download(_dht: object, _node: object) -> DownloadResult:
             return await sharing.download(schema, timeout=timeout, sink=self._store)
 
         started = time.monotonic()
@@ -602,15 +538,15 @@ class TrainingStateAverager:
         epoch = self.load_checkpoint()
         return f"this peer's checkpoint of epoch {epoch}"
 
-    def _find_states(self) -> list[Any]:
+    def _find_states(self) -> list[AdvertisedState]:
         """The announced states, of our schema only if any is (another model's states
         under our prefix are never newer than ours in any sense that matters)."""
         from moshpit.training.sharing import state_schema_digest
 
-        sharing = self._sharing
+        sharing = self._running_sharing()
         schema = state_schema_digest(self.schema())
 
-        async def newest(_dht: Any, _node: Any) -> Any:
+        async def newest(_dht: object, _node: object) -> list[AdvertisedState]:
             return await sharing.find_states(schema)
 
         return self.dht.run_coroutine(newest)
@@ -644,7 +580,7 @@ class TrainingStateAverager:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, wait: bool = True) -> concurrent.futures.Future:
+    def save_checkpoint(self, wait: bool = True) -> concurrent.futures.Future[Manifest]:
         """Write the current state into ``checkpoint_dir`` and serve it to joiners afterwards.
 
         The snapshot is taken now, on the calling (training) thread; writing happens in a
@@ -677,6 +613,7 @@ class TrainingStateAverager:
                 f"not writing the checkpoint of epoch {epoch}: tensor {bad!r} holds NaN or Inf "
                 "(the last good checkpoint stays)"
             )
+        assert self._store is not None  # save_checkpoint checked
         manifest = save_state(self._store, named, epoch, metadata)
         self.newest_checkpoint_epoch = epoch
         self.last_checkpoint_at = time.monotonic()
@@ -685,7 +622,7 @@ class TrainingStateAverager:
         logger.info("checkpoint of epoch %d written (%d bytes)", epoch, manifest.total_bytes)
         return manifest
 
-    def _checkpoint_done(self, future: concurrent.futures.Future) -> None:
+    def _checkpoint_done(self, future: concurrent.futures.Future[Manifest]) -> None:
         """A background checkpoint ended: count and log a failure at once (rate-limited)."""
         if future.cancelled() or future.exception() is None:
             return
@@ -724,39 +661,46 @@ class TrainingStateAverager:
 
         store = self._store
 
-        async def create(_dht: Any, node: Any) -> Any:
+        async def create(_dht: object, node: SharingNode) -> StateSharing:
             return StateSharing(node, self.prefix, store)
 
         self._sharing = self.dht.run_coroutine(create)
         self._sharing_service = self.dht.start_service(self._sharing.run)
 
+    def _running_sharing(self) -> StateSharing:
+        if self._sharing is None:  # only before the constructor started it
+            raise RuntimeError("state sharing is not running yet")
+        return self._sharing
+
     def _publish(self, manifest: Manifest) -> None:
         sharing = self._sharing
+        if self._store is None or sharing is None or not self.dht.is_alive:
+            return
 
-        async def publish(_dht: Any, _node: Any) -> None:
+        async def publish(_dht: object, _node: object) -> None:
             sharing.publish(manifest)
             # announce before returning: a joiner that looks right after save_checkpoint()
             # must find this state (the service loop would announce it only "soon")
             await sharing.announce()
 
-        if self._store is not None and sharing is not None and self.dht.is_alive:
-            self.dht.run_coroutine(publish)
+        self.dht.run_coroutine(publish)
 
     def withdraw(self, timeout: float = 5.0) -> None:
         """Stop serving and withdraw this peer's DHT declarations (state, matchmaking) now."""
         sharing = self._sharing
+        if sharing is None or not self.dht.is_alive:
+            return
 
-        async def withdraw(_dht: Any, _node: Any) -> None:
+        async def withdraw(_dht: object, _node: object) -> None:
             import trio
 
             with trio.move_on_after(timeout):
                 await sharing.withdraw()
 
-        if sharing is not None and self.dht.is_alive:
-            try:
-                self.dht.run_coroutine(withdraw)
-            except (RuntimeError, concurrent.futures.CancelledError) as e:
-                logger.debug("could not withdraw the state announcement: %s", e)
+        try:
+            self.dht.run_coroutine(withdraw)
+        except (RuntimeError, concurrent.futures.CancelledError) as e:
+            logger.debug("could not withdraw the state announcement: %s", e)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -834,39 +778,31 @@ class TrainingStateAverager:
         self.shutdown()
 
 
-def _notify(event: str, source: Any, detail: Any) -> None:
+def _open_store(
+    checkpoint_dir: str | Path | None, keep: int
+) -> tuple[StateStore | None, CheckpointDirLock | None]:
+    """The checkpoint store and the lock that makes this peer its only writer (None, None
+    without a directory). A second peer on the same directory fails here."""
+    if checkpoint_dir is None:
+        return None, None
+    from moshpit.training.dirlock import CheckpointDirLock
+    from moshpit.training.store import StateStore
+
+    lock = CheckpointDirLock(checkpoint_dir)
+    lock.acquire()
+    try:
+        return StateStore(checkpoint_dir, keep=keep), lock
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _notify(event: str, source: TrainingStateAverager, detail: DownloadAttempt) -> None:
     for observer in list(observers):
         try:
             observer(event, source, detail)
         except Exception:  # monitoring must never break training
             logger.exception("training-state observer failed")
-
-
-def correct_after_round(
-    live: torch.Tensor, averaged: torch.Tensor, snapshot: torch.Tensor, *, nonnegative: bool
-) -> torch.Tensor:
-    """Apply a finished round to ``live`` in place: the round turned ``snapshot`` into
-    ``averaged`` while ``live`` moved on from ``snapshot`` (local steps during the round).
-
-    Signed state (parameters, first moments): ``live += averaged - snapshot``, which keeps
-    the local progress exactly. A non-negative statistic cannot take that rule: while the
-    round is in flight its live value decays (Adam's ``exp_avg_sq`` shrinks by ``beta2`` per
-    step), and once it is below ``snapshot - averaged`` the sum is negative and ``sqrt`` turns
-    the next step into NaN. So where the live value fell below the snapshot, the round's
-    change is scaled by that same decay: ``live * averaged / snapshot`` (what the average
-    would be had it decayed alongside); where it grew, the plain delta. Both are >= 0 and at
-    most ``max(live + averaged, averaged)``, and they agree where ``live == snapshot``. A
-    negative average (only a misbehaving peer sends one) counts as zero.
-    """
-    averaged = averaged.to(live.device, non_blocking=live.is_cuda)
-    snapshot = snapshot.to(live.device, non_blocking=live.is_cuda)
-    if not nonnegative:
-        return live.add_(averaged - snapshot)
-    averaged = averaged.clamp_min(0)
-    decayed = live < snapshot  # implies snapshot > 0: the ratio below is in [0, 1)
-    scaled = (live / snapshot).mul_(averaged)
-    shifted = (live + averaged).sub_(snapshot)
-    return live.copy_(torch.where(decayed, scaled, shifted))
 
 
 def _refuse_non_finite(manifest: Manifest, tensors: Sequence[torch.Tensor]) -> str | None:
@@ -884,14 +820,6 @@ def _free_space(directory: Path | None) -> str:
         return f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free in {directory}"
     except OSError as e:
         return f"free space unknown ({e.strerror})"
-
-
-def _nonnegative(snapshot: torch.Tensor, live: torch.Tensor) -> bool:
-    """Both sides of a statistic hold no negative value (its domain, as far as we can tell:
-    user optimizers name their statistics as they like)."""
-    if snapshot.numel() == 0:
-        return False
-    return bool(snapshot.min() >= 0) and bool(live.min() >= 0)
 
 
 def _sync_devices(tensors: Iterable[torch.Tensor]) -> None:

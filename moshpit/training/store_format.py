@@ -18,8 +18,9 @@ Small chunks (small tensors, the tails of big ones) go into pack files when a sa
 them: a file per 16 KiB tensor would cost a create, a rename and a directory entry each, and a
 model with thousands of small tensors would checkpoint far slower than ``torch.save``.
 
-This module knows the format only; writing it durably, verifying what is read, setting damaged
-files aside and collecting garbage is ``store.py``'s job.
+This module knows the format only; writing it durably is ``store_durable.py``'s job, verifying
+what is read and setting damaged files aside ``store_chunks.py``'s, committing and collecting
+garbage ``store.py``'s, falling back to an older state ``store_restore.py``'s.
 """
 
 from __future__ import annotations

@@ -337,3 +337,57 @@ def test_leaving_waits_for_a_round_whose_group_formed(dhts, tmp_path):
         assert not a.averager.in_group
     finally:
         b.shutdown()
+
+
+def test_options_take_keywords_on_top_and_leave_the_averagers_alone() -> None:
+    """``options=`` and keyword arguments of the same names build the same thing; the other
+    keywords are the inner Averager's, untouched."""
+    from moshpit.training.state_options import StateAveragerOptions
+
+    base = StateAveragerOptions(keep_checkpoints=3, sync_on_start=False)
+    options, rest = StateAveragerOptions.split(
+        base, {"keep_checkpoints": 5, "request_timeout": 2.0, "config": None}
+    )
+    assert options == StateAveragerOptions(keep_checkpoints=5, sync_on_start=False)
+    assert rest == {"request_timeout": 2.0, "config": None}
+    assert StateAveragerOptions.split(None, {})[0] == StateAveragerOptions()
+    with pytest.raises(TypeError, match="StateAveragerOptions"):
+        StateAveragerOptions.split({"keep_checkpoints": 3}, {})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("join_timeout", -1.0),
+        ("checkpoint_every_seconds", float("nan")),
+        ("checkpoint_every_epochs", 0),
+        ("keep_checkpoints", 0),
+    ],
+)
+def test_a_bad_option_is_named_where_it_is_given(name: str, value: object) -> None:
+    from moshpit.training.state_options import StateAveragerOptions
+
+    with pytest.raises(ValueError, match=name):
+        StateAveragerOptions(**{name: value})  # type: ignore[arg-type]
+
+
+def test_an_options_object_works_like_its_keywords(dhts, tmp_path) -> None:
+    from moshpit.training.state_options import StateAveragerOptions
+
+    model = torch.nn.Linear(3, 2)
+    state = TrainingStateAverager(
+        dht=dhts[0],
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        prefix="options-object",
+        target_group_size=2,
+        options=StateAveragerOptions(checkpoint_dir=tmp_path, sync_on_start=False),
+        keep_checkpoints=1,
+        request_timeout=2.0,
+    )
+    try:
+        assert state._store is not None and state._store.keep == 1
+        assert not state.sync_on_start
+        state.save_checkpoint()
+        assert state.newest_checkpoint_epoch == 0
+    finally:
+        state.shutdown()

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from moshpit.training import store as store_module
+from moshpit.training import store_durable  # the process-wide state tests reset
 from moshpit.training.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -578,7 +578,7 @@ def test_damaged_pack_header_makes_its_chunks_missing(
     data = bytearray(path.read_bytes())
     data[len(PACK_MAGIC) + PACK_COUNT.size + 40] ^= 0x01  # an entry's offset
     path.write_bytes(bytes(data))
-    monkeypatch.setattr(store_module, "_shared", {})  # a new process: no pack index in memory
+    monkeypatch.setattr(store_durable, "_shared", {})  # a new process: no pack index in memory
     fresh = StateStore(tmp_path)
     with pytest.raises(CheckpointCorruptError, match="'norm0.weight'.*is missing"):
         load_state(fresh)
@@ -605,7 +605,7 @@ def spy_fsync(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_without_syncfs_every_file_and_directory_is_fsynced(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "_SYNCFS", None)  # as on macOS
+    monkeypatch.setattr(store_durable, "_SYNCFS", None)  # as on macOS
     synced = spy_fsync(monkeypatch)
     store = StateStore(tmp_path / "ckpt")
     synced.clear()
@@ -626,18 +626,18 @@ def test_without_syncfs_every_file_and_directory_is_fsynced(
     assert_same(named, load_state(store)[1])
 
 
-@pytest.mark.skipif(store_module._SYNCFS is None, reason="syncfs(2) is Linux-only")
+@pytest.mark.skipif(store_durable._SYNCFS is None, reason="syncfs(2) is Linux-only")
 def test_with_syncfs_one_flush_covers_the_chunks(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    real = store_module._SYNCFS
+    real = store_durable._SYNCFS
 
     def syncfs(fd: int) -> int:
         calls.append(fd)
         return real(fd)
 
-    monkeypatch.setattr(store_module, "_SYNCFS", syncfs)
+    monkeypatch.setattr(store_durable, "_SYNCFS", syncfs)
     synced = spy_fsync(monkeypatch)
     store = StateStore(tmp_path)
     synced.clear()
@@ -649,7 +649,7 @@ def test_with_syncfs_one_flush_covers_the_chunks(
     assert_same(named, load_state(store)[1])
 
 
-@pytest.mark.skipif(store_module._SYNCFS is None, reason="syncfs(2) is Linux-only")
+@pytest.mark.skipif(store_durable._SYNCFS is None, reason="syncfs(2) is Linux-only")
 def test_saving_an_unchanged_state_flushes_nothing_but_the_commit(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -657,8 +657,8 @@ def test_saving_an_unchanged_state_flushes_nothing_but_the_commit(
     named = [*small_state(9), ("big", torch.randn((2 << 20) // 4))]
     save_state(store, named, 1)
     calls: list[int] = []
-    real = store_module._SYNCFS
-    monkeypatch.setattr(store_module, "_SYNCFS", lambda fd: calls.append(fd) or real(fd))
+    real = store_durable._SYNCFS
+    monkeypatch.setattr(store_durable, "_SYNCFS", lambda fd: calls.append(fd) or real(fd))
     synced = spy_fsync(monkeypatch)
     save_state(store, named, 2)
     assert calls == []
@@ -695,17 +695,17 @@ def test_a_forked_child_can_checkpoint(tmp_path: pathlib.Path) -> None:
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
-@pytest.mark.skipif(store_module._SYNCFS is None, reason="syncfs(2) is Linux-only")
+@pytest.mark.skipif(store_durable._SYNCFS is None, reason="syncfs(2) is Linux-only")
 def test_a_new_process_flushes_files_a_killed_writer_left_before_reusing_them(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     named = [*small_state(10), ("big", torch.randn((2 << 20) // 4))]
     save_state(StateStore(tmp_path), named, 1)
     # a new process: it did not write those chunk files, so it cannot know they are durable
-    monkeypatch.setattr(store_module, "_shared", {})
+    monkeypatch.setattr(store_durable, "_shared", {})
     calls: list[int] = []
-    real = store_module._SYNCFS
-    monkeypatch.setattr(store_module, "_SYNCFS", lambda fd: calls.append(fd) or real(fd))
+    real = store_durable._SYNCFS
+    monkeypatch.setattr(store_durable, "_SYNCFS", lambda fd: calls.append(fd) or real(fd))
     store = StateStore(tmp_path)
     save_state(store, named, 2)  # writes no chunk, yet flushes once
     assert len(calls) == 1
@@ -718,8 +718,8 @@ def test_without_syncfs_a_new_process_fsyncs_every_chunk_directory_once(
 ) -> None:
     named = small_state(11)
     save_state(StateStore(tmp_path), named, 1)
-    monkeypatch.setattr(store_module, "_shared", {})
-    monkeypatch.setattr(store_module, "_SYNCFS", None)
+    monkeypatch.setattr(store_durable, "_shared", {})
+    monkeypatch.setattr(store_durable, "_SYNCFS", None)
     synced = spy_fsync(monkeypatch)
     store = StateStore(tmp_path)
     save_state(store, named, 2)
