@@ -131,7 +131,7 @@ class SharingNode(Protocol):
     a relay) and ``get_visible_maddrs`` (the addresses to announce) are used where present."""
 
     @property
-    def host(self) -> Host: ...
+    def host(self) -> Host | None: ...
 
     @property
     def peer_id(self) -> PeerID: ...
@@ -178,8 +178,10 @@ class StateSharing:
         from dht.p2p.identity import PeerID
 
         self._PeerID = PeerID
+        if node.host is None:  # a node on the in-process loopback fabric has no streams
+            raise ValueError("state sharing needs a DHT node with a Host (it serves streams)")
         self.node = node
-        self.host = node.host
+        self.host: Host = node.host
         self.prefix = prefix
         self.store = store
         self.key = f"{prefix}.state"

@@ -25,9 +25,9 @@ import math
 import shutil
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -49,11 +49,12 @@ from moshpit.training.state_options import StateAveragerOptions
 from moshpit.training.state_tensors import StateTensors, both_nonnegative, correct_after_round
 
 if TYPE_CHECKING:
+    from dht.facade import DHT
+    from dht.kademlia.node import DHTNode
     from moshpit.training.dirlock import CheckpointDirLock
     from moshpit.training.sharing import (
         AdvertisedState,
         DownloadResult,
-        SharingNode,
         StateSharing,
     )
     from moshpit.training.store import StateStore
@@ -63,26 +64,11 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AveragingRound",
     "StateAveragerOptions",
-    "StateDHT",
     "TrainingStateAverager",
     "correct_after_round",
 ]
 
 T = TypeVar("T")
-
-
-class StateDHT(Protocol):
-    """The synchronous DHT facade (a running ``moshpit.DHT``) as the state averager uses it:
-    its own work (sharing, lookups) runs as coroutines on the DHT's trio thread."""
-
-    @property
-    def is_alive(self) -> bool: ...
-
-    def run_coroutine(self, async_fn: Callable[[Any, Any], Awaitable[T]]) -> T: ...
-
-    def start_service(
-        self, async_fn: Callable[..., Awaitable[Any]], *args: Any
-    ) -> concurrent.futures.Future[Any]: ...
 
 
 # a state that keeps going non-finite although it was reloaded each time is not a glitch
@@ -141,7 +127,7 @@ class TrainingStateAverager:
     def __init__(
         self,
         *,
-        dht: StateDHT,
+        dht: DHT,
         optimizer: torch.optim.Optimizer,
         prefix: str,
         target_group_size: int,
@@ -549,7 +535,8 @@ class TrainingStateAverager:
         async def newest(_dht: object, _node: object) -> list[AdvertisedState]:
             return await sharing.find_states(schema)
 
-        return self.dht.run_coroutine(newest)
+        found: list[AdvertisedState] = self.dht.run_coroutine(newest)
+        return found
 
     def _synchronize(self, catching_up: bool = False) -> None:
         """Before the first round: catch up with the swarm if it is ahead of us.
@@ -661,7 +648,7 @@ class TrainingStateAverager:
 
         store = self._store
 
-        async def create(_dht: object, node: SharingNode) -> StateSharing:
+        async def create(_dht: object, node: DHTNode) -> StateSharing:
             return StateSharing(node, self.prefix, store)
 
         self._sharing = self.dht.run_coroutine(create)
