@@ -19,7 +19,7 @@ import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.averager import Averager, StepResult
 from moshpit.averaging.config import AveragerConfig
 from moshpit.averaging.matchmaking import SchemaMemory
+
+if TYPE_CHECKING:
+    from dht.facade import DHT
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class GradientAverager:
         self,
         params: Sequence[torch.Tensor],
         *,
-        dht: Any,
+        dht: DHT,
         run_id: str,
         target_group_size: int,
         config: AveragerConfig | None = None,

@@ -30,7 +30,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from moshpit.averaging.config import AveragerConfig
 from moshpit.training.health import NonFiniteStateError
 from moshpit.training.modes.options import ModeOptions, options_for
 from moshpit.training.preemption import critical_section
+
+if TYPE_CHECKING:
+    from moshpit.training.state_averager import TrainingStateAverager
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +186,9 @@ class Optimizer:
 
     # ------------------------------------------------------------------ the shared state
 
-    def make_state_averager(self, optimizer: torch.optim.Optimizer, **options: Any) -> Any:
+    def make_state_averager(
+        self, optimizer: torch.optim.Optimizer, **options: Any
+    ) -> TrainingStateAverager:
         """A TrainingStateAverager for ``optimizer`` with this Optimizer's common settings."""
         from moshpit.training.state_averager import TrainingStateAverager
 
@@ -202,7 +207,7 @@ class Optimizer:
         return TrainingStateAverager(**settings)
 
     @property
-    def state(self) -> Any:
+    def state(self) -> TrainingStateAverager:
         """The mode's TrainingStateAverager (what checkpoints and joiners see)."""
         return self.mode.state
 

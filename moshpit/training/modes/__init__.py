@@ -4,7 +4,7 @@ and ``options.py`` their knobs."""
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moshpit.training.modes.base import TrainingMode
 from moshpit.training.modes.options import (
@@ -14,6 +14,9 @@ from moshpit.training.modes.options import (
     SyncOptions,
     options_for,
 )
+
+if TYPE_CHECKING:
+    from moshpit.training.optimizer import Optimizer
 
 __all__ = [
     "DiLoCoOptions",
@@ -26,7 +29,7 @@ __all__ = [
 ]
 
 
-def make_mode(options: ModeOptions, optimizer: Any) -> TrainingMode:
+def make_mode(options: ModeOptions, optimizer: Optimizer) -> TrainingMode:
     """The mode that ``options`` configure (``options_for`` builds and checks them)."""
     mode_class = importlib.import_module(f"moshpit.training.modes.{options.mode}").MODE
     mode: TrainingMode = mode_class(optimizer, options)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dht._logging import RateLimitedLogger
 from dht.kademlia.clock import get_dht_time
 from moshpit.training.health import first_non_finite
+
+if TYPE_CHECKING:
+    from moshpit.training.optimizer import Optimizer
+    from moshpit.training.state_averager import TrainingStateAverager
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +32,10 @@ class TrainingMode:
     """
 
     name = "base"
+    state: TrainingStateAverager  # set by every subclass's __init__
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Optimizer) -> None:
         self.opt = optimizer
-        self.state: Any = None
         self.refresh_period = 0.5  # modes that read the swarm's progress set their own
         self._last_refresh = -float("inf")
         # where rounds spend time, summed over rounds: the training thread's wait for a round
@@ -125,8 +129,9 @@ class TrainingMode:
         self.state.leave_swarm(deadline)
 
     def shutdown(self) -> None:
-        if self.state is not None:
-            self.state.shutdown()
+        state = getattr(self, "state", None)  # None: the subclass's __init__ failed first
+        if state is not None:
+            state.shutdown()
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

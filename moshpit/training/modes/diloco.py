@@ -42,7 +42,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -70,6 +70,9 @@ from moshpit.training.modes.epoch_rounds import (
 )
 from moshpit.training.modes.options import DiLoCoOptions
 from moshpit.training.modes.streaming import FragmentRound, split_fragments
+
+if TYPE_CHECKING:
+    from moshpit.training.optimizer import Optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +167,7 @@ class DiLoCoMode(TrainingMode):
 
     name = "diloco"
 
-    def __init__(self, optimizer: Any, options: DiLoCoOptions) -> None:
+    def __init__(self, optimizer: Optimizer, options: DiLoCoOptions) -> None:
         super().__init__(optimizer)
         # swarm-wide epochs: an outer step per target_batch_size samples of the whole swarm
         self.target: int | None = optimizer.target_batch_size

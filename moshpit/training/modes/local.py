@@ -25,7 +25,7 @@ import collections
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from compression import Codec, Float16, GraVAC, TopK, TwoWayCompression, Uniform
 from moshpit.training.adaptive_period import AdaptivePeriod
 from moshpit.training.modes.base import TrainingMode
 from moshpit.training.modes.options import LocalOptions
+
+if TYPE_CHECKING:
+    from moshpit.training.optimizer import Optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class LocalMode(TrainingMode):
 
     name = "local"
 
-    def __init__(self, optimizer: Any, options: LocalOptions) -> None:
+    def __init__(self, optimizer: Optimizer, options: LocalOptions) -> None:
         super().__init__(optimizer)
         self.period = AdaptivePeriod(
             options.average_every,

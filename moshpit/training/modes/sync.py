@@ -44,7 +44,7 @@ import logging
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compression import GraVAC, NoCompression, TwoWayCompression
 from moshpit.averaging.averager import StepResult
@@ -54,6 +54,9 @@ from moshpit.training.modes.base import TrainingMode, params_of
 from moshpit.training.modes.epoch_rounds import EpochRounds, wait_unless_left_behind
 from moshpit.training.modes.options import SyncOptions
 from moshpit.training.preemption import critical_section
+
+if TYPE_CHECKING:
+    from moshpit.training.optimizer import Optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +71,10 @@ class SyncMode(TrainingMode):
 
     name = "sync"
 
-    def __init__(self, optimizer: Any, options: SyncOptions) -> None:
+    def __init__(self, optimizer: Optimizer, options: SyncOptions) -> None:
         super().__init__(optimizer)
+        if optimizer.target_batch_size is None:  # the Optimizer checks this first
+            raise ValueError("mode='sync' needs target_batch_size (samples per global step)")
         self.target = int(optimizer.target_batch_size)
         self.refresh_period = (
             float(options.refresh_period)
