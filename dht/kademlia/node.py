@@ -15,7 +15,7 @@ import sys
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -29,7 +29,8 @@ from dht.kademlia.ids import id_from_bytes, id_to_bytes, node_id_of, random_id, 
 from dht.kademlia.join import BOOTSTRAP_REFUSED_GRACE as BOOTSTRAP_REFUSED_GRACE
 from dht.kademlia.join import BOOTSTRAP_RETRY_FIRST as BOOTSTRAP_RETRY_FIRST
 from dht.kademlia.join import BOOTSTRAP_RETRY_MAX as BOOTSTRAP_RETRY_MAX
-from dht.kademlia.join import check_address_args, reach_initial_peers
+from dht.kademlia.join import check_address_args as check_address_args
+from dht.kademlia.join import reach_initial_peers
 from dht.kademlia.merge import merge_records, unique_live_records
 from dht.kademlia.network import HostNetwork, PeerUnreachableError, RPCNetwork
 from dht.kademlia.placement import Named
@@ -48,6 +49,9 @@ from dht.kademlia.search import LookupStats as LookupStats
 from dht.kademlia.search import SharedLookups
 from dht.kademlia.storage import LocalStorage, OwnedRecords, StorageLimits
 from dht.kademlia.validation import RecordValidator, default_validators
+
+if TYPE_CHECKING:
+    from dht.p2p.host import Host
 
 if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
@@ -106,7 +110,7 @@ class DHTNode:
         relay_check_interval: float = 5.0,
     ):
         self.network = network
-        self.host = getattr(network, "host", None)
+        self.host: Host | None = getattr(network, "host", None)  # None: no dht.p2p Host
         self.peer_id = network.peer_id
         self.node_id = node_id_of(self.peer_id)
         self.identity = identity
@@ -473,7 +477,7 @@ class DHTNode:
 
     async def _find_rpc(
         self, contact: Contact, key_ids: list[int], count: int
-    ) -> list[FindResult] | None:
+    ) -> list[FindResult[Contact]] | None:
         request = self._request("find", keys=[id_to_bytes(k) for k in key_ids], count=count)
         response = await self._rpc(contact.peer_id, request)
         if response is None:
@@ -637,7 +641,7 @@ class DHTNode:
 
     async def get(
         self, key: Any, latest: bool = False, *, patience: float | None = None
-    ) -> ValueWithExpiration | None:
+    ) -> ValueWithExpiration[Any] | None:
         """Find the value of ``key``; None if no live record exists.
 
         ``latest=False`` returns as soon as any valid plain value is found; ``latest=True``
@@ -677,9 +681,9 @@ class DHTNode:
 
     async def get_many(
         self, keys: Iterable[Any], latest: bool = False
-    ) -> dict[Any, ValueWithExpiration | None]:
+    ) -> dict[Any, ValueWithExpiration[Any] | None]:
         keys = list(keys)
-        results: dict[Any, ValueWithExpiration | None] = {}
+        results: dict[Any, ValueWithExpiration[Any] | None] = {}
 
         async def one(key: Any) -> None:
             results[key] = await self.get(key, latest=latest)
@@ -691,7 +695,7 @@ class DHTNode:
 
     async def _merge(
         self, key_bytes: bytes, entry_lists: list[list[Any]]
-    ) -> tuple[ValueWithExpiration | None, Any]:
+    ) -> tuple[ValueWithExpiration[Any] | None, Any]:
         """Validate (untrusted replicas!) and merge what several replicas returned."""
         limit = self.storage.limits.max_record_bytes
         candidates = unique_live_records(key_bytes, entry_lists, get_dht_time(), limit)

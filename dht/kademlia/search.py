@@ -42,9 +42,9 @@ class _SharedSearch:
         self.lookup: Lookup | None = None  # set once it runs: impatient callers read it early
 
 
-def has_plain_value(result: FindResult) -> bool:
+def has_plain_value(result: FindResult[Contact]) -> bool:
     """A replica answered with a plain (not dictionary) value: a first-value lookup is done."""
-    return bool(result.entries) and any(entry[0] is None for entry in result.entries)
+    return result.entries is not None and any(entry[0] is None for entry in result.entries)
 
 
 class SharedLookups:
@@ -86,7 +86,7 @@ class SharedLookups:
         node = self.node
         stop_when = has_plain_value if mode == "first-value" else None
 
-        async def find(contact: Contact) -> FindResult | None:
+        async def find(contact: Contact) -> FindResult[Contact] | None:
             assert node._nursery is not None
             count = max(2 * beam_size, node.alpha)
             if len(self.running) > 1:  # other lookups are running: share RPCs with them
