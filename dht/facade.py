@@ -20,7 +20,8 @@ from typing import Any
 
 import trio
 
-from dht.kademlia.node import DHTNode, StoreItem, check_address_args
+from dht.kademlia.join import check_address_args
+from dht.kademlia.node import DHTNode, StoreItem
 from dht.kademlia.records import ValueWithExpiration
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class DHT:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stopped = False
-        self._pending: weakref.WeakSet[concurrent.futures.Future] = weakref.WeakSet()
+        self._pending: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         if start:
             self.run_in_background()
 
@@ -187,10 +188,10 @@ class DHT:
 
     def _submit(
         self, async_fn: Callable[..., Awaitable[Any]], *args: Any
-    ) -> concurrent.futures.Future:
+    ) -> concurrent.futures.Future[Any]:
         """Run ``await async_fn(*args)`` as a task in the services nursery; a future for its result."""
         token, services = self._require_running()
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._pending.add(future)
 
         async def runner() -> None:
@@ -238,7 +239,7 @@ class DHT:
 
     def start_service(
         self, async_fn: Callable[..., Awaitable[Any]], *args: Any
-    ) -> concurrent.futures.Future:
+    ) -> concurrent.futures.Future[Any]:
         """Run ``await async_fn(*args)`` as a long-lived task on the DHT's loop.
 
         The returned future resolves with its result or exception; it is cancelled if the
@@ -296,7 +297,7 @@ class DHT:
         expiration_time: float,
         subkey: Any = None,
         return_future: bool = False,
-    ) -> bool | concurrent.futures.Future:
+    ) -> bool | concurrent.futures.Future[Any]:
         future = self._submit(self.node.store, key, value, expiration_time, subkey)
         return future if return_future else future.result()
 
@@ -306,7 +307,7 @@ class DHT:
 
     def get(
         self, key: Any, latest: bool = False, return_future: bool = False
-    ) -> ValueWithExpiration | None | concurrent.futures.Future:
+    ) -> ValueWithExpiration[Any] | None | concurrent.futures.Future[Any]:
         future = self._submit(self.node.get, key, latest)
         return future if return_future else future.result()
 

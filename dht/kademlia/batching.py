@@ -16,7 +16,7 @@ import trio.lowlevel
 from dht.kademlia.protocol import FindResult
 from dht.kademlia.routing import Contact
 
-SendFn = Callable[[Contact, list[int], int], Awaitable[list[FindResult] | None]]
+SendFn = Callable[[Contact, list[int], int], Awaitable[list[FindResult[Contact]] | None]]
 
 MAX_KEYS_PER_BATCH = 16  # keeps batched replies far below the message size limit
 
@@ -29,7 +29,7 @@ class _Batch:
         self.count = 0
         self.sealed = False
         self.done = trio.Event()
-        self.results: list[FindResult] | None = None
+        self.results: list[FindResult[Contact]] | None = None
 
 
 class FindBatcher:
@@ -42,7 +42,7 @@ class FindBatcher:
 
     async def find(
         self, nursery: trio.Nursery, contact: Contact, key_id: int, count: int
-    ) -> FindResult | None:
+    ) -> FindResult[Contact] | None:
         """Ask ``contact`` about ``key_id``; None if the peer failed to answer."""
         batch = self._open.get(contact.peer_id)
         if batch is None or batch.sealed or len(batch.keys) >= self.max_keys:

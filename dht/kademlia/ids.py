@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -34,7 +34,15 @@ def id_from_bytes(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest(), "big")
 
 
-def node_id_of(peer_id: Any) -> int:
+class PeerKey(Protocol):
+    """What the DHT needs of a peer's ID (``dht.p2p.PeerID`` is one): hashable, with bytes."""
+
+    def __hash__(self) -> int: ...
+
+    def to_bytes(self) -> bytes: ...
+
+
+def node_id_of(peer_id: PeerKey) -> int:
     """Node ID of a peer: SHA-256 of its PeerID bytes."""
     return id_from_bytes(peer_id.to_bytes())
 

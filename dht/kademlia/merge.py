@@ -41,7 +41,7 @@ def _decoded(record: DHTRecord) -> tuple[Any, Any] | None:
         return None
 
 
-def merge_records(records: Iterable[DHTRecord]) -> tuple[ValueWithExpiration | None, Any]:
+def merge_records(records: Iterable[DHTRecord]) -> tuple[ValueWithExpiration[Any] | None, Any]:
     """The reader's view of validated records: (value, newest plain record or subkey dict)."""
     best_plain: tuple[DHTRecord, Any] | None = None
     subkeys: dict[Any, tuple[DHTRecord, Any]] = {}

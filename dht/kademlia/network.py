@@ -14,12 +14,16 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from dht.kademlia.errors import DHTError
 from dht.kademlia.protocol import MAX_ADDRS_PER_PEER, PROTOCOL_ID
+
+if TYPE_CHECKING:
+    from dht.p2p.connection import Connection
+    from dht.p2p.host import Host
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +69,7 @@ class RPCNetwork(Protocol):
 class HostNetwork:
     """:class:`RPCNetwork` over a ``dht.p2p.Host``."""
 
-    def __init__(self, host: Any, announce_maddrs: Sequence[Any] | None = None):
+    def __init__(self, host: Host, announce_maddrs: Sequence[Any] | None = None):
         from dht.p2p import Multiaddr, PeerID
 
         self._Multiaddr = Multiaddr
@@ -211,7 +215,7 @@ class HostNetwork:
             self._local_ips_cache = (now, frozenset(ips))
         return self._local_ips_cache[1]
 
-    def _live_connections(self, peer_id: Any) -> list[Any]:
+    def _live_connections(self, peer_id: Any) -> list[Connection]:
         return self.host.connections(peer_id)
 
     def relayed_only(self, peer_id: Any) -> bool:
@@ -235,7 +239,8 @@ class HostNetwork:
         if not self.relayed_only(peer_id):
             return None
         rooms = [c.relay_room for c in self._live_connections(peer_id)]
-        return None if any(r is None for r in rooms) else max(rooms)
+        limited = [room for room in rooms if room is not None]
+        return max(limited) if len(limited) == len(rooms) else None
 
     def direct_peers(self) -> list[Any]:
         """Peers we hold a live direct (not relayed) connection to, the ones we dialed first

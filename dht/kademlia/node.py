@@ -1,59 +1,57 @@
 """DHTNode: one Kademlia peer (routing table, local storage, RPC server and iterative client).
 
-What a node does about NATs (relay service, relay reservations, the DHT role that follows
-reachability) lives in ``roles.py``; the node owns one :class:`NatRoles` and delegates to it.
+This module is the node itself: its state, start-up and shutdown, its outgoing RPCs and
+lookups, and the public calls. Jobs with their own logic live beside it, each reading the
+node's state: joining through the initial peers (``join.py``), answering other peers' RPCs
+(``serving.py``), placing and republishing records (``placement.py``), handing records over
+on routing changes (``handover.py``), and what a node does about NATs (relay service, relay
+reservations, the DHT role that follows reachability: ``roles.py``, one :class:`NatRoles`).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
-import random
 import sys
-import time
 import weakref
-from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
+from dht.kademlia import placement, serving
 from dht.kademlia.batching import FindBatcher
 from dht.kademlia.clock import get_dht_time
-from dht.kademlia.errors import BootstrapError, DHTProtocolError, RecordRejectedError
-from dht.kademlia.ids import (
-    id_from_bytes,
-    id_to_bytes,
-    node_id_of,
-    random_id,
-    serialize,
-)
+from dht.kademlia.errors import DHTProtocolError, RecordRejectedError
+from dht.kademlia.handover import Handover
+from dht.kademlia.handover import MaintenanceStats as MaintenanceStats
+from dht.kademlia.ids import id_from_bytes, id_to_bytes, node_id_of, random_id, serialize
+from dht.kademlia.join import BOOTSTRAP_REFUSED_GRACE as BOOTSTRAP_REFUSED_GRACE
+from dht.kademlia.join import BOOTSTRAP_RETRY_FIRST as BOOTSTRAP_RETRY_FIRST
+from dht.kademlia.join import BOOTSTRAP_RETRY_MAX as BOOTSTRAP_RETRY_MAX
+from dht.kademlia.join import check_address_args as check_address_args
+from dht.kademlia.join import reach_initial_peers
 from dht.kademlia.merge import merge_records, unique_live_records
 from dht.kademlia.network import HostNetwork, PeerUnreachableError, RPCNetwork
+from dht.kademlia.placement import Named
 from dht.kademlia.protocol import (
-    MAX_ADDRS_PER_PEER,
-    MAX_RECORDS_PER_STORE,
-    MAX_VALUE_RESPONSE_BYTES,
-    FindRequest,
     FindResult,
-    PingRequest,
-    StoreRequest,
     encode_entries,
     parse_find_response,
     parse_ping_response,
-    parse_request,
     parse_store_response,
     sender_info,
 )
 from dht.kademlia.records import DHTRecord, ValueWithExpiration
 from dht.kademlia.roles import NatRoles, RoleDecision, check_relay_setting, start_autonat
 from dht.kademlia.routing import Blacklist, Contact, KBucket, RoutingTable
+from dht.kademlia.search import LookupStats as LookupStats
+from dht.kademlia.search import SharedLookups
 from dht.kademlia.storage import LocalStorage, OwnedRecords, StorageLimits
-from dht.kademlia.traverse import Lookup, LookupResult
 from dht.kademlia.validation import RecordValidator, default_validators
+
+if TYPE_CHECKING:
+    from dht.p2p.host import Host
 
 if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
@@ -63,85 +61,13 @@ logger = logging.getLogger(__name__)
 # every IPv4 interface, a free port: peers on other machines can reach us at the interface
 # addresses announced for it (pass /ip4/127.0.0.1/tcp/0 to stay local to this machine)
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
-# A joiner retries its initial peers until bootstrap_timeout: a peer still starting, a reset
-# under load or a bootstrap node busy with a connection flood is worth another try.
-BOOTSTRAP_RETRY_FIRST = 0.25  # seconds before the second attempt, doubling up to the next
-BOOTSTRAP_RETRY_MAX = 2.0
-# ... but when every initial peer refuses the connection (its host says nothing listens on that
-# port: a mistyped port, or a peer that is not running), only this long: enough for a peer that
-# is binding its port right now, not the 30 s a volunteer would otherwise wait for a typo
-BOOTSTRAP_REFUSED_GRACE = 5.0
 SIGNATURES_ON_LOOP = 16  # default: more signed records than this are verified in a worker thread
+# (under MockClock(autojump_threshold=0) a worker thread lets virtual time leap past every
+# timeout, so simulations raise max_signatures_on_loop to keep verification on the loop)
 StoreItem = tuple[Any, Any, Any, float]  # (key, subkey or None, value, expiration_time)
-Named = tuple[Any, DHTRecord]  # (caller's name for a record, the record)
-REPUBLISH_KEYS_PER_BATCH = 256  # keys looked up together in one republish batch
-HANDOVER_MAX_PENDING = 4096  # routing changes remembered between hand-over passes
-HANDOVER_PARALLEL_RPCS = 8
 # the nodes of this process between DHTNode.open's start and end, held weakly: monitoring
 # (moshpit.metrics) reads their counters from here when scraped
 open_nodes: weakref.WeakSet[DHTNode] = weakref.WeakSet()
-
-
-@dataclass(frozen=True)
-class LookupStats:
-    hops: int
-    rounds: int
-    messages: int
-
-
-@dataclass
-class MaintenanceStats:
-    """Counters of the background work that keeps records alive (read by tests/benchmarks)."""
-
-    republish_passes: int = 0
-    republished_records: int = 0
-    superseded_records: int = 0  # dropped from the republish set: a newer record won
-    handover_passes: int = 0
-    handover_rpcs: int = 0
-    handover_records: int = 0
-
-
-def check_address_args(
-    initial_peers: Iterable[Any],
-    host_maddrs: Sequence[Any] | None,
-    announce_maddrs: Sequence[Any] | None,
-    *,
-    by_peer_id: bool = False,
-) -> tuple[list[Any], list[Any] | None, list[Any] | None]:
-    """Parse address arguments before anything starts, so a typo is one specific error.
-
-    Raises ``TypeError`` for a single string where a list belongs and ``MultiaddrError``
-    naming the bad entry. ``by_peer_id``: a custom ``network`` addresses initial peers by
-    whatever it likes (e.g. PeerIDs on the loopback fabric); only the container is checked.
-    """
-    from dht.p2p.multiaddr import EXAMPLE_LISTEN_MADDR, MultiaddrError, parse_multiaddr_list
-
-    if by_peer_id:
-        if isinstance(initial_peers, str | bytes):
-            raise TypeError("initial_peers must be a list, not a single str")
-        peers: list[Any] = list(initial_peers)
-    else:
-        peers = parse_multiaddr_list(initial_peers, "initial_peers")
-    listen = None
-    if host_maddrs is not None:
-        listen = parse_multiaddr_list(host_maddrs, "host_maddrs", example=EXAMPLE_LISTEN_MADDR)
-    announce = None
-    if announce_maddrs is not None:
-        announce = parse_multiaddr_list(
-            announce_maddrs, "announce_maddrs", example="/ip4/203.0.113.7/tcp/31337"
-        )
-        for maddr in announce:
-            if maddr.is_tcp() and maddr.tcp_endpoint()[0] in ("0.0.0.0", "::"):
-                raise MultiaddrError(
-                    f"bad announce_maddrs: {str(maddr)!r} is a wildcard nobody can dial; "
-                    "announce the public or interface address, e.g. /ip4/203.0.113.7/tcp/31337"
-                )
-        if len(announce) > MAX_ADDRS_PER_PEER:
-            raise ValueError(
-                f"announce_maddrs has {len(announce)} addresses; peers accept at most "
-                f"{MAX_ADDRS_PER_PEER} per peer"
-            )
-    return peers, listen, announce
 
 
 def _single_exception(group: BaseExceptionGroup) -> BaseException:
@@ -150,15 +76,6 @@ def _single_exception(group: BaseExceptionGroup) -> BaseException:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error
-
-
-class _SharedSearch:
-    """One lookup that concurrent callers for the same target wait on together."""
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.result: LookupResult | None = None
-        self.lookup: Lookup | None = None  # set once it runs: impatient callers read it early
 
 
 class DHTNode:
@@ -193,7 +110,7 @@ class DHTNode:
         relay_check_interval: float = 5.0,
     ):
         self.network = network
-        self.host = getattr(network, "host", None)
+        self.host: Host | None = getattr(network, "host", None)  # None: no dht.p2p Host
         self.peer_id = network.peer_id
         self.node_id = node_id_of(self.peer_id)
         self.identity = identity
@@ -220,37 +137,28 @@ class DHTNode:
         self.cache_on_get = cache_on_get
         self.handover = handover
         self.handover_delay = handover_delay
-        if republish_interval is not None and not republish_interval > 0:
-            raise ValueError(
-                f"republish_interval must be positive seconds or None, not {republish_interval!r}"
-            )
-        self.republish_interval = republish_interval
+        self.republish_interval = placement.check_republish_interval(republish_interval)
         self.owned = OwnedRecords(max_republish_records, max_republish_bytes)
         self.maintenance = MaintenanceStats()
         # RPCs this node answered, by type (monitoring reads it; never reset)
         self.requests_served = {"ping": 0, "store": 0, "find": 0}
         self.routing_table = RoutingTable(self.node_id, bucket_size, self._refresh_far_bucket)
-        # peer -> (was it a contact before the first change since the last hand-over pass)
-        self._routing_changes: dict[Any, tuple[bool, Contact]] = {}
-        self._routing_changed = trio.Event()
+        self._handover = Handover(self)
         if handover and not client_mode:
-            self.routing_table.on_change = self._on_routing_change
+            self.routing_table.on_change = self._handover.on_routing_change
         self.blacklist = Blacklist()
         self.storage = LocalStorage(limits)
         self.validators = default_validators(identity, validators)
-        self.lookup_stats: deque[LookupStats] = deque(maxlen=100_000)
         self.max_background_tasks = max_background_tasks
-        self._lookup_limiter = trio.CapacityLimiter(max_parallel_lookups)
+        self._lookups = SharedLookups(self, max_parallel_lookups)
+        self.lookup_stats = self._lookups.stats  # hops, rounds and messages of recent lookups
         self._background = 0
         self._pinging: set[Any] = set()
-        self._searches: dict[tuple[int, str], _SharedSearch] = {}
         self._nursery: trio.Nursery | None = None
         self._own_addrs_cache: list[bytes] | None = None
         self._node_ids: dict[bytes, tuple[Any, int]] = {}  # PeerID bytes -> (PeerID, node ID)
         self._cpu_limiter = trio.CapacityLimiter(2)
         self._finds = FindBatcher(self._find_rpc)
-        # under MockClock(autojump_threshold=0) a worker thread lets virtual time leap past
-        # every timeout, so simulations raise this to keep verification on the loop
         self.max_signatures_on_loop = max_signatures_on_loop
 
     # ------------------------------------------------------------------ lifecycle
@@ -371,7 +279,7 @@ class DHTNode:
                     network.set_handler(node._handle_rpc)
                     try:
                         if node.handover and not client_mode:
-                            nursery.start_soon(node._handover_loop)
+                            nursery.start_soon(node._handover.run, nursery)
                         await node._bootstrap(initial_peers, bootstrap_timeout)
                         nursery.start_soon(node._maintenance_loop)
                         if node.autonat is not None:
@@ -379,7 +287,7 @@ class DHTNode:
                         if node.roles.enabled():
                             nursery.start_soon(node.roles.run)
                         if node.republish_interval is not None:
-                            nursery.start_soon(node._republish_loop)
+                            nursery.start_soon(placement.republish_loop, node)
                         yield node
                     finally:
                         open_nodes.discard(node)
@@ -440,76 +348,10 @@ class DHTNode:
         return visible() if visible is not None else []
 
     async def _bootstrap(self, initial_peers: list[Any], time_limit: float) -> None:
+        """Join through the initial peers (join.py), then Kademlia's join proper."""
         if not initial_peers:
             return
-        joined: list[Any] = []
-        errors: dict[str, str] = {}  # the last failure of each initial peer
-        refused: set[str] = set()  # initial peers whose last attempt was refused
-        own = f"/p2p/{self.peer_id}"
-        pending = [a for a in initial_peers if a != self.peer_id and not str(a).endswith(own)]
-        deadline = trio.current_time() + time_limit
-        refused_since: float | None = None  # since when every initial peer refuses
-
-        async def try_peer(address: Any) -> None:
-            refused.discard(str(address))
-            try:
-                peer_id, addrs = await self.network.connect(
-                    address, max(0.0, deadline - trio.current_time())
-                )
-            except PeerUnreachableError as e:
-                errors[str(address)] = str(e)
-                if e.refused:
-                    refused.add(str(address))
-                return
-            if peer_id == self.peer_id:
-                pending.remove(address)  # ourselves: nothing to retry
-                return
-            if await self.ping(peer_id, fallback_addrs=addrs):
-                joined.append(peer_id)
-            else:
-                errors[str(address)] = f"{address} did not answer a DHT ping"
-
-        delay = BOOTSTRAP_RETRY_FIRST
-        for attempt in range(1, sys.maxsize):
-            async with trio.open_nursery() as nursery:
-                for address in list(pending):
-                    nursery.start_soon(try_peer, address)
-            remaining = deadline - trio.current_time()
-            if joined or not pending or remaining < 2 * BOOTSTRAP_RETRY_FIRST:
-                break
-            if len(refused) < len(pending):
-                refused_since = None
-            elif refused_since is None:
-                refused_since = trio.current_time()
-                logger.info(
-                    "every initial peer refused the connection (%s): nothing listens there; "
-                    "retrying for %gs in case it is starting",
-                    ", ".join(sorted(refused)[:3]),
-                    BOOTSTRAP_REFUSED_GRACE,
-                )
-            elif trio.current_time() - refused_since >= BOOTSTRAP_REFUSED_GRACE:
-                raise BootstrapError(
-                    f"could not join the DHT: nothing listens at {', '.join(sorted(refused)[:3])} "
-                    f"(every initial peer refused the connection for {BOOTSTRAP_REFUSED_GRACE:g}s)"
-                    ". Check the port in the address, and that the peer is running"
-                )
-            # jitter, so that joiners do not retry in step; the last try keeps some time
-            wait = min(delay * random.uniform(0.75, 1.25), remaining - BOOTSTRAP_RETRY_FIRST)
-            logger.info(
-                "no initial peer answered yet (attempt %d: %s); retrying in %.1fs",
-                attempt,
-                next(iter(errors.values()), "no answer"),
-                wait,
-            )
-            await trio.sleep(wait)
-            delay = min(2 * delay, BOOTSTRAP_RETRY_MAX)
-        if not joined:
-            reasons = "; ".join(list(errors.values())[:3]) or "they are this node itself"
-            raise BootstrapError(
-                f"could not join the DHT: none of the {len(initial_peers)} initial peers answered "
-                f"within {time_limit:g}s ({reasons}); check the addresses "
-                "and that at least one of those peers is running"
-            )
+        joined = await reach_initial_peers(self.network, self.ping, initial_peers, time_limit)
         # Kademlia's join: look up our own ID for the k (not beam) nearest peers. Every peer
         # asked learns us (and hands over the records we are now closer to), and we learn our
         # whole neighbourhood; with only beam_size, neighbours ranked 5-10 from a key often
@@ -588,125 +430,6 @@ class DHTNode:
 
     # ------------------------------------------------------------------ keeping records alive
 
-    def _on_routing_change(self, added: Contact | None, removed: Contact | None) -> None:
-        """Remember which contacts came or went; the hand-over pass compares before and after."""
-        contact = added if added is not None else removed
-        assert contact is not None
-        if contact.peer_id not in self._routing_changes:
-            if len(self._routing_changes) >= HANDOVER_MAX_PENDING:
-                logger.debug("hand-over backlog full; not tracking %s", contact.peer_id)
-                return
-            self._routing_changes[contact.peer_id] = (removed is not None, contact)
-        self._routing_changed.set()
-
-    async def _handover_loop(self) -> None:
-        """Batch routing changes for ``handover_delay`` seconds, then hand records over.
-
-        A pass over a large store costs CPU (a few microseconds per key and change), so the
-        next batch waits at least ten times as long as the last pass took: at most ~10 % of
-        a core goes to hand-over however fast the routing table changes.
-        """
-        cost = 0.0
-        while True:
-            await self._routing_changed.wait()
-            await trio.sleep(max(self.handover_delay, 10 * cost))
-            self._routing_changed = trio.Event()
-            changes, self._routing_changes = self._routing_changes, {}
-            if len(self.storage):
-                started = time.perf_counter()
-                plan = await self._handover_plan(changes)
-                cost = time.perf_counter() - started
-                if plan:
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self._handover_send, plan)
-
-    async def _handover_plan(
-        self, changes: dict[Any, tuple[bool, Contact]]
-    ) -> dict[Any, list[DHTRecord]]:
-        """Which stored records go to which peers: to each peer that routing changes made one
-        of a key's ``num_replicas`` nearest (as far as this node knows), i.e. newly met peers
-        closer than the furthest known replica, and the next peer in line when one left.
-
-        For every key the old and new replica sets are computed over the same pool (the
-        contacts plus this node, with departed contacts added back for the old set); keys
-        whose nearest ``num_replicas`` members are all closer than every changed peer are
-        skipped after two bisections, so a pass costs O(keys x changes) plus the few keys
-        near a change."""
-        table = {c.peer_id: c for c in self.routing_table}
-        changed: dict[int, tuple[bool, Contact]] = {}  # node ID -> (joined the pool, contact)
-        for peer_id, (was_in, contact) in changes.items():
-            now_in = peer_id in table
-            if was_in != now_in:
-                changed[contact.node_id] = (now_in, contact)
-        if not changed:
-            return {}
-        members: dict[int, Contact | None] = {c.node_id: c for c in table.values()}
-        for node_id, (joined, contact) in changed.items():
-            if not joined:
-                members[node_id] = contact
-        members[self.node_id] = None
-        ids = sorted(members)
-        joined_ids = {i for i, (joined, _) in changed.items() if joined}
-        left_ids = {i for i, (joined, _) in changed.items() if not joined}
-        replicas, needed = self.num_replicas, self.num_replicas + len(changed)
-
-        def window(key_id: int, bits: int) -> tuple[int, int]:
-            lower = (key_id >> bits) << bits
-            return bisect.bisect_left(ids, lower), bisect.bisect_left(ids, lower + (1 << bits))
-
-        now = get_dht_time()
-        plan: dict[Any, list[DHTRecord]] = {}
-        for count, key_id in enumerate(self.storage.key_ids()):
-            if count % 256 == 255:
-                await trio.lowlevel.checkpoint()
-            bits = min((i ^ key_id).bit_length() for i in changed)
-            # members at XOR distance < 2**(bits-1) are closer than every changed peer
-            start, stop = window(key_id, max(bits - 1, 0))
-            if bits > 0 and stop - start >= replicas:
-                continue
-            while stop - start < needed and bits < 256:
-                bits += 1
-                start, stop = window(key_id, bits)
-            nearest = sorted(ids[start:stop], key=lambda i: i ^ key_id)
-            before = [i for i in nearest if i not in joined_ids][:replicas]
-            after = [i for i in nearest if i not in left_ids][:replicas]
-            targets = set(after) - set(before) - {self.node_id}
-            if not targets:
-                continue
-            stored = self.storage.get(key_id, now)
-            records = [stored] if isinstance(stored, DHTRecord) else list((stored or {}).values())
-            for target in targets:
-                contact = members[target]
-                assert contact is not None
-                plan.setdefault(contact.peer_id, []).extend(records)
-        return plan
-
-    async def _handover_send(self, plan: dict[Any, list[DHTRecord]]) -> None:
-        """One batched store RPC per peer (at most 4 x MAX_RECORDS_PER_STORE records each)."""
-        self.maintenance.handover_passes += 1
-        limiter = trio.CapacityLimiter(HANDOVER_PARALLEL_RPCS)
-
-        async def send(peer_id: Any, records: list[DHTRecord]) -> None:
-            async with limiter:
-                for start in range(
-                    0, min(len(records), 4 * MAX_RECORDS_PER_STORE), MAX_RECORDS_PER_STORE
-                ):
-                    chunk = records[start : start + MAX_RECORDS_PER_STORE]
-                    self.maintenance.handover_rpcs += 1
-                    self.maintenance.handover_records += len(chunk)
-                    await self._store_rpc(peer_id, chunk)
-
-        async with trio.open_nursery() as nursery:
-            for peer_id, records in plan.items():
-                nursery.start_soon(send, peer_id, records)
-
-    async def _republish_loop(self) -> None:
-        """Every ``republish_interval`` (+-10 % jitter, so peers do not act in lockstep)."""
-        assert self.republish_interval is not None
-        while True:
-            await trio.sleep(self.republish_interval * random.uniform(0.9, 1.1))
-            await self.republish()
-
     async def republish(self) -> int:
         """Re-store the records this node is the origin of on their current nearest replicas.
 
@@ -716,33 +439,7 @@ class DHTNode:
         store path: one lookup per key, one batched ``store`` RPC per replica. Returns how many
         records were sent.
         """
-        interval = self.republish_interval or 60.0
-        due = self.owned.due(get_dht_time(), interval / 2, interval / 10)
-        if not due:
-            return 0
-        self.maintenance.republish_passes += 1
-        self.maintenance.republished_records += len(due)
-        by_key: dict[int, list[Named]] = {}
-        for key_id, record in due:
-            by_key.setdefault(key_id, []).append(((key_id, record.subkey), record))
-        keys = list(by_key)
-        for start in range(0, len(keys), REPUBLISH_KEYS_PER_BATCH):
-            batch = {k: by_key[k] for k in keys[start : start + REPUBLISH_KEYS_PER_BATCH]}
-            tally = await self._place_records(batch)
-            self._forget_superseded(batch, tally)
-        return len(due)
-
-    def _forget_superseded(
-        self, by_key: dict[int, list[Named]], tally: dict[Any, list[int]]
-    ) -> None:
-        """Stop republishing records most answering replicas call outdated: a newer record
-        for the same key/subkey exists (written by us or anyone else)."""
-        for key_id, entries in by_key.items():
-            for name, record in entries:
-                accepted, outdated = tally[name]
-                if outdated > accepted and self.owned.discard(key_id, record):
-                    self.maintenance.superseded_records += 1
-                    logger.debug("no longer republishing %r: superseded", name)
+        return await placement.republish(self)
 
     # ------------------------------------------------------------------ outgoing RPCs
 
@@ -780,7 +477,7 @@ class DHTNode:
 
     async def _find_rpc(
         self, contact: Contact, key_ids: list[int], count: int
-    ) -> list[FindResult] | None:
+    ) -> list[FindResult[Contact]] | None:
         request = self._request("find", keys=[id_to_bytes(k) for k in key_ids], count=count)
         response = await self._rpc(contact.peer_id, request)
         if response is None:
@@ -823,68 +520,10 @@ class DHTNode:
 
     async def find_nearest_peers(self, target_id: int, count: int | None = None) -> list[Contact]:
         """The ``count`` (default k) nearest reachable peers to a 256-bit ID, by iterative lookup."""
-        result = await self._lookup(target_id, beam_size=count or self.bucket_size, mode="nearest")
+        result = await self._lookups.lookup(
+            target_id, beam_size=count or self.bucket_size, mode="nearest"
+        )
         return result.nearest
-
-    async def _lookup(
-        self, target_id: int, beam_size: int, mode: str, patience: float | None = None
-    ) -> LookupResult:
-        """Run (or join) the lookup of ``target_id``; concurrent identical lookups share one.
-
-        ``patience``: return the responses so far after this many seconds; the lookup itself
-        goes on for the callers that wait for all of it.
-        """
-        tag = (target_id, f"{mode}:{beam_size}")
-        search = self._searches.get(tag)
-        if search is None:
-            search = self._searches[tag] = _SharedSearch()
-            assert self._nursery is not None, "the node is not running"
-            self._nursery.start_soon(self._run_search, tag, search, target_id, beam_size, mode)
-        with trio.move_on_after(math.inf if patience is None else patience):
-            await search.done.wait()
-        if search.result is not None:
-            return search.result
-        if search.lookup is None:  # not started yet: nobody answered
-            return LookupResult(nearest=[])
-        return search.lookup.snapshot()
-
-    async def _run_search(
-        self, tag: Any, search: _SharedSearch, target_id: int, beam_size: int, mode: str
-    ) -> None:
-        stop_when = self._has_plain_value if mode == "first-value" else None
-
-        async def find(contact: Contact) -> FindResult | None:
-            assert self._nursery is not None
-            count = max(2 * beam_size, self.alpha)
-            if len(self._searches) > 1:  # other lookups are running: share RPCs with them
-                return await self._finds.find(self._nursery, contact, target_id, count)
-            # a lone lookup calls directly: no extra scheduling tick, and cancellable
-            results = await self._find_rpc(contact, [target_id], count)
-            return results[0] if results else None
-
-        initial = self.routing_table.nearest(target_id, max(beam_size, self.bucket_size))
-        lookup = Lookup(
-            target_id,
-            initial,
-            find,
-            beam_size=beam_size,
-            alpha=self.alpha,
-            exclude=self.peer_id,
-            is_banned=lambda peer: self.blacklist.is_banned(peer, get_dht_time()),
-            stop_when=stop_when,
-        )
-        search.lookup = lookup
-        try:
-            async with self._lookup_limiter:
-                with trio.move_on_after(self.lookup_timeout):
-                    await lookup.run()
-        finally:
-            search.result = lookup.snapshot()
-            self._searches.pop(tag, None)
-            search.done.set()
-        self.lookup_stats.append(
-            LookupStats(lookup.result.hops, lookup.result.rounds, lookup.result.messages)
-        )
 
     def _peer_from_bytes(self, raw: bytes) -> Any:
         """Parse a PeerID from a find response, caching it with its node ID (bounded)."""
@@ -895,10 +534,6 @@ class DHTNode:
             peer_id = self.network.peer_from_bytes(raw)
             cached = self._node_ids[raw] = (peer_id, node_id_of(peer_id))
         return cached[0]
-
-    @staticmethod
-    def _has_plain_value(result: FindResult) -> bool:
-        return bool(result.entries) and any(entry[0] is None for entry in result.entries)
 
     # ------------------------------------------------------------------ store
 
@@ -925,32 +560,6 @@ class DHTNode:
         return await trio.to_thread.run_sync(
             lambda: [self.validators.validate(r) for r in records], limiter=self._cpu_limiter
         )
-
-    async def _store_incoming(
-        self, records: list[DHTRecord], sender: Any
-    ) -> list[tuple[bool, str | None]]:
-        if self.client_mode:
-            return [(False, "client-mode peers do not store records for others")] * len(records)
-        now = get_dht_time()
-        results: list[tuple[bool, str | None]] = [(False, None)] * len(records)
-        pending = []
-        for i, record in enumerate(records):
-            reason = self.storage.check_limits(record, now)
-            if reason is not None:
-                results[i] = (False, reason)
-            elif self.storage.holds(id_from_bytes(record.key), record):
-                results[i] = (True, None)  # republished/handed-over copy: verified when stored
-            else:
-                pending.append(i)
-        reasons = await self._validate_many([records[i] for i in pending])
-        now = get_dht_time()
-        for i, reason in zip(pending, reasons, strict=True):
-            if reason is not None:
-                results[i] = (False, reason)
-            else:
-                key_id = id_from_bytes(records[i].key)
-                results[i] = self.storage.store(key_id, records[i], now, origin=sender)
-        return results
 
     def _store_local(self, record: DHTRecord) -> tuple[bool, str | None]:
         if self.client_mode:
@@ -985,7 +594,7 @@ class DHTNode:
         reason = self._check_record(record)
         if reason is not None:
             raise RecordRejectedError(reason)
-        results = await self._store_records({key_id: [((key, subkey), record)]}, patience)
+        results = await placement.store_records(self, {key_id: [((key, subkey), record)]}, patience)
         return results[(key, subkey)]
 
     def store_in_background(
@@ -1025,86 +634,14 @@ class DHTNode:
                 logger.warning("not storing %r/%r: %s", key, subkey, reason)
                 continue
             by_key.setdefault(key_id, []).append(((key, subkey), record))
-        outcome.update(await self._store_records(by_key))
+        outcome.update(await placement.store_records(self, by_key))
         return outcome
-
-    async def _store_records(
-        self, by_key: dict[int, list[Named]], patience: float | None = None
-    ) -> dict[Any, bool]:
-        """Store records written by this node (their origin) and remember them to republish."""
-        if self.republish_interval is not None:
-            now = get_dht_time()
-            for key_id, entries in by_key.items():
-                for _, record in entries:
-                    self.owned.add(key_id, record, now)
-        tally = await self._place_records(by_key, patience)
-        if self.republish_interval is not None:
-            self._forget_superseded(by_key, tally)
-        return {name: counts[0] > 0 for name, counts in tally.items()}
-
-    async def _place_records(
-        self, by_key: dict[int, list[Named]], patience: float | None = None
-    ) -> dict[Any, list[int]]:
-        """Place valid records on their replicas: one lookup per key, one batched RPC per peer.
-
-        Returns ``{name: [replicas that accepted, replicas that called it outdated]}``.
-        """
-        tally = {name: [0, 0] for entries in by_key.values() for name, _ in entries}
-        plan: dict[Any, list[Named]] = {}
-        local: list[Named] = []
-
-        def count(name: Any, accepted: bool, reason: str | None) -> None:
-            if accepted:
-                tally[name][0] += 1
-            elif reason is not None and reason.startswith("outdated"):
-                tally[name][1] += 1
-
-        async def place(key_id: int, entries: list[Named]) -> None:
-            result = await self._lookup(
-                key_id, beam_size=self.beam_size, mode="nearest", patience=patience
-            )
-            replicas = result.nearest[: self.num_replicas]
-            if not self.client_mode:
-                worst = (
-                    replicas[-1].node_id ^ key_id
-                    if len(replicas) >= self.num_replicas
-                    else math.inf
-                )
-                if self.node_id ^ key_id < worst:
-                    replicas = replicas[: self.num_replicas - 1]
-                    local.extend(entries)
-            for contact in replicas:
-                plan.setdefault(contact.peer_id, []).extend(entries)
-
-        async with trio.open_nursery() as nursery:
-            for key_id, entries in by_key.items():
-                nursery.start_soon(place, key_id, entries)
-
-        for name, record in local:
-            accepted, reason = self._store_local(record)
-            count(name, accepted, reason)
-            if not accepted:
-                logger.debug("local replica refused %r: %s", name, reason)
-
-        async def send(peer_id: Any, entries: list[Named]) -> None:
-            for start in range(0, len(entries), MAX_RECORDS_PER_STORE):
-                chunk = entries[start : start + MAX_RECORDS_PER_STORE]
-                results = await self._store_rpc(peer_id, [record for _, record in chunk])
-                for (name, _), (accepted, reason) in zip(chunk, results, strict=True):
-                    count(name, accepted, reason)
-                    if not accepted and reason != "peer unreachable":
-                        logger.debug("%s refused %r: %s", peer_id, name, reason)
-
-        async with trio.open_nursery() as nursery:
-            for peer_id, entries in plan.items():
-                nursery.start_soon(send, peer_id, entries)
-        return tally
 
     # ------------------------------------------------------------------ get
 
     async def get(
         self, key: Any, latest: bool = False, *, patience: float | None = None
-    ) -> ValueWithExpiration | None:
+    ) -> ValueWithExpiration[Any] | None:
         """Find the value of ``key``; None if no live record exists.
 
         ``latest=False`` returns as soon as any valid plain value is found; ``latest=True``
@@ -1123,7 +660,9 @@ class DHTNode:
             if value is not None:
                 return value
         mode = "all-values" if latest else "first-value"
-        result = await self._lookup(key_id, beam_size=self.beam_size, mode=mode, patience=patience)
+        result = await self._lookups.lookup(
+            key_id, beam_size=self.beam_size, mode=mode, patience=patience
+        )
         entry_lists: list[tuple[Any, list[Any]]] = [
             (c, r.entries) for c, r in result.responses if r.entries
         ]
@@ -1142,9 +681,9 @@ class DHTNode:
 
     async def get_many(
         self, keys: Iterable[Any], latest: bool = False
-    ) -> dict[Any, ValueWithExpiration | None]:
+    ) -> dict[Any, ValueWithExpiration[Any] | None]:
         keys = list(keys)
-        results: dict[Any, ValueWithExpiration | None] = {}
+        results: dict[Any, ValueWithExpiration[Any] | None] = {}
 
         async def one(key: Any) -> None:
             results[key] = await self.get(key, latest=latest)
@@ -1156,7 +695,7 @@ class DHTNode:
 
     async def _merge(
         self, key_bytes: bytes, entry_lists: list[list[Any]]
-    ) -> tuple[ValueWithExpiration | None, Any]:
+    ) -> tuple[ValueWithExpiration[Any] | None, Any]:
         """Validate (untrusted replicas!) and merge what several replicas returned."""
         limit = self.storage.limits.max_record_bytes
         candidates = unique_live_records(key_bytes, entry_lists, get_dht_time(), limit)
@@ -1167,35 +706,6 @@ class DHTNode:
 
     # ------------------------------------------------------------------ incoming RPCs
 
-    async def _handle_rpc(self, peer_id: Any, raw_request: Any) -> Any:
-        """Serve one DHT RPC. Malformed requests raise DHTProtocolError (an error reply)."""
-        request = parse_request(raw_request)
-        sender_addrs = request.sender.addrs
-        if not request.sender.client and sender_addrs and peer_id != self.peer_id:
-            sender_addrs = self.network.usable_addrs(sender_addrs, peer_id)
-        if not request.sender.client and sender_addrs and peer_id != self.peer_id:
-            if self.network.remember_addrs(peer_id, sender_addrs):
-                self.blacklist.register_success(peer_id)  # alive, and reachable anew
-            self._seen_alive(Contact(peer_id, node_id_of(peer_id), sender_addrs))
-        if isinstance(request, PingRequest):
-            self.requests_served["ping"] += 1
-            return {"from": sender_info(self._own_addrs(), self.client_mode)}
-        if isinstance(request, StoreRequest):
-            self.requests_served["store"] += 1
-            return {
-                "results": [
-                    list(result) for result in await self._store_incoming(request.records, peer_id)
-                ]
-            }
-        if isinstance(request, FindRequest):
-            self.requests_served["find"] += 1
-            now = get_dht_time()
-            results = []
-            for key_id in request.key_ids:
-                stored = None if self.client_mode else self.storage.get(key_id, now)
-                nearest = self.routing_table.nearest(key_id, request.count, exclude=peer_id)
-                peers = [[c.peer_id.to_bytes(), list(c.addrs)] for c in nearest]
-                budget = MAX_VALUE_RESPONSE_BYTES // len(request.key_ids)
-                results.append([encode_entries(stored, budget), peers])
-            return {"results": results}
-        raise DHTProtocolError(f"unsupported request {type(request).__name__}")
+    async def _handle_rpc(self, peer_id: Any, raw_request: Any) -> dict[str, Any]:
+        """Serve one DHT RPC (serving.py). Malformed requests raise DHTProtocolError."""
+        return await serving.handle_rpc(self, peer_id, raw_request)

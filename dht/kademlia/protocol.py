@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from dht.kademlia.errors import DHTProtocolError
 from dht.kademlia.ids import ID_BYTES
@@ -62,10 +62,19 @@ class FindRequest:
     count: int
 
 
+Entry = tuple[bytes | None, bytes, float, bytes | None]  # (subkey, value, expiration, signature)
+WirePeer = tuple[Any, tuple[bytes, ...]]  # (PeerID, addrs) as a find reply names a peer
+PeerT = TypeVar("PeerT")
+
+
 @dataclass(frozen=True)
-class FindResult:
-    entries: list[tuple[bytes | None, bytes, float, bytes | None]] | None
-    peers: list[tuple[Any, tuple[bytes, ...]]]  # (PeerID, addrs)
+class FindResult(Generic[PeerT]):
+    """One key's answer to ``find``: the value entries stored there (None: no value) and
+    peers nearer to the key: ``WirePeer`` pairs as parsed, ``routing.Contact`` objects once
+    the node has vetted their addresses (what lookups see)."""
+
+    entries: list[Entry] | None
+    peers: list[PeerT]
 
 
 def _expect(condition: bool, what: str) -> None:
@@ -73,14 +82,15 @@ def _expect(condition: bool, what: str) -> None:
         raise DHTProtocolError(f"malformed DHT message: {what}")
 
 
-def _bin(
-    obj: Any, what: str, max_len: int = MAX_FIELD_BYTES, optional: bool = False
-) -> bytes | None:
-    if obj is None and optional:
-        return None
+def _bin(obj: Any, what: str, max_len: int = MAX_FIELD_BYTES) -> bytes:
     _expect(isinstance(obj, bytes), f"{what} must be bytes")
     _expect(len(obj) <= max_len, f"{what} longer than {max_len} bytes")
-    return obj
+    checked: bytes = obj
+    return checked
+
+
+def _optional_bin(obj: Any, what: str, max_len: int = MAX_FIELD_BYTES) -> bytes | None:
+    return None if obj is None else _bin(obj, what, max_len)
 
 
 def _float(obj: Any, what: str) -> float:
@@ -114,10 +124,10 @@ def parse_record(obj: Any) -> DHTRecord:
     key, subkey, value, expiration, signature = fields
     return DHTRecord(
         key=_bin(key, "key"),
-        subkey=_bin(subkey, "subkey", optional=True),
+        subkey=_optional_bin(subkey, "subkey"),
         value=_bin(value, "value"),
         expiration_time=_float(expiration, "expiration"),
-        signature=_bin(signature, "signature", 1024, optional=True),
+        signature=_optional_bin(signature, "signature", 1024),
     )
 
 
@@ -165,17 +175,17 @@ def parse_ping_response(obj: Any) -> SenderInfo:
     return parse_sender(obj.get("from", {}))
 
 
-def parse_entries(obj: Any) -> list[tuple[bytes | None, bytes, float, bytes | None]]:
-    entries = []
+def parse_entries(obj: Any) -> list[Entry]:
+    entries: list[Entry] = []
     for item in _list(obj, "value entries", MAX_ENTRIES_PER_VALUE):
         fields = _list(item, "value entry", 4)
         _expect(len(fields) == 4, "value entry must have 4 fields")
         entries.append(
             (
-                _bin(fields[0], "subkey", optional=True),
+                _optional_bin(fields[0], "subkey"),
                 _bin(fields[1], "value"),
                 _float(fields[2], "expiration"),
-                _bin(fields[3], "signature", 1024, optional=True),
+                _optional_bin(fields[3], "signature", 1024),
             )
         )
     return entries
@@ -183,7 +193,7 @@ def parse_entries(obj: Any) -> list[tuple[bytes | None, bytes, float, bytes | No
 
 def parse_find_response(
     obj: Any, expected: int, peer_from_bytes: Callable[[bytes], Any]
-) -> list[FindResult]:
+) -> list[FindResult[WirePeer]]:
     _expect(isinstance(obj, dict), "response must be a map")
     results = _list(obj.get("results"), "'results'", MAX_KEYS_PER_FIND)
     _expect(len(results) == expected, "find response has the wrong number of results")
@@ -192,7 +202,7 @@ def parse_find_response(
         fields = _list(item, "find result", 2)
         _expect(len(fields) == 2, "find result must be [entries, peers]")
         entries = None if fields[0] is None else parse_entries(fields[0])
-        peers = []
+        peers: list[WirePeer] = []
         for peer_item in _list(fields[1], "peers", MAX_PEERS_PER_RESULT):
             pair = _list(peer_item, "peer", 2)
             _expect(len(pair) == 2, "peer must be [peer_id, addrs]")
@@ -221,7 +231,8 @@ def encode_entries(
         records = [stored]
     else:
         records = sorted(stored.values(), key=lambda r: r.expiration_time, reverse=True)
-    entries, total = [], 0
+    entries: list[list[Any]] = []
+    total = 0
     for r in records[:MAX_ENTRIES_PER_VALUE]:
         total += r.size
         if total > max_bytes and entries:

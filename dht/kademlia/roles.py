@@ -26,6 +26,8 @@ from dht.kademlia.network import HostNetwork
 
 if TYPE_CHECKING:
     from dht.kademlia.node import DHTNode
+    from dht.p2p.host import Host
+    from dht.p2p.relay import RelayClient, RelayService
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +218,8 @@ class NatRoles:
         # DHTNode.open's ``public_by_configuration``: why its addresses say peers can dial it
         # ("" if they do not); such a node serves relays at once, not after AutoNAT decides
         self.public_by_configuration = ""
-        self.relay_service: Any = None  # dht.p2p.relay.RelayService while we serve as a relay
-        self.relay_client: Any = None  # dht.p2p.relay.RelayClient once the loop runs
+        self.relay_service: RelayService | None = None  # while we serve as a relay
+        self.relay_client: RelayClient | None = None  # once the loop runs
         self.role: RoleDecision | None = None  # the last decision (None: nothing decided yet)
         self._keepers: dict[Any, _Keeper] = {}
         self._keepers_nursery: trio.Nursery | None = None
@@ -257,6 +259,13 @@ class NatRoles:
             return (limit.data or math.inf, limit.duration or math.inf)
 
         return min(limits, key=room)
+
+    @property
+    def host(self) -> Host:
+        """The node's Host: roles run only on one (see :meth:`enabled`)."""
+        host = self.node.host
+        assert host is not None, "NAT roles need a dht.p2p Host"
+        return host
 
     def _announces_explicitly(self) -> bool:
         return bool(getattr(self.node.network, "announces_explicitly", False))
@@ -308,7 +317,7 @@ class NatRoles:
         each AutoNAT verdict and relay address change, and every check_interval."""
         from dht.p2p.relay import relay_client
 
-        self.relay_client = relay_client(self.node.host)
+        self.relay_client = relay_client(self.host)
         self.relay_client.add_observer(self._on_relay_addrs)
         try:
             async with trio.open_nursery() as keepers:
@@ -327,7 +336,7 @@ class NatRoles:
                 self.relay_service = None
 
     async def _apply(self) -> None:
-        reach = self.node.host.reachability
+        reach = self.host.reachability
         setting, relay = self.node.client_mode_setting, self.relay_setting
         serve = (
             relay is not False
@@ -362,7 +371,7 @@ class NatRoles:
         if self._announces_explicitly():
             announce = [a.without_peer_id() for a in self.node.get_visible_maddrs()]
             announce = [a for a in announce if not a.is_circuit()] or None
-        self.relay_service = RelayService(self.node.host, limits, announce)
+        self.relay_service = RelayService(self.host, limits, announce)
         logger.info(
             "serving as a relay for peers behind NAT (%s)%s",
             describe_limit(self.relay_service.limits.limit),
@@ -375,6 +384,7 @@ class NatRoles:
     async def _keep_relays(self) -> None:
         """Hold slots on up to ``max_relays`` relays; replace those void for too long."""
         client = self.relay_client
+        assert client is not None, "run() sets the relay client first"
         now = trio.current_time()
         for relay, keeper in list(self._keepers.items()):
             rsvp = client.reservations.get(relay)
@@ -382,7 +392,7 @@ class NatRoles:
                 not keeper.done
                 and rsvp is not None
                 and rsvp.seconds_left() > 0
-                and self.node.host.is_connected(relay)
+                and self.host.is_connected(relay)
             ):
                 keeper.lost_since = None
                 continue
@@ -466,6 +476,7 @@ class NatRoles:
     ) -> None:
         from dht.p2p import P2PError
 
+        assert self.relay_client is not None, "run() sets the relay client first"
         try:
             with keeper.scope:
                 await self.relay_client.keep_reservation(
@@ -489,11 +500,11 @@ class NatRoles:
     def _decide(self) -> None:
         """The DHT role and announced addresses from the verdict and the relay slots."""
         node = self.node
-        reach = node.host.reachability
+        reach = self.host.reachability
         setting = node.client_mode_setting
         hide_direct = reach.is_private and setting is None and not self._announces_explicitly()
         node.network.direct_reachable = not hide_direct  # type: ignore[attr-defined]
-        circuits = tuple(a for a in node.host.listen_addrs if a.is_circuit())
+        circuits = tuple(a for a in self.host.listen_addrs if a.is_circuit())
         client_mode = setting if setting is not None else hide_direct and not circuits
         decision = RoleDecision(
             reachability=reach,

@@ -15,14 +15,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
-from dht.kademlia.ids import MAX_ID
+from dht.kademlia.ids import MAX_ID, PeerKey
 
 
 @dataclass
 class Contact:
     """A peer we can route to: its PeerID, node ID and the addresses it announced."""
 
-    peer_id: Hashable
+    peer_id: PeerKey
     node_id: int
     addrs: tuple[bytes, ...] = ()
     last_seen: float = float("-inf")
@@ -229,7 +229,7 @@ class Blacklist:
     def register_failure(self, peer_id: Hashable, now: float) -> float:
         """Ban ``peer_id``; returns the ban duration."""
         _, failures = self._banned.pop(peer_id, (0.0, 0))
-        delay = min(self.base_delay * (2**failures), self.max_delay)
+        delay: float = min(self.base_delay * (2**failures), self.max_delay)
         self._banned[peer_id] = (now + delay, failures + 1)
         while len(self._banned) > self.max_entries:
             self._banned.popitem(last=False)

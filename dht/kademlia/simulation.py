@@ -25,7 +25,7 @@ class Swarm:
         nursery: trio.Nursery,
         fabric: LoopbackFabric | None,
         memory_network: Any,
-        node_kwargs: dict,
+        node_kwargs: dict[str, Any],
     ):
         self._nursery = nursery
         self.fabric = fabric
@@ -52,7 +52,10 @@ class Swarm:
         )
 
     async def _run_node(
-        self, initial_peers: list[Any], kwargs: dict, task_status=trio.TASK_STATUS_IGNORED
+        self,
+        initial_peers: list[Any],
+        kwargs: dict[str, Any],
+        task_status: Any = trio.TASK_STATUS_IGNORED,  # trio.TaskStatus: unknown to mypy on 3.10
     ) -> None:
         try:
             from dht.p2p import Identity

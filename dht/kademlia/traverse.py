@@ -27,13 +27,13 @@ import trio
 from dht.kademlia.protocol import FindResult
 from dht.kademlia.routing import Contact
 
-FindFn = Callable[[Contact], Awaitable[FindResult | None]]
+FindFn = Callable[[Contact], Awaitable[FindResult[Contact] | None]]
 
 
 @dataclass
 class LookupResult:
     nearest: list[Contact]  # peers that answered, nearest first (at most beam_size)
-    responses: list[tuple[Contact, FindResult]] = field(default_factory=list)
+    responses: list[tuple[Contact, FindResult[Contact]]] = field(default_factory=list)
     hops: int = 0  # sequential RPCs needed to reach the nearest peer found
     rounds: int = 0  # deepest RPC chain issued
     messages: int = 0
@@ -51,7 +51,7 @@ class Lookup:
         alpha: int,
         exclude: Hashable | None = None,
         is_banned: Callable[[Hashable], bool] = lambda _: False,
-        stop_when: Callable[[FindResult], bool] | None = None,
+        stop_when: Callable[[FindResult[Contact]], bool] | None = None,
         max_messages: int = 1000,
         patience: float = 0.5,
     ):
@@ -157,7 +157,7 @@ class Lookup:
                 self._pending.pop(contact.peer_id, None)
                 self._notify()
 
-    def _on_response(self, contact: Contact, depth: int, response: FindResult) -> None:
+    def _on_response(self, contact: Contact, depth: int, response: FindResult[Contact]) -> None:
         item = (contact.node_id ^ self.target_id, next(self._counter), contact.peer_id)
         bisect.insort(self._responded, item)
         self.result.responses.append((contact, response))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import msgpack
@@ -145,7 +145,7 @@ class ValidatorChain:
             record = validator.sign(record)
         return record
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[RecordValidator]:
         return iter(self.validators)
 
 

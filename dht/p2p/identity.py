@@ -106,9 +106,9 @@ def decode_public_key_proto(data: bytes) -> tuple[int, bytes]:
     try:
         for field, wire, value in iter_fields(data):
             if field == 1 and wire == WIRE_VARINT:
-                key_type = int(value)  # type: ignore[arg-type]
+                key_type = int(value)
             elif field == 2 and wire == WIRE_LEN:
-                key_data = bytes(value)  # type: ignore[arg-type]
+                key_data = bytes(value)
             # unknown fields are ignored, as protobuf requires
     except ProtobufDecodeError as e:
         raise IdentityError(f"malformed PublicKey protobuf: {e}") from None
@@ -247,6 +247,8 @@ class PeerID:
     """
 
     __slots__ = ("_bytes", "_b58")
+    _bytes: bytes
+    _b58: str | None
 
     def __init__(self, multihash: bytes) -> None:
         multihash = bytes(multihash)
@@ -532,6 +534,7 @@ class Identity:
 
 # ---------------------------------------------------------------------------------------------
 # One key file, one live peer
+
 
 class IdentityLock(ExclusiveFileLock):
     """An exclusive lock on a key file while this process uses the key (see

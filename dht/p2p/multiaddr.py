@@ -105,7 +105,7 @@ def _value_to_bytes(proto: _Protocol, value: Value) -> bytes:
     if name == "memory":
         return int(value).to_bytes(8, "big")  # type: ignore[arg-type]
     if name == "p2p":
-        raw = value.to_bytes()  # type: ignore[union-attr]
+        raw = value.to_bytes()  # type: ignore[union-attr,call-arg]
     else:
         raw = str(value).encode("utf-8")
     return encode_uvarint(len(raw)) + raw
@@ -148,6 +148,8 @@ class Multiaddr:
     """
 
     __slots__ = ("_components", "_text")
+    _components: tuple[tuple[str, Value], ...]
+    _text: str | None
 
     def __init__(self, addr: str | Multiaddr) -> None:
         if isinstance(addr, Multiaddr):

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from dht import BootstrapError, DHTNode
-from dht.kademlia import node as node_module
+from dht.kademlia import join as join_module  # the retries and their logs
 from dht.p2p import Identity
 
 
@@ -38,7 +38,7 @@ async def test_joiner_waits_for_an_initial_peer_that_comes_up_later(caplog):
             contacts.append(len(node.routing_table))
             joined.set()
 
-    with caplog.at_level(logging.INFO, logger=node_module.__name__):
+    with caplog.at_level(logging.INFO, logger=join_module.__name__):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(joiner)
             await trio.sleep(1.0)  # connection refused, several times
@@ -57,7 +57,7 @@ async def test_joiner_waits_for_an_initial_peer_that_comes_up_later(caplog):
 async def test_joiner_gives_up_after_bootstrap_timeout_with_the_reason(caplog):
     dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{Identity.generate().peer_id}"
     started = trio.current_time()
-    with caplog.at_level(logging.INFO, logger=node_module.__name__):
+    with caplog.at_level(logging.INFO, logger=join_module.__name__):
         with pytest.raises(BootstrapError, match=r"within 2s .*cannot reach initial peer"):
             async with DHTNode.open(
                 initial_peers=[dead], host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=2
@@ -75,14 +75,14 @@ async def test_a_port_where_nothing_listens_fails_in_seconds_not_the_whole_timeo
     instead of retrying for its whole 30 s."""
     dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{Identity.generate().peer_id}"
     started = trio.current_time()
-    with caplog.at_level(logging.INFO, logger=node_module.__name__):
+    with caplog.at_level(logging.INFO, logger=join_module.__name__):
         with pytest.raises(BootstrapError, match=f"nothing listens at {dead}.* Check the port"):
             async with DHTNode.open(
                 initial_peers=[dead], host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=30
             ):
                 pass
     elapsed = trio.current_time() - started
-    assert node_module.BOOTSTRAP_REFUSED_GRACE <= elapsed < 15.0, elapsed
+    assert join_module.BOOTSTRAP_REFUSED_GRACE <= elapsed < 15.0, elapsed
     [warning] = [
         r.getMessage() for r in caplog.records if "refused the connection" in r.getMessage()
     ]

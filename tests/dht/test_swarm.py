@@ -361,5 +361,5 @@ async def test_cancelled_callers_do_not_break_shared_lookups(autojump_clock, vir
                 await node.get("c", latest=True)
                 pytest.fail("the impatient caller should have been cancelled")
         assert [r.value for r in results] == [1]
-        assert not node._searches  # finished searches are forgotten
+        assert not node._lookups.running  # finished searches are forgotten
         assert (await node.get("c")).value == 1
