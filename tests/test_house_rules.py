@@ -28,7 +28,6 @@ LONG_FILES = {
     "dht/kademlia/node.py": 1201,  # raised once: the NAT work's public-by-configuration start
     "moshpit/training/store.py": 1164,
     "moshpit/averaging/allreduce.py": 1110,
-    "moshpit/training/progress.py": 1075,
     "moshpit/training/state_averager.py": 901,
 }
 # "path:function" -> lines when listed (constructors taking many options, argument parsers, a
@@ -44,9 +43,6 @@ LONG_FUNCTIONS = {
     "moshpit/dashboard/history.py:to_json": 93,
     "moshpit/metrics.py:__init__": 95,
     "moshpit/metrics.py:_training": 87,
-    "moshpit/training/progress.py:parse_progress_record": 85,
-    "moshpit/training/progress.py:aggregate": 129,
-    "moshpit/training/progress.py:__init__": 91,
     "moshpit/training/state_averager.py:__init__": 103,
     "dht/kademlia/node.py:__init__": 88,
     "dht/kademlia/node.py:_bootstrap": 91,

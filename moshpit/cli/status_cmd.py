@@ -112,7 +112,7 @@ async def collect(
     after ``time_limit`` seconds.
     """
     from dht.kademlia.node import DHTNode
-    from moshpit.training.progress import aggregate
+    from moshpit.training.progress_aggregate import aggregate
     from moshpit.training.run_records import read_run
 
     with trio.fail_after(time_limit):
@@ -133,7 +133,7 @@ STALLED_EPOCHS = 5  # an epoch that lasts this many times the usual one has stop
 
 
 if TYPE_CHECKING:
-    from moshpit.training.progress import GlobalProgress
+    from moshpit.training.progress_record import GlobalProgress
 
 
 def epoch_stall(view: GlobalProgress, now: float, stall_after: float) -> str | None:

@@ -27,7 +27,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from moshpit.training.progress import GlobalProgress, PeerProgress, aggregate
+from moshpit.training.progress_aggregate import aggregate
+from moshpit.training.progress_record import GlobalProgress, PeerProgress
 from moshpit.training.run_records import RunRecords
 
 __all__ = ["JSON_VERSION", "Contribution", "RunHistory", "quantile", "short_id"]
