@@ -35,8 +35,6 @@ LONG_FILES = {
 LONG_FUNCTIONS = {
     "moshpit/averaging/allreduce.py:run": 88,
     "moshpit/averaging/matchmaking.py:_try_join": 82,
-    "moshpit/cli/demo_cmd.py:worker_main": 128,
-    "moshpit/cli/demo_cmd.py:_run": 124,
     "moshpit/cli/train_demo.py:_drive": 117,
     "moshpit/cli/train_demo.py:_conclude": 133,
     "moshpit/cli/train_demo.py:_plot": 97,
