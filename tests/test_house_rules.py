@@ -35,9 +35,6 @@ LONG_FILES = {
 LONG_FUNCTIONS = {
     "moshpit/averaging/allreduce.py:run": 88,
     "moshpit/averaging/matchmaking.py:_try_join": 82,
-    "moshpit/cli/train_demo.py:_drive": 117,
-    "moshpit/cli/train_demo.py:_conclude": 133,
-    "moshpit/cli/train_demo.py:_plot": 97,
     "moshpit/dashboard/history.py:to_json": 93,
     "moshpit/metrics.py:__init__": 95,
     "moshpit/metrics.py:_training": 87,
