@@ -36,8 +36,6 @@ LONG_FUNCTIONS = {
     "moshpit/averaging/allreduce.py:run": 88,
     "moshpit/averaging/matchmaking.py:_try_join": 82,
     "moshpit/dashboard/history.py:to_json": 93,
-    "moshpit/metrics.py:__init__": 95,
-    "moshpit/metrics.py:_training": 87,
     "moshpit/training/state_averager.py:__init__": 103,
     "dht/kademlia/node.py:__init__": 88,
     "dht/kademlia/node.py:_bootstrap": 91,
