@@ -35,7 +35,6 @@ LONG_FILES = {
 LONG_FUNCTIONS = {
     "moshpit/averaging/allreduce.py:run": 88,
     "moshpit/averaging/matchmaking.py:_try_join": 82,
-    "moshpit/dashboard/history.py:to_json": 93,
     "moshpit/training/state_averager.py:__init__": 103,
     "dht/kademlia/node.py:__init__": 88,
     "dht/kademlia/node.py:_bootstrap": 91,
