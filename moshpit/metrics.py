@@ -108,6 +108,23 @@ class _Metrics:
         self.enabled = False
         self._joined: set[str] = set()
         self._codec_labels: set[str] = set()
+        self._declare_averaging(prom, reg)
+        self._declare_state(prom, reg)
+        # every bounded label value exists from the start, at 0
+        for outcome in ROUND_OUTCOMES:
+            self.rounds.labels(outcome)
+        for outcome in DOWNLOAD_OUTCOMES:
+            self.downloads.labels(outcome)
+        for name in ("SIGTERM", "SIGINT"):
+            self.preemptions.labels(name)
+        self._sent_by_codec: dict[str, Any] = {}
+        self._received_by_codec: dict[str, Any] = {}
+        reg.register(_Collector(self))
+        prom.ProcessCollector(registry=reg)
+        prom.PlatformCollector(registry=reg)
+
+    def _declare_averaging(self, prom: Any, reg: Any) -> None:
+        """The series of averaging steps (``on_averager``)."""
         self.rounds = prom.Counter(
             "moshpit_averaging_rounds",
             "Averaging steps by outcome: succeeded (averaged with every member), partial "
@@ -161,6 +178,9 @@ class _Metrics:
             "Peers this peer stopped grouping with for a while after repeated failures",
             registry=reg,
         )
+
+    def _declare_state(self, prom: Any, reg: Any) -> None:
+        """The series of state downloads (``on_state``) and preemptions (``on_preemption``)."""
         self.downloads = prom.Counter(
             "moshpit_state_downloads",
             "Attempts to load the swarm's state from donors, by outcome",
@@ -184,18 +204,6 @@ class _Metrics:
             ["signal"],
             registry=reg,
         )
-        # every bounded label value exists from the start, at 0
-        for outcome in ROUND_OUTCOMES:
-            self.rounds.labels(outcome)
-        for outcome in DOWNLOAD_OUTCOMES:
-            self.downloads.labels(outcome)
-        for name in ("SIGTERM", "SIGINT"):
-            self.preemptions.labels(name)
-        self._sent_by_codec: dict[str, Any] = {}
-        self._received_by_codec: dict[str, Any] = {}
-        reg.register(_Collector(self))
-        prom.ProcessCollector(registry=reg)
-        prom.PlatformCollector(registry=reg)
 
     # -- observers (called on the thread of the event) --------------------------------------
 
@@ -348,7 +356,7 @@ class _Totals:
     the last values read from it are kept (what it counted after that scrape is lost)."""
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[weakref.ref, dict[str, float]]] = {}
+        self._last: dict[int, tuple[weakref.ref[Any], dict[str, float]]] = {}
         self._gone: dict[str, float] = {}
 
     def total(
@@ -474,6 +482,29 @@ class _Collector:
             for s in _live("moshpit.training.state_averager", "live_state_averagers")
             if not getattr(s, "_closed", False)
         ]
+        yield from self._steps_and_checkpoints(core, optimizers, states)
+        if states:
+            yield core.GaugeMetricFamily(
+                "moshpit_epoch",
+                "The training epoch (global step) this peer is at",
+                value=max(s.epoch for s in states),
+            )
+        if optimizers:
+            yield from _throughput(core, optimizers)
+        now = time.monotonic()
+        written = [s.last_checkpoint_at for s in states if s.last_checkpoint_at is not None]
+        if written:
+            yield core.GaugeMetricFamily(
+                "moshpit_checkpoint_age_seconds",
+                "Seconds since this peer last wrote a checkpoint successfully",
+                value=max(0.0, now - max(written)),
+            )
+
+    def _steps_and_checkpoints(
+        self, core: Any, optimizers: list[Any], states: list[Any]
+    ) -> Iterator[Any]:
+        """The counters summed over optimizers (steps, samples) and training states
+        (checkpoint failures, recoveries)."""
         steps = self._steps.total(
             optimizers,
             lambda o: {
@@ -505,49 +536,37 @@ class _Collector:
             "Times a non-finite state was replaced by a good one",
             value=counts.get("recoveries", 0.0),
         )
-        if states:
-            yield core.GaugeMetricFamily(
-                "moshpit_epoch",
-                "The training epoch (global step) this peer is at",
-                value=max(s.epoch for s in states),
-            )
-        rate, views = 0.0, []
-        for optimizer in optimizers:
-            try:
-                tracker = optimizer.tracker
-                sps = float(tracker.samples_per_second)
-                views.append(tracker.global_progress)
-            except Exception:  # noqa: BLE001 - a tracker shutting down
-                continue
-            rate += sps if math.isfinite(sps) else 0.0
-        if optimizers:
-            yield core.GaugeMetricFamily(
-                "moshpit_samples_per_second",
-                "This peer's training throughput (moving average over recent steps)",
-                value=rate,
-            )
-            if views:
-                view = max(views, key=lambda v: getattr(v, "time", 0.0))
-                for name, attribute, text in (
-                    ("moshpit_swarm_peers", "num_peers", "Peers of the run this peer sees"),
-                    ("moshpit_swarm_epoch", "epoch", "The run's epoch as this peer sees it"),
-                    (
-                        "moshpit_swarm_samples_per_second",
-                        "samples_per_second",
-                        "The run's throughput as this peer sees it",
-                    ),
-                ):
-                    yield core.GaugeMetricFamily(
-                        name, text, value=float(getattr(view, attribute, 0) or 0)
-                    )
-        now = time.monotonic()
-        written = [s.last_checkpoint_at for s in states if s.last_checkpoint_at is not None]
-        if written:
-            yield core.GaugeMetricFamily(
-                "moshpit_checkpoint_age_seconds",
-                "Seconds since this peer last wrote a checkpoint successfully",
-                value=max(0.0, now - max(written)),
-            )
+
+
+def _throughput(core: Any, optimizers: list[Any]) -> Iterator[Any]:
+    """This peer's samples/s, and the swarm as its newest progress view shows it."""
+    rate, views = 0.0, []
+    for optimizer in optimizers:
+        try:
+            tracker = optimizer.tracker
+            sps = float(tracker.samples_per_second)
+            views.append(tracker.global_progress)
+        except Exception:  # noqa: BLE001 - a tracker shutting down
+            continue
+        rate += sps if math.isfinite(sps) else 0.0
+    yield core.GaugeMetricFamily(
+        "moshpit_samples_per_second",
+        "This peer's training throughput (moving average over recent steps)",
+        value=rate,
+    )
+    if not views:
+        return
+    view = max(views, key=lambda v: getattr(v, "time", 0.0))
+    for name, attribute, text in (
+        ("moshpit_swarm_peers", "num_peers", "Peers of the run this peer sees"),
+        ("moshpit_swarm_epoch", "epoch", "The run's epoch as this peer sees it"),
+        (
+            "moshpit_swarm_samples_per_second",
+            "samples_per_second",
+            "The run's throughput as this peer sees it",
+        ),
+    ):
+        yield core.GaugeMetricFamily(name, text, value=float(getattr(view, attribute, 0) or 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,7 +617,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         from prometheus_client.exposition import choose_encoder
 
-        encoder, content_type = choose_encoder(self.headers.get("Accept"))
+        encoder, content_type = choose_encoder(self.headers.get("Accept") or "")
         try:
             body = encoder(self.server.registry)
         except Exception as e:  # noqa: BLE001 - answer the scraper, keep serving
@@ -626,7 +645,9 @@ class MetricsServer:
     def __init__(self, httpd: _HTTPServer, thread: threading.Thread) -> None:
         self._httpd = httpd
         self._thread = thread
-        self.addr, self.port = httpd.server_address[:2]
+        host, port = httpd.server_address[:2]
+        self.addr: str = host if isinstance(host, str) else bytes(host).decode()
+        self.port: int = port
 
     @property
     def url(self) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from moshpit.cli import train_demo
+from moshpit.cli import train_demo, train_demo_report
 
 TITLE = "moshpit demo: 4 peers train on the 8x8 digits"
 
@@ -253,7 +253,9 @@ def test_each_preemption_line_in_the_plot_names_its_peer(
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
     args = demo_args(peers=3, no_plot=False, plot=str(tmp_path / "demo.png"))
     console = Console(file=io.StringIO(), width=200, color_system=None)
-    path = train_demo._plot(args, console, record, [(40_000, 0.95, 0.2)], 0.94, 0.95, 40_000, 10.0)
+    path = train_demo_report.plot(
+        args, console, record, [(40_000, 0.95, 0.2)], 0.94, 0.95, 40_000, 10.0
+    )
     assert path == str(tmp_path / "demo.png")
     (fig,) = figures
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]

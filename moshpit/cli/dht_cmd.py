@@ -17,12 +17,8 @@ from typing import Any
 import trio
 
 from dht.kademlia.node import DEFAULT_HOST_MADDRS
-from dht.p2p.multiaddr import (
-    EXAMPLE_LISTEN_MADDR,
-    Multiaddr,
-    MultiaddrError,
-    parse_multiaddr_list,
-)
+from dht.p2p import MultiaddrError
+from dht.p2p.multiaddr import EXAMPLE_LISTEN_MADDR, Multiaddr, parse_multiaddr_list
 from moshpit.cli.preflight import listen_failure
 
 logger = logging.getLogger(__name__)
@@ -308,6 +304,7 @@ async def _serve(
         if initial_peers:
             _say(f"Joined the swarm: this peer sees {_peer_count(node)} other peer(s)")
         async with trio.open_nursery() as nursery:
+            assert node.host is not None  # a node with a network has its host
             log = ConnectionLog(node.host, nursery)
             node.host.add_connection_observer(log.connected, log.disconnected)
             await _status_loop(node, args.status_period)

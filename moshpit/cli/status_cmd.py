@@ -112,7 +112,7 @@ async def collect(
     after ``time_limit`` seconds.
     """
     from dht.kademlia.node import DHTNode
-    from moshpit.training.progress import aggregate
+    from moshpit.training.progress_aggregate import aggregate
     from moshpit.training.run_records import read_run
 
     with trio.fail_after(time_limit):
@@ -133,7 +133,7 @@ STALLED_EPOCHS = 5  # an epoch that lasts this many times the usual one has stop
 
 
 if TYPE_CHECKING:
-    from moshpit.training.progress import GlobalProgress
+    from moshpit.training.progress_record import GlobalProgress
 
 
 def epoch_stall(view: GlobalProgress, now: float, stall_after: float) -> str | None:
@@ -145,7 +145,7 @@ def epoch_stall(view: GlobalProgress, now: float, stall_after: float) -> str | N
     usual = sorted(p.epoch_seconds for p in view.peers if p.epoch_seconds is not None)
     if not at_epoch or not usual:
         return None
-    since = sorted(p.epoch_since for p in at_epoch)[len(at_epoch) // 2]  # type: ignore[type-var]
+    since = sorted(p.epoch_since for p in at_epoch if p.epoch_since is not None)[len(at_epoch) // 2]
     per_epoch = usual[len(usual) // 2]
     lasted = now - since
     if lasted <= max(STALLED_EPOCHS * per_epoch, stall_after):
@@ -326,16 +326,11 @@ def _donor_cell(donor: Donor | None) -> str:
 
 
 def _parse_initial_peers(values: list[str]) -> list[Any]:
-    from dht.p2p import Multiaddr, MultiaddrError
+    from dht.p2p import MultiaddrError
+    from dht.p2p.multiaddr import parse_multiaddr_list  # dht ships in the same distribution
 
     try:
-        from dht.p2p.multiaddr import parse_multiaddr_list
-    except ImportError:  # pragma: no cover - older dht without the helper
-        parse_multiaddr_list = None
-    try:
-        if parse_multiaddr_list is not None:
-            return parse_multiaddr_list(values, "--initial-peers")
-        return [Multiaddr(v) for v in values]
+        return parse_multiaddr_list(values, "--initial-peers")
     except (MultiaddrError, TypeError) as e:
         raise UsageError(str(e)) from None
 

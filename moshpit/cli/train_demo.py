@@ -39,23 +39,31 @@ import os
 import queue
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moshpit.cli.render import SpareColumns
 from moshpit.cli.signals import sigint_ignored
+from moshpit.cli.train_demo_report import SYNC_TARGET_BATCH, conclude
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    from moshpit.dashboard.server import DashboardThread
+    from moshpit.training.demo_task import DigitsData
+
+Say = Callable[[str], None]  # prints one line above the live table (or to the pipe)
 
 STARTUP_TIMEOUT = 90.0
-SYNC_TARGET_BATCH = 256  # mode sync: samples per global optimizer step
 STOP_TIMEOUT = 30.0
-ACCURACY_TOLERANCE = 0.01  # 1 point, plus twice the baselines' spread
-BASELINE_SEEDS = 5  # baselines trained (batch orders): ~1 s each on one core
 RUN_ID = "demo-digits"
 DASHBOARD_PORT = 8080
 
@@ -137,7 +145,7 @@ class Slot:
     index: int
     identity: str
     checkpoint_dir: str
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[str] | None = None
     incarnation: int = 0
     state: str = "starting"
     spawned_at: float = 0.0
@@ -208,7 +216,7 @@ class Swarm:
             env=env,
             start_new_session=True,  # the parent alone decides when peers stop (Ctrl-C)
         )
-        if log_dir:
+        if not isinstance(err, int):
             err.close()
         now = time.monotonic()
         slot.spawned_at = slot.last_advance = now
@@ -222,7 +230,7 @@ class Swarm:
         if not log_dir:
             threading.Thread(target=self._read_err, args=(slot, slot.proc), daemon=True).start()
 
-    def _read(self, slot: Slot, incarnation: int, proc: subprocess.Popen) -> None:
+    def _read(self, slot: Slot, incarnation: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             try:
@@ -234,7 +242,7 @@ class Swarm:
         proc.wait()
         self.events.put((slot.index, incarnation, {"event": "exit", "code": proc.returncode}))
 
-    def _read_err(self, slot: Slot, proc: subprocess.Popen) -> None:
+    def _read_err(self, slot: Slot, proc: subprocess.Popen[str]) -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
             slot.stderr_tail = (slot.stderr_tail + [line])[-20:]
@@ -249,17 +257,17 @@ class Swarm:
 
     def stop_all(self, grace: float = 12.0) -> None:
         """SIGTERM every live peer, give them ``grace`` seconds together, then SIGKILL."""
-        live = [s for s in self.slots if s.alive]
-        for s in live:
+        live = [s.proc for s in self.slots if s.proc is not None and s.alive]
+        for proc in live:
             with contextlib.suppress(ProcessLookupError):
-                s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+                proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for s in live:
+        for proc in live:
             try:
-                s.proc.wait(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                s.proc.kill()  # type: ignore[union-attr]
-                s.proc.wait()  # type: ignore[union-attr]
+                proc.kill()
+                proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +286,7 @@ class Record:
     # (t, swarm samples, "SIGTERM" | "SIGKILL" | "restart", slot)
     preemptions: dict[str, int] = field(default_factory=lambda: {"SIGTERM": 0, "SIGKILL": 0})
     restarts: int = 0
-    table: Any = None
+    table: Table | None = None
     live_used: bool = False
     swarm_samples: int = 0
     ended: float | None = None  # when the swarm had stopped training (finals in)
@@ -318,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
-def _report_interrupt(console: Any, record: Record) -> None:
+def _report_interrupt(console: Console, record: Record) -> None:
     """After Ctrl-C (the peers are stopped): the table so far, once, and a one-line summary."""
     if record.table is not None and not record.live_used:  # a live table is on screen already
         console.print(record.table)
@@ -333,12 +341,12 @@ def _report_interrupt(console: Any, record: Record) -> None:
     )
 
 
-def _run(args: argparse.Namespace, console: Any, data: Any, record: Record) -> int:
+def _run(args: argparse.Namespace, console: Console, data: DigitsData, record: Record) -> int:
     from dht import DHT
 
     bootstrap: DHT | None = None
     swarm: Swarm | None = None
-    dashboard: Any = None
+    dashboard: DashboardThread | None = None
     with tempfile.TemporaryDirectory(prefix="moshpit-demo-") as workdir:
         try:
             bootstrap = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -371,7 +379,9 @@ def _run(args: argparse.Namespace, console: Any, data: Any, record: Record) -> i
     return _conclude(args, console, data, swarm, record, outcome)
 
 
-def _start_dashboard(args: argparse.Namespace, console: Any, bootstrap: str) -> Any:
+def _start_dashboard(
+    args: argparse.Namespace, console: Console, bootstrap: str
+) -> DashboardThread | None:
     """Serve the run's live page on a thread (``moshpit dashboard``); print its address, or
     one line on why there is none. Returns the running dashboard or None."""
     from moshpit.dashboard.server import (
@@ -423,14 +433,12 @@ def _plan(args: argparse.Namespace, rng: random.Random) -> list[tuple[float, str
 
 
 def _drive(
-    args: argparse.Namespace, console: Any, swarm: Swarm, record: Record
+    args: argparse.Namespace, console: Console, swarm: Swarm, record: Record
 ) -> dict[str, Any] | None:
     """Run until the budget is reached; returns the stop outcome (None: the swarm failed)."""
     from rich.live import Live
 
-    rng = random.Random(args.seed)
-    plan = _plan(args, rng)
-    preempted_slots: set[int] = set()
+    preemptions = _Preemptions(args)
     live = (
         Live(SpareColumns(_table(swarm, record)), console=console, refresh_per_second=4)
         if console.is_terminal
@@ -448,61 +456,9 @@ def _drive(
             _pump(swarm, record, say, until=now + 0.25)
             now = time.monotonic()
             record.swarm_samples = sum(s.total_samples for s in swarm.slots)
-            # restarts that are due
-            for slot in swarm.slots:
-                if slot.restart_at is not None and now >= slot.restart_at:
-                    slot.restart_at = None
-                    if args.replace:
-                        fresh = swarm._new_slot(slot.index, slot.incarnation + 1)
-                        slot.identity, slot.checkpoint_dir = fresh.identity, fresh.checkpoint_dir
-                    slot.samples_before += slot.samples
-                    slot.incarnation += 1
-                    swarm.spawn(slot)
-                    record.restarts += 1
-                    record.marks.append(
-                        (now - record.started, record.swarm_samples, "restart", slot.index)
-                    )
-                    kind = "replaced by a fresh peer" if args.replace else "restarted"
-                    slot.note = "replaced" if args.replace else "restarted"
-                    say(
-                        f"peer {slot.index} {kind} (same identity and checkpoint dir)"
-                        if not args.replace
-                        else f"peer {slot.index} {kind}"
-                    )
-            # stuck peers: alive, but their samples did not move
-            for slot in swarm.slots:
-                limit = STARTUP_TIMEOUT if slot.state == "starting" else args.stuck_after
-                if (
-                    slot.alive
-                    and slot.state in ("starting", "training")
-                    and now - slot.last_advance > limit
-                    and not slot.stuck
-                ):
-                    slot.stuck = True
-                    say(
-                        f"[red]peer {slot.index} is stuck: no progress for {now - slot.last_advance:.0f}s[/red]"
-                    )
-            # preemptions that are due
-            if plan and record.swarm_samples >= plan[0][0] * args.samples:
-                training = [s for s in swarm.slots if s.alive and s.state == "training"]
-                if len(training) >= 2:
-                    fresh_victims = [s for s in training if s.index not in preempted_slots]
-                    victim = rng.choice(fresh_victims or training)
-                    _, signame = plan.pop(0)
-                    preempted_slots.add(victim.index)
-                    victim.state = "preempted"
-                    victim.note = "SIGTERM" if signame == "SIGTERM" else "kill -9"
-                    record.preemptions[signame] += 1
-                    record.marks.append(
-                        (now - record.started, record.swarm_samples, signame, victim.index)
-                    )
-                    with contextlib.suppress(ProcessLookupError):
-                        victim.proc.send_signal(getattr(signal, signame))  # type: ignore[union-attr]
-                    say(
-                        f"[yellow]preempted peer {victim.index} with "
-                        f"{'SIGTERM' if signame == 'SIGTERM' else 'kill -9'} at "
-                        f"{record.swarm_samples} samples[/yellow]"
-                    )
+            _restart_due(args, swarm, record, say, now)
+            _mark_stuck(args, swarm, say, now)
+            preemptions.preempt_due(swarm, record, say, now)
             record.table = _table(swarm, record)  # also what Ctrl-C prints
             if live is not None:
                 live.update(SpareColumns(record.table))
@@ -517,31 +473,113 @@ def _drive(
                     if s.stderr_tail:
                         say(f"peer {s.index} stderr:\n{''.join(s.stderr_tail[-8:])}")
                 return None
-        # the budget is reached: every training peer sends its final state and leaves
-        for slot in swarm.slots:
-            if slot.alive:
-                swarm.send(slot, "stop")
-        deadline = time.monotonic() + STOP_TIMEOUT
-        while time.monotonic() < deadline and any(
-            s.alive and s.state in ("training", "starting", "stopping") and s.final is None
-            for s in swarm.slots
-        ):
-            for s in swarm.slots:
-                if s.alive and s.state == "training":
-                    s.state = "stopping"
-            _pump(swarm, record, say, until=time.monotonic() + 0.25)
-            if live is not None:
-                live.update(SpareColumns(_table(swarm, record)))
-        record.ended = time.monotonic()  # the run is over: the clock stops here
-        record.table = _table(swarm, record)
-        if live is not None:
-            live.update(SpareColumns(record.table))
+        _stop_training(swarm, record, say, live)
     if live is None:
         console.print(record.table)
     return {"finals": {s.index: s.final for s in swarm.slots if s.final is not None}}
 
 
-def _pump(swarm: Swarm, record: Record, say: Any, until: float) -> None:
+def _restart_due(
+    args: argparse.Namespace, swarm: Swarm, record: Record, say: Say, now: float
+) -> None:
+    """Restart the preempted peers whose ``--restart-delay`` is over (``--replace``: as fresh
+    peers, with a new identity and an empty checkpoint dir)."""
+    for slot in swarm.slots:
+        if slot.restart_at is None or now < slot.restart_at:
+            continue
+        slot.restart_at = None
+        if args.replace:
+            fresh = swarm._new_slot(slot.index, slot.incarnation + 1)
+            slot.identity, slot.checkpoint_dir = fresh.identity, fresh.checkpoint_dir
+        slot.samples_before += slot.samples
+        slot.incarnation += 1
+        swarm.spawn(slot)
+        record.restarts += 1
+        record.marks.append((now - record.started, record.swarm_samples, "restart", slot.index))
+        kind = "replaced by a fresh peer" if args.replace else "restarted"
+        slot.note = "replaced" if args.replace else "restarted"
+        say(
+            f"peer {slot.index} {kind} (same identity and checkpoint dir)"
+            if not args.replace
+            else f"peer {slot.index} {kind}"
+        )
+
+
+def _mark_stuck(args: argparse.Namespace, swarm: Swarm, say: Say, now: float) -> None:
+    """Stuck peers: alive, but their samples did not move for ``--stuck-after`` seconds."""
+    for slot in swarm.slots:
+        limit = STARTUP_TIMEOUT if slot.state == "starting" else args.stuck_after
+        if (
+            slot.alive
+            and slot.state in ("starting", "training")
+            and now - slot.last_advance > limit
+            and not slot.stuck
+        ):
+            slot.stuck = True
+            say(
+                f"[red]peer {slot.index} is stuck: no progress for {now - slot.last_advance:.0f}s[/red]"
+            )
+
+
+class _Preemptions:
+    """The preemptions still to come (see :func:`_plan`), and the peers already hit."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.plan = _plan(args, self.rng)
+        self.hit: set[int] = set()
+
+    def preempt_due(self, swarm: Swarm, record: Record, say: Say, now: float) -> None:
+        """Preempt a training peer (one not hit yet, if any) once the swarm's samples reach
+        the next planned fraction of the budget; never the last peer training."""
+        if not self.plan or record.swarm_samples < self.plan[0][0] * self.args.samples:
+            return
+        training = [s for s in swarm.slots if s.alive and s.state == "training"]
+        if len(training) < 2:
+            return
+        fresh_victims = [s for s in training if s.index not in self.hit]
+        victim = self.rng.choice(fresh_victims or training)
+        _, signame = self.plan.pop(0)
+        self.hit.add(victim.index)
+        victim.state = "preempted"
+        victim.note = "SIGTERM" if signame == "SIGTERM" else "kill -9"
+        record.preemptions[signame] += 1
+        record.marks.append((now - record.started, record.swarm_samples, signame, victim.index))
+        if victim.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                victim.proc.send_signal(getattr(signal, signame))
+        say(
+            f"[yellow]preempted peer {victim.index} with "
+            f"{'SIGTERM' if signame == 'SIGTERM' else 'kill -9'} at "
+            f"{record.swarm_samples} samples[/yellow]"
+        )
+
+
+def _stop_training(swarm: Swarm, record: Record, say: Say, live: Live | None) -> None:
+    """The budget is reached: every training peer sends its final state and leaves (for at
+    most ``STOP_TIMEOUT`` seconds); the run's clock stops."""
+    for slot in swarm.slots:
+        if slot.alive:
+            swarm.send(slot, "stop")
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while time.monotonic() < deadline and any(
+        s.alive and s.state in ("training", "starting", "stopping") and s.final is None
+        for s in swarm.slots
+    ):
+        for s in swarm.slots:
+            if s.alive and s.state == "training":
+                s.state = "stopping"
+        _pump(swarm, record, say, until=time.monotonic() + 0.25)
+        if live is not None:
+            live.update(SpareColumns(_table(swarm, record)))
+    record.ended = time.monotonic()  # the run is over: the clock stops here
+    record.table = _table(swarm, record)
+    if live is not None:
+        live.update(SpareColumns(record.table))
+
+
+def _pump(swarm: Swarm, record: Record, say: Say, until: float) -> None:
     """Apply the peers' JSON lines that arrive before ``until``."""
     while True:
         remaining = until - time.monotonic()
@@ -613,7 +651,7 @@ def _status_line(swarm: Swarm, record: Record) -> str:
     )
 
 
-def _table(swarm: Swarm, record: Record) -> Any:
+def _table(swarm: Swarm, record: Record) -> Table:
     from rich import box
     from rich.table import Table
 
@@ -651,239 +689,13 @@ def _table(swarm: Swarm, record: Record) -> Any:
     return table
 
 
-# ---------------------------------------------------------------------------------------------
-# verdict, plot, summary
-
-
 def _conclude(
     args: argparse.Namespace,
-    console: Any,
-    data: Any,
+    console: Console,
+    data: DigitsData,
     swarm: Swarm,
     record: Record,
     outcome: dict[str, Any],
 ) -> int:
-    import torch
-
-    from moshpit.training.demo_task import (
-        DEFAULT_BATCH,
-        evaluate,
-        load_flat_params,
-        make_model,
-        params_from_text,
-        train_baseline,
-    )
-
-    finals = outcome["finals"]
-    wall = record.elapsed()  # the footer's clock: both say the same number of seconds
-    samples = record.swarm_samples
-    model = make_model(0)
-    peer_acc: dict[int, float] = {}
-    flats = []
-    for index, final in finals.items():
-        if not final.get("steps"):
-            # restarted so late that it never stepped: it holds its old checkpoint, not the
-            # swarm's state, and would drag the average back
-            console.print(f"peer {index} had not trained since its restart: left out of the mean")
-            continue
-        try:
-            flat = params_from_text(model, final["params"])
-        except (KeyError, ValueError) as e:
-            console.print(f"[red]peer {index} sent unusable parameters: {e}[/red]")
-            continue
-        flats.append(flat)
-        peer_acc[index] = float(final["accuracy"])
-    if flats:
-        load_flat_params(model, torch.stack(flats).mean(0))
-        final_acc, final_loss = evaluate(model, data.x_test, data.y_test)
-    else:
-        final_acc, final_loss = float("nan"), float("nan")
-    # one thread: the model is tiny, and spinning OpenMP teams on a busy machine are ~10x slower
-    torch.set_num_threads(1)
-    with console.status("training the single-process baselines on the same number of samples..."):
-        # sync takes one optimizer step per global batch (>= SYNC_TARGET_BATCH: peers keep
-        # accumulating while a round forms), so its one-process equivalent takes as many steps
-        # on as many samples; local mode is compared with the peers' batches of 32
-        batch = DEFAULT_BATCH
-        if args.mode == "sync":
-            epochs = max((int(f.get("epoch", 0)) for f in finals.values()), default=0)
-            batch = max(SYNC_TARGET_BATCH, samples // max(1, epochs))
-        # several seeds (batch orders): one baseline's accuracy moves by ~0.8 points from
-        # seed to seed on this 539-image test set, so the swarm is held to their mean, with
-        # a margin that grows with their measured spread
-        runs = [
-            train_baseline(data, samples, batch_size=batch, seed=args.seed + k)
-            for k in range(BASELINE_SEEDS)
-        ]
-    base_accs = [acc for acc, _, _ in runs]
-    base_acc = statistics.fmean(base_accs)
-    base_spread = statistics.stdev(base_accs)
-    base_loss = statistics.fmean(loss for _, loss, _ in runs)
-    base_curve = runs[0][2]
-    margin = ACCURACY_TOLERANCE + 2 * base_spread
-    pre = record.preemptions
-    preemptions = pre["SIGTERM"] + pre["SIGKILL"]
-    stuck = sum(1 for s in swarm.slots if s.stuck)
-    unclean = sum(
-        1 for s in swarm.slots for code in s.exit_codes if code not in (0, -signal.SIGKILL)
-    )
-    missing = args.peers - len(finals)
-    ok = (
-        bool(flats)
-        and final_acc >= base_acc - margin
-        and stuck == 0
-        and record.restarts == preemptions
-        and missing == 0
-    )
-    gap = (final_acc - base_acc) * 100
-    close = final_acc >= base_acc - margin
-    console.print(
-        f"[bold]verdict: {'OK' if ok else 'NOT OK'}[/bold] — swarm {final_acc:.3f} vs baseline "
-        f"{base_acc:.3f} ± {base_spread:.3f} ({gap:+.1f} points; "
-        f"{'within' if close else 'more than'} the {100 * margin:.1f}-point margin), "
-        f"{preemptions} preemptions survived ({pre['SIGTERM']} SIGTERM, {pre['SIGKILL']} kill -9), "
-        f"{record.restarts} restarts, {stuck} stuck peers, {len(finals)}/{args.peers} peers at the "
-        f"end, {samples} samples in {wall:.0f}s",
-        soft_wrap=True,
-        highlight=False,
-    )
-    console.print(
-        "swarm accuracy = test accuracy of the mean of the final peers' parameters "
-        f"(each peer alone: {', '.join(f'{a:.3f}' for a in peer_acc.values()) or '-'}); "
-        "baseline = the same MLP and Adam in one process on the same number of samples"
-        + (f" and as many optimizer steps (batches of {batch})" if args.mode == "sync" else "")
-        + f", mean of {BASELINE_SEEDS} batch orders ({', '.join(f'{a:.3f}' for a in base_accs)}); "
-        f"margin = 1 point + 2 x their standard deviation",
-        soft_wrap=True,
-        highlight=False,
-    )
-    plot_path = None
-    if not args.no_plot:
-        plot_path = _plot(args, console, record, base_curve, final_acc, base_acc, samples, wall)
-    summary = {
-        "final_accuracy": round(final_acc, 4),
-        "final_loss": round(final_loss, 4),
-        "baseline_accuracy": round(base_acc, 4),
-        "baseline_loss": round(base_loss, 4),
-        "baseline_accuracies": [round(a, 4) for a in base_accs],
-        "margin": round(margin, 4),
-        "peer_accuracies": [round(a, 4) for a in peer_acc.values()],
-        "preemptions": preemptions,
-        "sigterm": pre["SIGTERM"],
-        "kill9": pre["SIGKILL"],
-        "restarts": record.restarts,
-        "stuck_peers": stuck,
-        "unclean_exits": unclean,
-        "peers": args.peers,
-        "peers_at_end": len(finals),
-        "peers_averaged": len(flats),
-        "samples": samples,
-        "mode": args.mode,
-        "wall_s": round(wall, 1),
-        "verdict": "OK" if ok else "NOT OK",
-        "plot": plot_path,
-    }
-    if args.json:
-        sys.stdout.flush()
-        console.file.flush()
-        print(json.dumps(summary), flush=True)
-    return 0 if ok else 1
-
-
-def _plot(
-    args: argparse.Namespace,
-    console: Any,
-    record: Record,
-    base_curve: list[tuple[int, float, float]],
-    final_acc: float,
-    base_acc: float,
-    samples: int,
-    wall: float,
-) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        from moshpit.training.demo_task import DEMO_INSTALL_HINT
-
-        console.print(
-            f"no plot: matplotlib is not installed ({DEMO_INSTALL_HINT})",
-            soft_wrap=True,
-            highlight=False,
-            markup=False,
-        )
-        return None
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col")
-    colors = plt.get_cmap("tab10")
-    for index in range(args.peers):
-        pts = [p for p in record.points if p[0] == index]
-        if not pts:
-            continue
-        t = [p[1] for p in pts]
-        n = [p[2] for p in pts]
-        kw = dict(color=colors(index % 10), lw=1.0, alpha=0.8, label=f"peer {index}")
-        axes[0][0].plot(t, [p[3] for p in pts], ".", ms=2, **kw)
-        axes[1][0].plot(t, [p[4] for p in pts], ".", ms=2, **kw)
-        axes[0][1].plot(n, [p[3] for p in pts], ".", ms=2, **kw)
-        axes[1][1].plot(n, [p[4] for p in pts], ".", ms=2, **kw)
-    if base_curve:
-        bn = [c[0] for c in base_curve]
-        axes[0][1].plot(bn, [c[1] for c in base_curve], "k--", lw=1.5, label="baseline (1 process)")
-        axes[1][1].plot(bn, [c[2] for c in base_curve], "k--", lw=1.5, label="baseline (1 process)")
-    axes[0][1].plot([samples], [final_acc], "r*", ms=12, label="swarm (mean of peers)")
-    end = max((p[1] for p in record.points), default=wall)
-    axes[0][0].plot([end], [final_acc], "r*", ms=12, label="swarm (mean of peers)")
-    style = {
-        "SIGTERM": ("tab:orange", "-"),
-        "SIGKILL": ("tab:red", "-"),
-        "restart": ("tab:green", ":"),
-    }
-    seen: set[str] = set()
-    for t, n, kind, slot in record.marks:
-        color, ls = style[kind]
-        label = {"SIGTERM": "SIGTERM", "SIGKILL": "kill -9", "restart": "restart"}[kind]
-        for row in (0, 1):
-            axes[row][0].axvline(
-                t, color=color, ls=ls, lw=1.2, label=None if label in seen or row else label
-            )
-            axes[row][1].axvline(n, color=color, ls=ls, lw=1.2)
-        seen.add(label)
-        # which peer was hit (or came back): along the line, near the bottom of the accuracy
-        # plots (x in data, y in axes coordinates); preemptions left of their line, restarts right
-        for col, x in ((0, t), (1, n)):
-            ax = axes[0][col]
-            ax.text(
-                x, 0.03, f"peer {slot} {label}", transform=ax.get_xaxis_transform(),
-                rotation=90, ha="left" if kind == "restart" else "right", va="bottom",
-                fontsize=7, color=color,
-            )  # fmt: skip
-    for row, name in ((0, "test accuracy"), (1, "test loss")):
-        for col in (0, 1):
-            axes[row][col].set_ylabel(name)
-            axes[row][col].grid(alpha=0.3)
-    axes[0][0].set_ylim(0.8, 1.0)  # the interesting part; the first seconds are below
-    axes[0][1].set_ylim(0.8, 1.0)
-    axes[1][0].set_yscale("log")
-    axes[1][1].set_yscale("log")
-    axes[1][0].set_xlabel("wall time (s)")
-    axes[1][1].set_xlabel("samples processed by the whole swarm")
-    axes[0][0].legend(loc="lower right", fontsize=8)
-    axes[0][1].legend(loc="lower right", fontsize=8)
-    pre = record.preemptions
-    fig.suptitle(
-        f"moshpit demo: {args.peers} peers ({args.mode}), {pre['SIGTERM']} SIGTERM + "
-        f"{pre['SIGKILL']} kill -9 — swarm {final_acc:.3f} vs baseline {base_acc:.3f}"
-    )
-    fig.tight_layout()
-    path = os.path.abspath(args.plot)
-    try:
-        fig.savefig(path, dpi=90)
-    except OSError as e:
-        console.print(f"[red]could not write the plot to {path}: {e}[/red]")
-        return None
-    finally:
-        plt.close(fig)
-    console.print(f"plot: {path}", soft_wrap=True, highlight=False)
-    return path
+    """The baselines, the verdict, the summary and the plot (``train_demo_report``)."""
+    return conclude(args, console, data, swarm.slots, record, outcome["finals"])

@@ -102,7 +102,7 @@ class DashboardApp:
             if since is False:
                 await _respond(send, 400, b"since must be a finite number\n", method)
                 return
-            body = self.history.json_bytes(since)  # type: ignore[arg-type]
+            body = self.history.json_bytes(since)
             await _respond(
                 send,
                 200,
@@ -129,7 +129,7 @@ def _host(scope: Scope) -> str:
     """The host name a request was sent to, without the port ('' when absent)."""
     for name, value in scope.get("headers", []):
         if name == b"host":
-            host = value.decode("latin-1").strip().lower()
+            host: str = value.decode("latin-1").strip().lower()
             if host.startswith("["):  # [::1]:8080
                 return host[: host.find("]") + 1]
             return host.rsplit(":", 1)[0] if host.count(":") == 1 else host

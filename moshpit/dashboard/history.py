@@ -27,7 +27,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from moshpit.training.progress import GlobalProgress, PeerProgress, aggregate
+from moshpit.training.progress_aggregate import aggregate
+from moshpit.training.progress_record import GlobalProgress, PeerProgress
 from moshpit.training.run_records import RunRecords
 
 __all__ = ["JSON_VERSION", "Contribution", "RunHistory", "quantile", "short_id"]
@@ -230,12 +231,43 @@ class RunHistory:
         ``since``: only the history points after this time (what a poller already has is
         not sent again)."""
         view = self.view
-        run = self.run
+        median, p25, p75 = self.loss or (None, None, None)
+        return {
+            "version": JSON_VERSION,
+            "run_id": self.prefix,
+            "time": self.time,
+            "started": self.started,
+            "interval": self.interval,
+            "reads": self.reads,
+            "failed_reads": self.failed_reads,
+            "error": self.error,
+            "error_time": self.error_time,
+            "epoch": view.epoch if view is not None else 0,
+            "num_peers": view.num_peers if view is not None else 0,
+            "samples_per_second": _round(self.samples_per_second),
+            "samples_contributed": self.samples_contributed,
+            "loss": None if median is None else {"median": median, "p25": p25, "p75": p75},
+            "peers": self._peer_rows(),
+            "peers_truncated": view is not None and len(view.peers) > self.max_peers,
+            "donors": self._donor_rows(),
+            "contributions": self._contribution_rows(),
+            "num_contributors": len(self.contributions),
+            "history": self._history_columns(since),
+            "history_limit": self.history_limit,
+            "notes": self.notes,
+            "other_schemas": dict(view.other_schemas) if view is not None else {},
+        }
+
+    def _peer_rows(self) -> list[dict[str, Any]]:
+        """The peers of the last view (at most ``max_peers``), with what we know of each."""
+        view, run = self.view, self.run
+        if view is None:
+            return []
         now = self.time if self.time is not None else 0.0
         donor_of = {d.peer_id: d for d in run.donors} if run is not None else {}
         peers = []
-        for p in (view.peers if view is not None else [])[: self.max_peers]:
-            rate = view.throughput.get(p.peer_id, p.samples_per_second)  # type: ignore[union-attr]
+        for p in view.peers[: self.max_peers]:
+            rate = view.throughput.get(p.peer_id, p.samples_per_second)
             donor = donor_of.get(p.peer_id)
             known = self.contributions.get(p.peer_id)
             peers.append(
@@ -257,65 +289,51 @@ class RunHistory:
                     "contributed": known.samples if known is not None else 0,
                 }
             )
+        return peers
+
+    def _donor_rows(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "peer_id": d.peer_id,
+                "short": short_id(d.peer_id),
+                "epoch": d.epoch,
+                "bytes": d.nbytes,
+                "complete": d.complete,
+            }
+            for d in (self.run.donors if self.run is not None else [])[: self.max_peers]
+        ]
+
+    def _contribution_rows(self) -> list[dict[str, Any]]:
+        """The leaderboard: the ``TOP_CONTRIBUTORS`` peers that contributed most."""
         board = sorted(self.contributions.values(), key=lambda c: (-c.samples, c.peer_id))
-        live = {p.peer_id for p in view.peers} if view is not None else set()
+        live = {p.peer_id for p in self.view.peers} if self.view is not None else set()
+        return [
+            {
+                "peer_id": c.peer_id,
+                "short": short_id(c.peer_id),
+                "name": c.name,
+                "samples": c.samples,
+                "withheld": c.withheld,
+                "first_seen": c.first_seen,
+                "last_seen": c.last_seen,
+                "live": c.peer_id in live,
+            }
+            for c in board[:TOP_CONTRIBUTORS]
+        ]
+
+    def _history_columns(self, since: float | None) -> dict[str, list[Any]]:
+        """The history points after ``since``, one list per series (compact in JSON)."""
         points = [pt for pt in self.points if since is None or pt[0] > since]
         columns = list(zip(*points, strict=True)) if points else [()] * 8
-        median, p25, p75 = self.loss or (None, None, None)
         return {
-            "version": JSON_VERSION,
-            "run_id": self.prefix,
-            "time": self.time,
-            "started": self.started,
-            "interval": self.interval,
-            "reads": self.reads,
-            "failed_reads": self.failed_reads,
-            "error": self.error,
-            "error_time": self.error_time,
-            "epoch": view.epoch if view is not None else 0,
-            "num_peers": view.num_peers if view is not None else 0,
-            "samples_per_second": _round(self.samples_per_second),
-            "samples_contributed": self.samples_contributed,
-            "loss": None if median is None else {"median": median, "p25": p25, "p75": p75},
-            "peers": peers,
-            "peers_truncated": view is not None and len(view.peers) > self.max_peers,
-            "donors": [
-                {
-                    "peer_id": d.peer_id,
-                    "short": short_id(d.peer_id),
-                    "epoch": d.epoch,
-                    "bytes": d.nbytes,
-                    "complete": d.complete,
-                }
-                for d in (run.donors if run is not None else [])[: self.max_peers]
-            ],
-            "contributions": [
-                {
-                    "peer_id": c.peer_id,
-                    "short": short_id(c.peer_id),
-                    "name": c.name,
-                    "samples": c.samples,
-                    "withheld": c.withheld,
-                    "first_seen": c.first_seen,
-                    "last_seen": c.last_seen,
-                    "live": c.peer_id in live,
-                }
-                for c in board[:TOP_CONTRIBUTORS]
-            ],
-            "num_contributors": len(self.contributions),
-            "history": {
-                "t": list(columns[0]),
-                "samples_per_second": list(columns[1]),
-                "epoch": list(columns[2]),
-                "peers": list(columns[3]),
-                "loss_median": list(columns[4]),
-                "loss_p25": list(columns[5]),
-                "loss_p75": list(columns[6]),
-                "samples_contributed": list(columns[7]),
-            },
-            "history_limit": self.history_limit,
-            "notes": self.notes,
-            "other_schemas": dict(view.other_schemas) if view is not None else {},
+            "t": list(columns[0]),
+            "samples_per_second": list(columns[1]),
+            "epoch": list(columns[2]),
+            "peers": list(columns[3]),
+            "loss_median": list(columns[4]),
+            "loss_p25": list(columns[5]),
+            "loss_p75": list(columns[6]),
+            "samples_contributed": list(columns[7]),
         }
 
     def json_bytes(self, since: float | None = None) -> bytes:

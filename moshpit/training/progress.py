@@ -20,7 +20,10 @@ A record may also carry a display ``name`` its volunteer chose (at most
 DHT ``client`` (not reachable: behind a NAT) or a server, for dashboards (``moshpit
 dashboard``). Both are cosmetic: a malformed name is dropped, never the record.
 
-Torch-free on purpose: ``moshpit status`` uses :func:`aggregate` on a bootstrap-sized VM.
+This module is the tracker: the loop that publishes our record and reads everyone's. The
+record and its validation (:mod:`moshpit.training.progress_record`) and the aggregation rule
+(:mod:`moshpit.training.progress_aggregate`) are modules of their own, pure logic, re-exported
+here. Torch-free on purpose: ``moshpit status`` uses :func:`aggregate` on a bootstrap-sized VM.
 
 Two ways to drive it, as with the averager:
 
@@ -33,444 +36,75 @@ Two ways to drive it, as with the averager:
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import logging
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, TypeGuard, cast
+from typing import Any, cast
 
 import trio
 
 from dht.kademlia.clock import get_dht_time
 from moshpit.critical import CriticalLock
 
+# the record and the rule live in their own modules (read without this loop by `moshpit
+# status` and the dashboard); their names stay importable from here
+from moshpit.training.progress_aggregate import aggregate, median_without
+from moshpit.training.progress_record import (
+    MAX_CHECKPOINT_FAILURES,
+    MAX_EPOCH,
+    MAX_IGNORED_REASONS,
+    MAX_LOSS,
+    MAX_NAME_CHARS,
+    MAX_RECORDS,
+    MAX_SAMPLES,
+    MAX_SAMPLES_PER_SECOND,
+    MAX_SCHEMA_BYTES,
+    MAX_STEP_SECONDS,
+    GlobalProgress,
+    PeerProgress,
+    check_name,
+    encode_progress_record,
+    is_int,
+    owner_subkey,
+    parse_progress_record,
+    parse_progress_records,
+    peer_of_subkey,
+    progress_key,
+    valid_name,
+)
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_CHECKPOINT_FAILURES",
+    "MAX_EPOCH",
+    "MAX_IGNORED_REASONS",
+    "MAX_LOSS",
+    "MAX_NAME_CHARS",
+    "MAX_RECORDS",
+    "MAX_SAMPLES",
+    "MAX_SAMPLES_PER_SECOND",
+    "MAX_SCHEMA_BYTES",
+    "MAX_STEP_SECONDS",
+    "RATE_WINDOW",
     "GlobalProgress",
     "PeerProgress",
     "ProgressTracker",
     "aggregate",
     "check_name",
+    "median_without",
     "owner_subkey",
     "parse_progress_record",
+    "parse_progress_records",
     "peer_of_subkey",
     "progress_key",
+    "valid_name",
 ]
 
-MAX_EPOCH = 2**53  # beyond this an epoch (or sample count) is not a number a trainer produces
-MAX_SAMPLES = 2**53
-MAX_SAMPLES_PER_SECOND = 1e12
-MAX_RECORDS = 4096  # records read per key (what one DHT node stores per key, too)
-MAX_IGNORED_REASONS = 64  # cap on GlobalProgress.ignored (a flood of junk subkeys stays small)
-MAX_LOSS = 1e12  # a published loss is clamped to +-this (a number, not a verdict)
-MAX_CHECKPOINT_FAILURES = 2**31
-MAX_SCHEMA_BYTES = 64  # a model-schema hash (trainers send 16 bytes)
 # samples/s averages the reports of about this many seconds of training (exponential weights by
 # time, not by report: a peer reporting 600 steps/s would otherwise be judged on its last 16 ms,
 # and a GC pause or a scheduler tick swung its published rate from 2k to 60k samples/s)
 RATE_WINDOW = 5.0
-MAX_NAME_CHARS = 32  # a volunteer's display name (ProgressTracker(name=...))
-MAX_STEP_SECONDS = 86400.0  # a step time beyond a day is not a training step
-
-
-def check_name(name: Any) -> str | None:
-    """A volunteer's display name as published: None, or 1..``MAX_NAME_CHARS`` printable
-    characters without leading or trailing spaces (``str.isprintable``: no control, format or
-    separator characters but the space, so no newlines and no right-to-left overrides).
-    Raises ``ValueError`` for anything else (readers use :func:`valid_name`)."""
-    if name is None:
-        return None
-    if not isinstance(name, str):
-        raise ValueError(f"name must be a string, got {type(name).__name__}")
-    if not 0 < len(name) <= MAX_NAME_CHARS:
-        raise ValueError(f"name must be 1..{MAX_NAME_CHARS} characters, got {len(name)}")
-    if not name.isprintable() or name != name.strip():
-        raise ValueError(
-            f"name must be printable characters without leading/trailing spaces, got {name!r}"
-        )
-    return name
-
-
-def valid_name(name: Any) -> str | None:
-    """``name`` if it passes :func:`check_name`, else None (an untrusted record's name)."""
-    try:
-        return check_name(name)
-    except ValueError:
-        return None
-
-
-def progress_key(prefix: str) -> str:
-    return f"{prefix}.progress"
-
-
-def owner_subkey(peer_id: Any) -> str:
-    return f"[owner:{peer_id.to_base58()}]"
-
-
-def peer_of_subkey(subkey: Any) -> str | None:
-    """The base58 PeerID in an ``[owner:<PeerID>]`` subkey; None for anything else.
-
-    The DHT only stores such a subkey with that peer's signature, so the PeerID is proven.
-    """
-    if not isinstance(subkey, str) or not (subkey.startswith("[owner:") and subkey.endswith("]")):
-        return None
-    peer = subkey[len("[owner:") : -1]
-    if not 0 < len(peer) <= 128 or "[" in peer or "]" in peer:
-        return None
-    return peer
-
-
-@dataclass(frozen=True)
-class PeerProgress:
-    """One peer's record as published (after validation; clamping shows in ``ignored``).
-
-    The health fields are optional on the wire (older peers do not send them): ``loss`` is
-    the peer's recent training loss (clamped to +-``MAX_LOSS``), ``finite`` is False when its
-    loss or state went NaN/Inf, ``checkpoint_failures`` counts its background checkpoints
-    that failed in a row (a full or read-only disk). ``schema`` hashes the names and shapes
-    of its training state (None: an older peer that does not send it). ``name`` is the display
-    name its volunteer chose (None: none, or a malformed one); ``client`` is True for a DHT
-    client (not reachable), False for a server, None when the peer does not say.
-    """
-
-    peer_id: str
-    epoch: int
-    samples: int
-    samples_per_second: float
-    time: float
-    loss: float | None = None
-    finite: bool = True
-    checkpoint_failures: int = 0
-    schema: bytes | None = None
-    name: str | None = None
-    client: bool | None = None
-    # seconds between its reports (one per step), averaged like samples/s; None when the
-    # peer does not say: how long a round must wait for this peer's current step to end
-    step_seconds: float | None = None
-    # DHT time at which it entered its epoch, and its recent seconds per epoch (None: the
-    # peer does not say, or has not seen two epochs yet): `moshpit status` tells a swarm
-    # whose epoch stopped moving from one that is merely slow
-    epoch_since: float | None = None
-    epoch_seconds: float | None = None
-    # the epoch whose state it is loading from donors (None: it is not loading)
-    catching_up: int | None = None
-
-    @property
-    def problem(self) -> str | None:
-        """Why this peer is unhealthy, in a few words; None when it looks fine."""
-        if not self.finite:
-            return "its loss or state is NaN/Inf"
-        if self.checkpoint_failures:
-            return f"its last {self.checkpoint_failures} checkpoint(s) failed"
-        return None
-
-
-@dataclass(frozen=True)
-class GlobalProgress:
-    """The swarm's progress as one reader sees it (see :func:`aggregate` for the rule)."""
-
-    epoch: int
-    samples_accumulated: int
-    target_batch_size: int | None
-    num_peers: int
-    samples_per_second: float
-    eta_seconds: float | None
-    peers: list[PeerProgress] = field(default_factory=list)
-    ignored: dict[str, str] = field(default_factory=dict)
-    time: float = 0.0  # DHT time of the aggregation
-    # peers of the run whose model has another schema than the reader's: {peer: schema hex},
-    # left out of everything above (at most MAX_IGNORED_REASONS of them listed)
-    other_schemas: dict[str, str] = field(default_factory=dict)
-    # each listed peer's samples/s after the throughput clamp (see aggregate)
-    throughput: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ready(self) -> bool:
-        """True when the samples at the global epoch reached the target batch."""
-        return (
-            self.target_batch_size is not None
-            and self.samples_accumulated >= self.target_batch_size
-        )
-
-
-def _is_int(value: Any, low: int, high: int) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
-
-
-def _is_number(value: Any) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def parse_progress_record(
-    peer_id: str,
-    value: Any,
-    expiration_time: float,
-    *,
-    now: float,
-    max_clock_skew: float,
-    max_lifetime: float,
-) -> tuple[PeerProgress | None, str | None]:
-    """Validate one untrusted record: (progress, None), (None, None) for a tombstone, or
-    (None, reason) when it is malformed or absurd."""
-    if value is None:
-        return None, None  # withdrawn
-    if not isinstance(value, Mapping):
-        return None, f"record is a {type(value).__name__}, not a map"
-    epoch, samples = value.get("epoch"), value.get("samples")
-    sps, when = value.get("sps"), value.get("time")
-    if not _is_int(epoch, 0, MAX_EPOCH):
-        return None, f"epoch {epoch!r} is not an integer in [0, 2**53)"
-    if not _is_int(samples, 0, MAX_SAMPLES):
-        return None, f"samples {samples!r} is not an integer in [0, 2**53)"
-    if not _is_number(sps) or not math.isfinite(sps) or not 0 <= sps <= MAX_SAMPLES_PER_SECOND:
-        return None, f"samples/s {sps!r} is not a finite number in [0, 1e12]"
-    if not _is_number(when) or not math.isfinite(when):
-        return None, f"time {when!r} is not a finite number"
-    if when > now + max_clock_skew:
-        return None, f"time is {when - now:.0f}s in the future"
-    if expiration_time - max(when, now) > max_lifetime:
-        return (
-            None,
-            f"expires {expiration_time - now:.0f}s from now (more than {max_lifetime:.0f}s)",
-        )
-    loss, finite, failures = value.get("loss"), value.get("ok", True), value.get("ckf", 0)
-    if loss is not None:
-        if not _is_number(loss):
-            return None, f"loss {loss!r} is not a number"
-        if not math.isfinite(loss):
-            loss, finite = None, False  # a NaN loss is a health report, not malformed
-        else:
-            loss = max(-MAX_LOSS, min(MAX_LOSS, float(loss)))
-    if not isinstance(finite, bool):
-        return None, f"ok {finite!r} is not a bool"
-    if not _is_int(failures, 0, MAX_CHECKPOINT_FAILURES):
-        return None, f"ckf {failures!r} is not an integer in [0, 2**31)"
-    schema = value.get("s")
-    if schema is not None and not (
-        isinstance(schema, bytes) and 0 < len(schema) <= MAX_SCHEMA_BYTES
-    ):
-        return None, f"schema is not 1..{MAX_SCHEMA_BYTES} bytes"
-    client = value.get("client")
-    step = value.get("spt")
-    if step is not None and not (
-        _is_number(step) and math.isfinite(step) and 0 < step <= MAX_STEP_SECONDS
-    ):
-        return None, f"spt {step!r} is not a number of seconds in (0, {MAX_STEP_SECONDS:g}]"
-    catching_up = value.get("cu")
-    if catching_up is not None and not _is_int(catching_up, 0, MAX_EPOCH):
-        return None, f"cu {catching_up!r} is not an epoch"
-    since, per_epoch = value.get("es"), value.get("et")
-    if since is not None and not (
-        _is_number(since) and math.isfinite(since) and since <= now + max_clock_skew
-    ):
-        return None, f"es {since!r} is not a past DHT time"
-    if per_epoch is not None and not (
-        _is_number(per_epoch) and math.isfinite(per_epoch) and 0 < per_epoch <= MAX_STEP_SECONDS
-    ):
-        return None, f"et {per_epoch!r} is not a number of seconds in (0, {MAX_STEP_SECONDS:g}]"
-    record = PeerProgress(
-        peer_id,
-        int(epoch),
-        int(samples),
-        float(sps),
-        float(when),
-        loss,
-        finite,
-        failures,
-        schema,
-        valid_name(value.get("name")),
-        client if isinstance(client, bool) else None,
-        float(step) if step is not None else None,
-        float(since) if since is not None else None,
-        float(per_epoch) if per_epoch is not None else None,
-        catching_up,
-    )
-    return record, None
-
-
-def parse_progress_records(
-    found: Any, *, now: float, max_clock_skew: float, max_lifetime: float
-) -> tuple[list[PeerProgress], dict[str, str]]:
-    """Parse what ``node.get(progress_key(prefix))`` returned (None, a plain value or a dict)."""
-    peers: list[PeerProgress] = []
-    ignored: dict[str, str] = {}
-    value = getattr(found, "value", None)
-    if not isinstance(value, Mapping):
-        if value is not None:
-            ignored["?"] = "the progress key holds a plain value, not per-peer records"
-        return peers, ignored
-    for subkey, entry in list(value.items())[:MAX_RECORDS]:
-        peer = peer_of_subkey(subkey)
-        if peer is None:
-            _note(ignored, str(subkey)[:80], "subkey is not [owner:<PeerID>] (unsigned)")
-            continue
-        record, reason = parse_progress_record(
-            peer,
-            getattr(entry, "value", None),
-            float(getattr(entry, "expiration_time", now)),
-            now=now,
-            max_clock_skew=max_clock_skew,
-            max_lifetime=max_lifetime,
-        )
-        if reason is not None:
-            _note(ignored, peer, reason)
-        elif record is not None:
-            peers.append(record)
-    return peers, ignored
-
-
-def _note(ignored: dict[str, str], peer: str, reason: str) -> None:
-    if len(ignored) < MAX_IGNORED_REASONS or peer in ignored:
-        ignored[peer] = reason
-
-
-def median_without(ordered: list[float], index: int) -> float:
-    """The median of sorted ``ordered`` without its element at ``index`` (len >= 2)."""
-    remaining = len(ordered) - 1
-
-    def kth(k: int) -> float:
-        return ordered[k] if k < index else ordered[k + 1]
-
-    return (kth((remaining - 1) // 2) + kth(remaining // 2)) / 2
-
-
-def _upper_median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
-def aggregate(
-    records: Iterable[PeerProgress],
-    *,
-    now: float,
-    own: PeerProgress | None = None,
-    target_batch_size: int | None = None,
-    epoch_started_at: Mapping[int, float] | None = None,
-    max_throughput_ratio: float = 10.0,
-    throughput_tolerance: float = 1.5,
-    clamp_slack: float = 10.0,
-    ignored: Mapping[str, str] | None = None,
-    schema: bytes | None = None,
-) -> GlobalProgress:
-    """The swarm's view from validated records (``own``: this peer's local, trusted state).
-
-    - **Schema**: with ``schema`` (default: ``own.schema``), a record of another schema is
-      another model's: it is left out of everything below and listed in ``other_schemas``.
-      Records without a schema (older peers) count.
-    - **Global epoch**: the highest epoch that at least two distinct peers have reached (the
-      second-highest epoch among peers), never below ``own.epoch``; a lone peer's epoch when
-      it is the only one. So one peer never moves the global epoch on its own.
-    - **Throughput clamp**: a peer's samples/s counts at most ``max_throughput_ratio`` times
-      the median samples/s of the *other* peers (no clamp when there are no others).
-    - **Samples clamp**: a peer's samples at the global epoch count at most what its clamped
-      throughput could have produced since the epoch started:
-      ``throughput_tolerance * sps * (record.time - start + clamp_slack)``. ``start`` comes
-      from ``epoch_started_at`` (when this reader saw the epoch begin) or, when unknown, is the
-      upper median of the peers' implied starts ``time - samples / sps``.
-    - ``own`` is never clamped (it is this peer's own count).
-    - ``eta_seconds``: samples still missing (after extrapolating each peer's count to now) /
-      total clamped samples/s at the global epoch; None without a target or throughput.
-    """
-    notes: dict[str, str] = dict(ignored or {})
-    if schema is None and own is not None:
-        schema = own.schema
-    others: dict[str, str] = {}
-    by_peer: dict[str, PeerProgress] = {}
-    for record in records:
-        if own is not None and record.peer_id == own.peer_id:
-            continue  # our own local state is newer than what the DHT holds for us
-        if schema is not None and record.schema is not None and record.schema != schema:
-            _note(others, record.peer_id, record.schema.hex()[:12])
-            continue  # another model under our run name: not one of ours
-        known = by_peer.get(record.peer_id)
-        if known is None or record.time > known.time:
-            by_peer[record.peer_id] = record
-    peers = list(by_peer.values())
-    everyone = peers + ([own] if own is not None else [])
-    if not everyone:
-        return GlobalProgress(
-            epoch=0,
-            samples_accumulated=0,
-            target_batch_size=target_batch_size,
-            num_peers=0,
-            samples_per_second=0.0,
-            eta_seconds=None,
-            peers=[],
-            ignored=notes,
-            time=now,
-            other_schemas=others,
-        )
-
-    epochs = sorted((p.epoch for p in everyone), reverse=True)
-    epoch = epochs[1] if len(epochs) >= 2 else epochs[0]
-    if own is not None:
-        epoch = max(epoch, own.epoch)
-
-    # throughput clamp against the median of the others (O(n log n): records are many)
-    ordered = sorted(p.samples_per_second for p in everyone)
-    clamped_sps: dict[str, float] = {}
-    for p in everyone:
-        sps = p.samples_per_second
-        if p is not own and len(ordered) > 1:
-            cap = max_throughput_ratio * median_without(ordered, bisect.bisect_left(ordered, sps))
-            if sps > cap:
-                _note(notes, p.peer_id, f"samples/s {sps:.4g} clamped to {cap:.4g} (x median)")
-                sps = cap
-        clamped_sps[p.peer_id] = sps
-
-    at_epoch = [p for p in everyone if p.epoch == epoch]
-    start = (epoch_started_at or {}).get(epoch)
-    if start is None:
-        implied = [
-            p.time - p.samples / clamped_sps[p.peer_id]
-            for p in at_epoch
-            if clamped_sps[p.peer_id] > 0
-        ]
-        start = _upper_median(implied) if implied else now
-
-    total_samples = 0
-    total_sps = 0.0
-    projected = 0.0
-    for p in at_epoch:
-        sps = clamped_sps[p.peer_id]
-        samples = p.samples
-        if p is not own:
-            plausible = throughput_tolerance * sps * max(0.0, p.time - start + clamp_slack)
-            if samples > plausible:
-                _note(
-                    notes,
-                    p.peer_id,
-                    f"samples {samples} clamped to {int(plausible)} "
-                    f"(more than {sps:.4g} samples/s since the epoch began)",
-                )
-                samples = int(plausible)
-        total_samples += samples
-        total_sps += sps
-        projected += samples + sps * max(0.0, now - p.time)
-
-    eta: float | None = None
-    if target_batch_size is not None:
-        missing = target_batch_size - projected
-        if missing <= 0:
-            eta = 0.0
-        elif total_sps > 0:
-            eta = missing / total_sps
-    return GlobalProgress(
-        epoch=epoch,
-        samples_accumulated=total_samples,
-        target_batch_size=target_batch_size,
-        num_peers=len(everyone),
-        samples_per_second=total_sps,
-        eta_seconds=eta,
-        peers=sorted(everyone, key=lambda p: (-p.epoch, p.peer_id)),
-        ignored=notes,
-        time=now,
-        other_schemas=others,
-        throughput=clamped_sps,
-    )
 
 
 class ProgressTracker:
@@ -504,19 +138,15 @@ class ProgressTracker:
         request_timeout: float | None = None,
         name: str | None = None,
     ):
-        if not isinstance(prefix, str) or not prefix:
-            raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
-        if target_batch_size is not None and not _is_int(target_batch_size, 1, MAX_SAMPLES):
-            raise ValueError(f"target_batch_size must be a positive int, got {target_batch_size!r}")
-        if not (math.isfinite(ttl) and ttl > 0):
-            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
-        if not (0 < min_refresh_period <= max_refresh_period and math.isfinite(max_refresh_period)):
-            raise ValueError(
-                "need 0 < min_refresh_period <= max_refresh_period (finite), got "
-                f"{min_refresh_period!r}, {max_refresh_period!r}"
-            )
-        if not (max_throughput_ratio >= 1 and throughput_tolerance >= 1):
-            raise ValueError("max_throughput_ratio and throughput_tolerance must be >= 1")
+        _check_options(
+            prefix,
+            target_batch_size,
+            ttl,
+            min_refresh_period,
+            max_refresh_period,
+            max_throughput_ratio,
+            throughput_tolerance,
+        )
         self.prefix = prefix
         self.key = progress_key(prefix)
         self.target_batch_size = target_batch_size
@@ -568,7 +198,12 @@ class ProgressTracker:
         self._schema_description = ""
         self._warned_schemas: set[str] = set()  # other schemas already warned about (bounded)
         self._name = check_name(name)
+        self._init_loop()
+        if start and self._facade is not None:
+            self.start()
 
+    def _init_loop(self) -> None:
+        """The background loop's handles: set by :meth:`run` (trio) or :meth:`start` (facade)."""
         self._token: trio.lowlevel.TrioToken | None = None
         self._wakeup: trio.Event | None = None
         self._wake_pending = False
@@ -577,8 +212,6 @@ class ProgressTracker:
         self._service: concurrent.futures.Future[None] | None = None
         self._running = False
         self._closed = False
-        if start and self._facade is not None:
-            self.start()
 
     # ------------------------------------------------------------------ local state
 
@@ -592,9 +225,9 @@ class ProgressTracker:
         The background loop publishes the change soon (at most once per
         ``min_refresh_period``). samples/s is an average over recent reports.
         """
-        if not _is_int(epoch, 0, MAX_EPOCH):
+        if not is_int(epoch, 0, MAX_EPOCH):
             raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
-        if not _is_int(samples, 0, MAX_SAMPLES):
+        if not is_int(samples, 0, MAX_SAMPLES):
             raise ValueError(f"samples must be an int in [0, 2**53), got {samples!r}")
         if self._closed:
             raise RuntimeError("the progress tracker was shut down")
@@ -704,7 +337,7 @@ class ProgressTracker:
         """Publish (at once) that this peer is loading the state of ``epoch`` (None: it is
         not): the peers at that epoch then wait for it for a while, instead of moving on
         while it downloads and leaving it behind again (see ``epoch_rounds``)."""
-        if epoch is not None and not _is_int(epoch, 0, MAX_EPOCH):
+        if epoch is not None and not is_int(epoch, 0, MAX_EPOCH):
             raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
         with self._lock:
             changed = epoch != self._catching_up
@@ -937,33 +570,8 @@ class ProgressTracker:
             if mine is None:
                 return
             now = get_dht_time()
-            value: dict[str, Any] = {
-                "epoch": mine.epoch,
-                "samples": mine.samples,
-                "sps": mine.samples_per_second,
-                "time": mine.time,
-                "ok": mine.finite,
-            }
-            if mine.loss is not None:
-                value["loss"] = max(-MAX_LOSS, min(MAX_LOSS, mine.loss))
-            if mine.checkpoint_failures:
-                value["ckf"] = min(mine.checkpoint_failures, MAX_CHECKPOINT_FAILURES - 1)
-            if mine.schema is not None:
-                value["s"] = mine.schema
-            if mine.name is not None:
-                value["name"] = mine.name
-            if mine.step_seconds is not None:
-                value["spt"] = min(mine.step_seconds, MAX_STEP_SECONDS)
-            if mine.epoch_since is not None:
-                value["es"] = mine.epoch_since
-            if mine.epoch_seconds is not None:
-                value["et"] = min(mine.epoch_seconds, MAX_STEP_SECONDS)
-            if mine.catching_up is not None:
-                value["cu"] = mine.catching_up
             node = self._get_node()
-            client = getattr(node, "client_mode", None)
-            if isinstance(client, bool):
-                value["client"] = client
+            value = encode_progress_record(mine, getattr(node, "client_mode", None))
             expiration = max(now + self.ttl, self._last_expiration + 1e-3)
             self._last_expiration = expiration
             stored = await node.store(
@@ -1073,3 +681,28 @@ def _in_trio() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _check_options(
+    prefix: str,
+    target_batch_size: int | None,
+    ttl: float,
+    min_refresh_period: float,
+    max_refresh_period: float,
+    max_throughput_ratio: float,
+    throughput_tolerance: float,
+) -> None:
+    """``ValueError`` for options no tracker can run with (before it touches the DHT)."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
+    if target_batch_size is not None and not is_int(target_batch_size, 1, MAX_SAMPLES):
+        raise ValueError(f"target_batch_size must be a positive int, got {target_batch_size!r}")
+    if not (math.isfinite(ttl) and ttl > 0):
+        raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    if not (0 < min_refresh_period <= max_refresh_period and math.isfinite(max_refresh_period)):
+        raise ValueError(
+            "need 0 < min_refresh_period <= max_refresh_period (finite), got "
+            f"{min_refresh_period!r}, {max_refresh_period!r}"
+        )
+    if not (max_throughput_ratio >= 1 and throughput_tolerance >= 1):
+        raise ValueError("max_throughput_ratio and throughput_tolerance must be >= 1")

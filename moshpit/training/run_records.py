@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from moshpit.training.progress import PeerProgress, parse_progress_records, peer_of_subkey
+from moshpit.training.progress_record import PeerProgress, parse_progress_records, peer_of_subkey
 
 __all__ = [
     "DIGEST_BYTES",
@@ -122,7 +122,7 @@ async def read_run(
     them. No timeout of its own: callers wrap it in one (a lookup ends by itself, but a slow
     network makes it slow)."""
     from dht.kademlia.clock import get_dht_time
-    from moshpit.training.progress import progress_key
+    from moshpit.training.progress_record import progress_key
 
     found: dict[str, Any] = {}
 
