@@ -126,7 +126,7 @@ def train_baseline(
         x, y = next(stream)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         opt.step()
         if step % every == 0 or step == steps:
             acc, test_loss = evaluate(model, data.x_test, data.y_test)

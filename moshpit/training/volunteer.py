@@ -77,7 +77,7 @@ def run_volunteer_loop(
     while not stop.is_set():
         x, y = next(batches)
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         value = loss.item()
         try:
             opt.step(loss=value)
