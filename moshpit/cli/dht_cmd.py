@@ -12,7 +12,7 @@ import contextlib
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -20,6 +20,11 @@ from dht.kademlia.node import DEFAULT_HOST_MADDRS
 from dht.p2p import MultiaddrError
 from dht.p2p.multiaddr import EXAMPLE_LISTEN_MADDR, Multiaddr, parse_multiaddr_list
 from moshpit.cli.preflight import listen_failure
+
+if TYPE_CHECKING:
+    from dht.kademlia.node import DHTNode
+    from dht.p2p.host import Host
+    from dht.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -318,21 +323,21 @@ class ConnectionLog:
 
     SETTLE_SECONDS = 1.0
 
-    def __init__(self, host: Any, nursery: trio.Nursery) -> None:
+    def __init__(self, host: Host, nursery: trio.Nursery) -> None:
         self.host = host
         self.nursery = nursery
         self.logged: set[Any] = set()
 
-    def connected(self, peer: Any) -> None:
+    def connected(self, peer: PeerID) -> None:
         self.nursery.start_soon(self._log_if_still_connected, peer)
 
-    async def _log_if_still_connected(self, peer: Any) -> None:
+    async def _log_if_still_connected(self, peer: PeerID) -> None:
         await trio.sleep(self.SETTLE_SECONDS)
         if self.host.is_connected(peer) and peer not in self.logged:
             self.logged.add(peer)
             logger.info("peer connected: %s", peer)
 
-    def disconnected(self, peer: Any) -> None:
+    def disconnected(self, peer: PeerID) -> None:
         if peer in self.logged:
             self.logged.discard(peer)
             logger.info("peer disconnected: %s", peer)
@@ -344,11 +349,11 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
-def _peer_count(node: Any) -> int:
+def _peer_count(node: DHTNode) -> int:
     return len(node.routing_table)
 
 
-def _announce(node: Any, client_mode: bool) -> None:
+def _announce(node: DHTNode, client_mode: bool) -> None:
     _say(f"PeerID: {node.peer_id}")
     maddrs = node.get_visible_maddrs()
     if client_mode or not maddrs:
@@ -358,26 +363,32 @@ def _announce(node: Any, client_mode: bool) -> None:
     _say("--initial-peers " + " ".join(str(m) for m in maddrs))
 
 
-async def _status_loop(node: Any, period: float) -> None:
+async def _status_loop(node: DHTNode, period: float) -> None:
     while True:
         await trio.sleep(period)
         logger.info(
             "%d routing contacts, %d connections, %d records stored (%d bytes); %s",
             len(node.routing_table),
-            len(node.host.connected_peers()),
+            len(_host(node).connected_peers()),
             node.storage.num_records,
             node.storage.num_bytes,
             relay_status(node),
         )
 
 
-def relay_status(node: Any) -> str:
+def _host(node: DHTNode) -> Host:
+    if node.host is None:  # `moshpit dht` always listens on a Host
+        raise RuntimeError("the DHT node has no Host")
+    return node.host
+
+
+def relay_status(node: DHTNode) -> str:
     """What the status line says of the relay: its limits and use, or why it does not run."""
     from dht.kademlia.roles import describe_limit
 
     service = node.relay_service
     if service is None:
-        reach = node.host.reachability
+        reach = _host(node).reachability
         return f"not relaying (reachability {reach.status.value})"
     stats = service.stats
     return (

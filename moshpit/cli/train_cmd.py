@@ -27,7 +27,13 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from dht.facade import DHT
+    from moshpit.training.optimizer import Optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -390,7 +396,7 @@ def _report_role(reporter: _Reporter, decision: Any) -> None:
 
 
 def _make_optimizer(
-    args: argparse.Namespace, dht: Any, inner: Any, mode_options: dict[str, Any]
+    args: argparse.Namespace, dht: DHT, inner: torch.optim.Optimizer, mode_options: dict[str, Any]
 ) -> Any:
     import moshpit
 
@@ -535,7 +541,7 @@ def _mode_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"compression": "8bit"} if args.mode == "diloco" else {}
 
 
-def _report_joined(args: argparse.Namespace, dht: Any, reporter: _Reporter, started: float) -> None:
+def _report_joined(args: argparse.Namespace, dht: DHT, reporter: _Reporter, started: float) -> None:
     addrs = [str(a) for a in dht.get_visible_maddrs()]
     reporter.event(
         "joined",
@@ -547,7 +553,7 @@ def _report_joined(args: argparse.Namespace, dht: Any, reporter: _Reporter, star
     dht.add_role_observer(lambda decision: _report_role(reporter, decision))
 
 
-def _start(args: argparse.Namespace, opt: Any, dht: Any, reporter: _Reporter) -> None:
+def _start(args: argparse.Namespace, opt: Optimizer, dht: DHT, reporter: _Reporter) -> None:
     """Leave cleanly on SIGTERM (and Ctrl-C) within the deadline; say what runs."""
     import moshpit
 
@@ -565,7 +571,7 @@ def _start(args: argparse.Namespace, opt: Any, dht: Any, reporter: _Reporter) ->
 
 def _loop(
     args: argparse.Namespace,
-    opt: Any,
+    opt: Optimizer,
     model: Any,
     data: Any,
     reporter: _Reporter,
@@ -610,7 +616,7 @@ def _loop(
 
 
 def _preempted(
-    args: argparse.Namespace, opt: Any, reporter: _Reporter, e: Any, progress: Any
+    args: argparse.Namespace, opt: Optimizer, reporter: _Reporter, e: Any, progress: Any
 ) -> int:
     """SIGTERM or Ctrl-C: the peer left (see moshpit.handle_preemption); 1 if not cleanly."""
     signame = signal.Signals(e.signum).name
@@ -638,7 +644,7 @@ def _preempted(
     return 0
 
 
-def _abandon(args: argparse.Namespace, opt: Any, dht: Any, error: BaseException) -> int:
+def _abandon(args: argparse.Namespace, opt: Optimizer, dht: DHT, error: BaseException) -> int:
     """Nothing this peer can train on: say why, leave, exit 1."""
     from moshpit.training.preemption import critical_section
 
@@ -651,8 +657,8 @@ def _abandon(args: argparse.Namespace, opt: Any, dht: Any, error: BaseException)
 
 def _finish(
     args: argparse.Namespace,
-    opt: Any,
-    dht: Any,
+    opt: Optimizer,
+    dht: DHT,
     model: Any,
     data: Any,
     reporter: _Reporter,

@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -21,6 +21,9 @@ if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backpor
 
 from moshpit.dashboard.app import DashboardApp, is_loopback
 from moshpit.dashboard.history import DEFAULT_HISTORY, RunHistory
+
+if TYPE_CHECKING:
+    from dht.kademlia.node import DHTNode
 
 __all__ = [
     "INSTALL_HINT",
@@ -87,7 +90,7 @@ def url_of(sock: socket.socket) -> str:
 
 
 async def poll_run(
-    node: Any, history: RunHistory, *, interval: float, read_timeout: float | None = None
+    node: DHTNode, history: RunHistory, *, interval: float, read_timeout: float | None = None
 ) -> None:
     """Read the run into ``history`` every ``interval`` s, forever. A read that fails or takes
     longer than ``read_timeout`` (default: 5 intervals, at least 10 s) is noted in the history (the

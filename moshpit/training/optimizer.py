@@ -41,6 +41,7 @@ from moshpit.training.modes.options import ModeOptions, options_for
 from moshpit.training.preemption import critical_section
 
 if TYPE_CHECKING:
+    from dht.facade import DHT
     from moshpit.training.state_averager import TrainingStateAverager
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class Optimizer:
         self,
         *,
         optimizer: torch.optim.Optimizer,
-        dht: Any,
+        dht: DHT,
         run_id: str,
         batch_size_per_step: int,
         target_batch_size: int | None = None,
@@ -192,19 +193,21 @@ class Optimizer:
         """A TrainingStateAverager for ``optimizer`` with this Optimizer's common settings."""
         from moshpit.training.state_averager import TrainingStateAverager
 
-        settings = dict(
+        settings: dict[str, Any] = dict(
+            checkpoint_dir=self.checkpoint_dir,
+            checkpoint_every_seconds=self.checkpoint_every_seconds,
+            join_timeout=self.load_state_timeout,
+            config=self.averager_config,
+            extra_tensors=self.extra_tensors,
+        )
+        settings.update(options)  # a mode's own (local mode adds its period to extra_tensors)
+        return TrainingStateAverager(
             dht=self.dht,
             optimizer=optimizer,
             prefix=self.run_id,
             target_group_size=self.target_group_size,
-            checkpoint_dir=self.checkpoint_dir,
-            checkpoint_every_seconds=self.checkpoint_every_seconds,
-            extra_tensors=self.extra_tensors,
-            join_timeout=self.load_state_timeout,
+            **settings,
         )
-        settings["config"] = self.averager_config
-        settings.update(options)
-        return TrainingStateAverager(**settings)
 
     @property
     def state(self) -> TrainingStateAverager:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
@@ -72,6 +72,9 @@ from moshpit.training.progress_record import (
     progress_key,
     valid_name,
 )
+
+if TYPE_CHECKING:
+    from dht.facade import DHT
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +127,7 @@ class ProgressTracker:
 
     def __init__(
         self,
-        dht: Any,
+        dht: DHT,
         prefix: str,
         *,
         target_batch_size: int | None = None,

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from moshpit.training.progress_record import PeerProgress, parse_progress_records, peer_of_subkey
+
+if TYPE_CHECKING:
+    from dht.kademlia.node import DHTNode
 
 __all__ = [
     "DIGEST_BYTES",
@@ -112,7 +115,7 @@ def _donor_problem(record: Any) -> str | None:
 
 
 async def read_run(
-    node: Any,
+    node: DHTNode,
     prefix: str,
     *,
     max_clock_skew: float = MAX_CLOCK_SKEW,

@@ -17,9 +17,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dht.kademlia.clock import get_dht_time
+
+if TYPE_CHECKING:
+    from moshpit.training.progress_record import PeerProgress
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ MAX_RATE_RATIO = 10.0  # a peer's throughput counts at most this x the swarm's m
 MAX_EXTRAPOLATION = 10.0  # s a peer's last report is projected forward at most
 
 
-def reported_recently(peer: Any, now: float) -> bool:
+def reported_recently(peer: PeerProgress, now: float) -> bool:
     """Did ``peer`` report within ``RECENT_REPORT`` s, or within ``RECENT_STEPS`` of its own
     step times (long steps: it is still computing, not gone)?"""
     step = float(peer.step_seconds or 0.0)
@@ -104,7 +107,7 @@ class EpochRounds:
         peers.discard(self.me)
         return peers
 
-    def _worth_waiting(self, peer: Any, now: float) -> bool:
+    def _worth_waiting(self, peer: PeerProgress, now: float) -> bool:
         """A peer behind our epoch that reported recently is on its way (it steps into our
         epoch, or loads our state), but only for ``BEHIND_PATIENCE`` s (plus its step time)
         after we entered the epoch: one that cannot load our state must not hold every round
