@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import moshpit
-from compression import Float16, GraVAC, TopK2Bit, TwoWayCompression
+from compression import Float16, GraVAC, TopK, TopK2Bit, TwoWayCompression
 from compression import decompress as moshpit_decompress
 from moshpit.training.modes.diloco import _RegroupingFeedback, make_compression, outer_prefix
 
@@ -339,6 +339,32 @@ def test_compression_names_and_errors():
         moshpit.training.modes.options.DiLoCoOptions(reducer_density=0)
     with pytest.raises(TypeError, match="compression must be"):
         make_compression(3, 0.1)
+
+
+def test_a_checkpoint_from_before_fragment_scopes_keeps_its_residuals():
+    """Residual keys were ``(start, end)`` before streaming fragments got scopes; such a
+    checkpoint's residuals must still meet their ranges (scope 0), not sit unmatched."""
+    spec, _ = make_compression("topk", 0.5)
+    old = {"residuals": {(0, 4): torch.tensor([1.0, 0.0, 0.0, 0.0])}}
+    spec.sender.load_state_dict(old)
+    assert torch.equal(spec.sender.residual((0, 4)), old["residuals"][(0, 4)])
+    # the next message of that range carries it: top 2 of [1, 0.1, 0.2, 0.3] + residual
+    sent = moshpit_decompress(spec.compress_send(torch.tensor([1.0, 0.1, 0.2, 0.3]), (0, 4)))
+    assert sent[0] == 2.0
+    spec.sender.load_state_dict(spec.sender.state_dict())  # scoped keys load as they are
+    assert spec.sender.residual((0, 4)) is not None
+
+
+def test_a_users_own_two_way_compression_gets_fragment_scopes_and_keeps_its_residuals():
+    spec = TwoWayCompression(TopK(0.5), TopK(0.5))
+    spec.compress_send(torch.tensor([1.0, 2.0, 0.0, 3.0]), (0, 4))  # residual [1, 0, 0, 0]
+    same, gravac = make_compression(spec, 0.01)
+    assert same is spec and gravac is None
+    assert isinstance(spec.sender, _RegroupingFeedback)
+    assert isinstance(spec.reducer, _RegroupingFeedback)
+    assert torch.equal(spec.sender.residual((0, 4)), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    spec.sender.scope = 1  # another fragment's range (0, 4) starts without that residual
+    assert spec.sender.residual((0, 4)) is None
 
 
 def test_error_feedback_survives_a_new_group_size():

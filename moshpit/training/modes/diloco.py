@@ -112,6 +112,36 @@ class _RegroupingFeedback(ErrorFeedback):
             self.reset((self.scope, key))
         return super().compress_with_decoded(tensor, (self.scope, key), **kwargs)
 
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
+        """As saved, with a checkpoint from before fragment scopes (keys ``(start, end)``
+        instead of ``(scope, (start, end))``) read as scope 0: their residuals still meet the
+        ranges they were kept for, instead of never matching again."""
+        residuals = state.get("residuals") if isinstance(state, dict) else None
+        if isinstance(residuals, dict):
+            state = {**state, "residuals": {_scoped(k): v for k, v in residuals.items()}}
+        super().load_state_dict(state, device)
+
+
+def _scoped(key: Any) -> Any:
+    """``(start, end)`` (unscoped, an older checkpoint's) -> ``(0, (start, end))``."""
+    if isinstance(key, tuple) and len(key) == 2 and not isinstance(key[1], tuple):
+        return (0, key)
+    return key
+
+
+def _regrouping_sides(spec: TwoWayCompression) -> None:
+    """A user's own TwoWayCompression gets what the named ones have (in place, residuals
+    kept): keys scoped per streaming fragment, residuals dropped when a group's size moves
+    the ranges instead of failing the round."""
+    for side in ("sender", "reducer"):
+        feedback = getattr(spec, side)
+        if type(feedback) is ErrorFeedback:
+            scoped = _RegroupingFeedback(feedback.codec, feedback.max_keys)
+            scoped.load_state_dict(feedback.state_dict())
+            setattr(spec, side, scoped)
+
 
 def _two_way(sender: Codec, reducer: Codec) -> TwoWayCompression:
     spec = TwoWayCompression(sender, reducer)
@@ -151,7 +181,10 @@ def make_compression(
         # the same controller on both directions: the factor follows the gain of what is sent
         adaptive = compression.as_codec()
         return _two_way(adaptive, adaptive), compression
-    if isinstance(compression, (Codec, TwoWayCompression)):
+    if isinstance(compression, TwoWayCompression):
+        _regrouping_sides(compression)
+        return compression, None
+    if isinstance(compression, Codec):
         return compression, None
     raise TypeError(
         f"compression must be a name, a codec, a TwoWayCompression or a GraVAC controller, "
