@@ -51,7 +51,10 @@ from dht.kademlia.storage import LocalStorage, OwnedRecords, StorageLimits
 from dht.kademlia.validation import RecordValidator, default_validators
 
 if TYPE_CHECKING:
+    from dht.p2p.autonat import AutoNAT
     from dht.p2p.host import Host
+    from dht.p2p.relay import RelayClient, RelayService
+    from dht.p2p.relay_messages import Limit
 
 if sys.version_info < (3, 11):  # pragma: no cover - trio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
@@ -117,7 +120,7 @@ class DHTNode:
         # None: the role follows reachability (see open()); True/False: the caller's choice
         self.client_mode_setting = client_mode
         self.client_mode = bool(client_mode)  # the role now
-        self.autonat: Any = None  # dht.p2p.autonat.AutoNAT when open() started one
+        self.autonat: AutoNAT | None = None  # when open() started one
         # what the node does about NATs (open() runs it on a real Host; see roles.py)
         self.roles = NatRoles(
             self,
@@ -304,12 +307,12 @@ class DHTNode:
         return self.roles.role
 
     @property
-    def relay_service(self) -> Any:
+    def relay_service(self) -> RelayService | None:
         """The ``dht.p2p.relay.RelayService`` while this node serves as a relay, else None."""
         return self.roles.relay_service
 
     @property
-    def _relay_client(self) -> Any:  # the name tests use
+    def _relay_client(self) -> RelayClient | None:  # the name tests use
         return self.roles.relay_client
 
     def _roles_enabled(self) -> bool:  # the name tests use
@@ -324,7 +327,7 @@ class DHTNode:
         self.roles.remove_observer(on_change)
 
     @property
-    def relay_limit(self) -> Any:
+    def relay_limit(self) -> Limit | None:
         """How much one inbound connection of another peer may carry, when that connection
         can only come through a relay: the most restrictive ``Limit`` (``.data`` bytes per
         direction, ``.duration`` seconds; 0 = none) among the relays holding a slot for this

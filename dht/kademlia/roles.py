@@ -26,8 +26,10 @@ from dht.kademlia.network import HostNetwork
 
 if TYPE_CHECKING:
     from dht.kademlia.node import DHTNode
+    from dht.p2p.autonat import AutoNAT
     from dht.p2p.host import Host
-    from dht.p2p.relay import RelayClient, RelayService
+    from dht.p2p.relay import RelayClient, RelayLimits, RelayService
+    from dht.p2p.relay_messages import Limit
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class RoleDecision:
     circuit_addrs: tuple[Any, ...]  # announced /p2p-circuit addresses (relays holding a slot)
     direct_addrs_hidden: bool  # own listen addresses not announced (nobody could dial them)
     serving_relay: bool  # this node relays for peers behind NAT
-    relay_limit: Any = None  # dht.p2p.relay.Limit granted per relayed connection, when serving
+    relay_limit: Limit | None = None  # granted per relayed connection, when serving
     public_by_configuration: str = ""  # why the caller says peers can dial it ("": it did not)
 
     @property
@@ -145,7 +147,7 @@ def public_by_configuration(host_maddrs: Any, announce_maddrs: Any) -> str:
     return ""
 
 
-def check_relay_setting(setting: Any) -> Any:
+def check_relay_setting(setting: object) -> bool | RelayLimits | None:
     """Check ``DHTNode.open``'s ``relay``: None, a bool, or a RelayLimits."""
     if setting is None or isinstance(setting, bool):
         return setting
@@ -156,7 +158,7 @@ def check_relay_setting(setting: Any) -> Any:
     return setting
 
 
-def start_autonat(node: DHTNode, setting: Any) -> Any:
+def start_autonat(node: DHTNode, setting: object) -> AutoNAT | None:
     """An AutoNAT for the node's Host per ``setting`` (see :meth:`DHTNode.open`), or None;
     its verdicts go to ``node.roles``."""
     host = node.host
@@ -214,7 +216,7 @@ class NatRoles:
         self.check_interval = check_interval
         self._on_addrs_changed = on_addrs_changed
         self._on_role = on_role
-        self.relay_setting: Any = None  # DHTNode.open's ``relay``
+        self.relay_setting: bool | RelayLimits | None = None  # DHTNode.open's ``relay``
         # DHTNode.open's ``public_by_configuration``: why its addresses say peers can dial it
         # ("" if they do not); such a node serves relays at once, not after AutoNAT decides
         self.public_by_configuration = ""
@@ -240,7 +242,7 @@ class NatRoles:
             self._observers.remove(on_change)
 
     @property
-    def relay_limit(self) -> Any:
+    def relay_limit(self) -> Limit | None:
         """The most restrictive ``Limit`` among the relays holding a slot for this node while
         peers can reach it only through them, else None (see ``DHTNode.relay_limit``)."""
         if getattr(self.node.network, "direct_reachable", True) or self.relay_client is None:
@@ -255,7 +257,7 @@ class NatRoles:
         if not limits:
             return None
 
-        def room(limit: Any) -> tuple[float, float]:
+        def room(limit: Limit) -> tuple[float, float]:
             return (limit.data or math.inf, limit.duration or math.inf)
 
         return min(limits, key=room)

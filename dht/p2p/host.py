@@ -207,9 +207,7 @@ class Host:
         self._log = RateLimitedLogger(logger, limits.log_interval, clock=trio.current_time)
         # the accept path (inbound.py): claims, admission of pending handshakes, upgrades;
         # each socket's task is looked up as self._handle_inbound when it starts
-        self._acceptor = Acceptor(
-            self, self._log, lambda *args: self._handle_inbound(*args)
-        )
+        self._acceptor = Acceptor(self, self._log, lambda *args: self._handle_inbound(*args))
         self._admission = self._acceptor.admission
         self._inbound_claims = self._acceptor.claims
         self._stream_handlers: dict[str, StreamHandler] = {}
@@ -707,8 +705,7 @@ class Host:
                 addrs = self.peerstore.get_addrs(peer_id)
                 if not addrs:
                     raise DialError(f"no known addresses for {peer_id.short()}")
-                conn = await self._dial_addrs(peer_id, addrs)
-                pending.connection = conn
+                pending.connection = await self._dial_addrs(peer_id, addrs)
             if scope.cancelled_caught:
                 pending.error = P2PTimeoutError(
                     f"could not connect to {peer_id.short()} within {timeout:.1f}s"
@@ -891,7 +888,10 @@ class Host:
                 return
             except Exception as e:  # untrusted input must not crash the connection's tasks
                 logger.warning(
-                    "identify %s: unexpected %s", conn.peer_id.short(), error_reason(e), exc_info=True
+                    "identify %s: unexpected %s",
+                    conn.peer_id.short(),
+                    error_reason(e),
+                    exc_info=True,
                 )
                 ystream.reset()
                 return

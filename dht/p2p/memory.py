@@ -32,10 +32,13 @@ import trio
 
 from .multiaddr import Multiaddr
 
+_RUN_CONTEXT: object | None
 try:  # trio's run loop state: its deadline heap serves as our timer queue (see _Waiter)
-    from trio._core._run import GLOBAL_RUN_CONTEXT as _RUN_CONTEXT
+    from trio._core._run import GLOBAL_RUN_CONTEXT as _TRIO_RUN_CONTEXT
 except ImportError:  # pragma: no cover - a trio without it: cancel scopes instead
     _RUN_CONTEXT = None
+else:
+    _RUN_CONTEXT = _TRIO_RUN_CONTEXT
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ _WALK_MAX_DEPTH = 4
 _WALK_MAX_ITEMS = 64  # bigger containers are packed in one C call (no per-item Python work)
 _RECV_CHUNK = 256 * 1024
 
-Segment = bytes | bytearray | memoryview
+Segment = bytes | memoryview  # never a bytearray: the packing buffer is copied out
 
 
 def own_method(obj: object, name: str) -> Any:
@@ -42,7 +42,8 @@ async def fill_by_reads(stream: trio.abc.ReceiveStream, view: memoryview) -> int
     its class has one, else by reads copied in. Returns the bytes filled (short only at EOF)."""
     fill = own_method(stream, "receive_exactly_into")
     if fill is not None:
-        return await fill(view)
+        filled: int = await fill(view)
+        return filled
     have = 0
     while have < len(view):
         data = await stream.receive_some(len(view) - have)

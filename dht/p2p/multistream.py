@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeVar
 
 import trio
 
@@ -34,6 +35,9 @@ MAX_LS_RESPONSE = 64 * 1024
 _READ_CHUNK = 4096
 
 Supported = Callable[[str], bool] | Collection[str]
+# The stream negotiated on: what comes back is it or a wrapper around it, so a half-closeable
+# stream (a yamux stream) stays half-closeable for the caller.
+S = TypeVar("S", bound=trio.abc.Stream)
 
 
 def encode_message(text: str) -> bytes:
@@ -128,7 +132,7 @@ class _Reader:
         return data
 
 
-def _wrap(stream: trio.abc.Stream, leftover: bytes) -> trio.abc.Stream:
+def _wrap(stream: S, leftover: bytes) -> S | PrefixedStream:
     return PrefixedStream(stream, leftover) if leftover else stream
 
 
@@ -137,12 +141,12 @@ def _deadline(timeout: float | None) -> float:
 
 
 async def negotiate_outbound(
-    stream: trio.abc.Stream,
+    stream: S,
     protocols: Sequence[str],
     timeout: float | None = 10.0,  # noqa: ASYNC109 - part of the documented API
     *,
     lazy: bool = False,
-) -> tuple[str, trio.abc.Stream]:
+) -> tuple[str, S | PrefixedStream | LazyOutboundStream]:
     """Dialer side: propose ``protocols`` in order; return the accepted one and the stream.
 
     The returned stream replays any bytes the remote sent right after its answer. With
@@ -186,10 +190,10 @@ async def negotiate_outbound(
 
 
 async def negotiate_inbound(
-    stream: trio.abc.Stream,
+    stream: S,
     supported: Supported,
     timeout: float | None = 10.0,  # noqa: ASYNC109 - part of the documented API
-) -> tuple[str, trio.abc.Stream]:
+) -> tuple[str, S | PrefixedStream]:
     """Listener side: answer proposals until one is ``supported``; return it and the stream.
 
     ``supported`` is a collection of protocol ids or a predicate (then ``ls`` lists nothing).
@@ -265,7 +269,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         self.inner = inner
         self._prefix = memoryview(bytes(prefix))
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:  # type: ignore[override]  # trio-typing's stubs say bytes; trio returns bytearray too
         if self._prefix:
             n = (
                 len(self._prefix)
@@ -279,7 +283,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         return await self.inner.receive_some(max_bytes)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.send_all(data)
+        await self.inner.send_all(data)  # type: ignore[arg-type]  # trio-typing's stubs omit bytearray, trio takes it
 
     async def receive_exactly_into(self, buffer: memoryview) -> int:
         """The prefix first, then the inner stream's fast path (or plain reads); returns how
@@ -307,7 +311,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     async def aclose(self) -> None:
         await self.inner.aclose()
 
-    def __getattr__(self, name: str):  # passthrough of e.g. remote_peer, socket
+    def __getattr__(self, name: str) -> Any:  # passthrough of e.g. remote_peer, socket
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
@@ -342,7 +346,7 @@ class LazyOutboundStream(trio.abc.HalfCloseableStream):
         request, self._request = self._request, None
         if request is None:
             if data:
-                await self.inner.send_all(data)
+                await self.inner.send_all(data)  # type: ignore[arg-type]  # trio-typing's stubs omit bytearray, trio takes it
             return
         await self.inner.send_all(request + bytes(data) if data else request)
 
@@ -387,7 +391,7 @@ class LazyOutboundStream(trio.abc.HalfCloseableStream):
             f"no multistream answer for {self.protocol!r} within {self._timeout} s"
         )
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:  # type: ignore[override]  # trio-typing's stubs say bytes; trio returns bytearray too
         if not self._verified:
             await self.ensure_negotiated()
         if self._prefix:
@@ -404,7 +408,7 @@ class LazyOutboundStream(trio.abc.HalfCloseableStream):
     async def aclose(self) -> None:
         await self.inner.aclose()
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)

@@ -426,7 +426,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
             try:
                 sent += os.write(fd, data[sent:])
             except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)
+                await trio.lowlevel.wait_writable(sock)  # type: ignore[arg-type]  # trio-typing's stubs: an int only; trio takes the socket
                 waited = True
             except OSError as e:
                 raise trio.BrokenResourceError(f"socket error while sending: {e!r}") from e
@@ -519,6 +519,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
 
     def _decrypt_frame(self, source: memoryview, start: int, out: memoryview, o: int) -> int:
         """Decrypt the frame whose length prefix is at ``source[start]`` into ``out[o:]``."""
+        length: int
         (length,) = _LEN.unpack_from(source, start)
         size = length - TAGLEN
         nonce = self._receive.next_nonce()
@@ -549,7 +550,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
         self._plain = plain[max_bytes:]
         return out
 
-    def unread(self, data: bytes) -> None:
+    def unread(self, data: bytes | bytearray | memoryview) -> None:
         """Put plaintext back in front of what receive_some returns next.
 
         For a layer that read ahead (multistream negotiation) and hands the session on.
@@ -558,7 +559,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
             self._plain = memoryview(bytes(data) + bytes(self._plain))
             self._plain_borrowed = False
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:  # type: ignore[override]  # trio-typing's stubs say bytes; trio returns bytearray too
         if max_bytes is not None and max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
         return await self._receive_plain(max_bytes, borrow=False)  # type: ignore[return-value]

@@ -36,7 +36,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, Protocol, TypeVar
 
 import trio
 
@@ -91,6 +91,15 @@ from .stream import P2PStream
 logger = logging.getLogger(__name__)
 
 MAX_ADVERTISED_PER_RELAY = 4  # circuit addresses we announce per relay (the DHT takes 16 in all)
+
+_T_contra = TypeVar("_T_contra", contravariant=True)
+
+
+class TaskStarted(Protocol[_T_contra]):
+    """The ``task_status`` that ``nursery.start`` passes (or a wrapper of it). Spelled out
+    here because the trio stubs mypy reads (trio-typing's) have no ``trio.TaskStatus``."""
+
+    def started(self, value: _T_contra) -> None: ...
 
 
 # -- addresses ----------------------------------------------------------------------------------
@@ -410,7 +419,7 @@ class RelayClient:
         relay: PeerID,
         addrs: Sequence[Multiaddr | str] = (),
         *,
-        task_status: trio.TaskStatus[Reservation] = trio.TASK_STATUS_IGNORED,
+        task_status: TaskStarted[Reservation] = trio.TASK_STATUS_IGNORED,
     ) -> NoReturn:
         """Hold a reservation on ``relay`` and advertise our circuit addresses through it.
 

@@ -524,7 +524,9 @@ class RelayService:
             try:
                 data = await source.receive_some(SPLICE_CHUNK)
             except STREAM_ERRORS as e:
-                circuit.cut(f"{'initiator' if way == 0 else 'target'} side broke: {error_reason(e)}")
+                circuit.cut(
+                    f"{'initiator' if way == 0 else 'target'} side broke: {error_reason(e)}"
+                )
                 return
             if not data:
                 try:
@@ -545,7 +547,9 @@ class RelayService:
                 try:
                     await sink.send_all(data)
                 except STREAM_ERRORS as e:
-                    circuit.cut(f"{'target' if way == 0 else 'initiator'} side broke: {error_reason(e)}")
+                    circuit.cut(
+                        f"{'target' if way == 0 else 'initiator'} side broke: {error_reason(e)}"
+                    )
                     return
             if over:
                 self.stats.circuits_cut_data += 1

@@ -41,7 +41,7 @@ class P2PStream(trio.abc.HalfCloseableStream):
         return f"<P2PStream {self.protocol} with {self.remote_peer.short()}>"
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
+        await self._inner.send_all(data)  # type: ignore[arg-type]  # trio-typing's stubs omit bytearray, trio takes it
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._inner.wait_send_all_might_not_block()

@@ -86,7 +86,7 @@ def set_max_send_rate(stream: object, rate: float | None) -> bool:
     return True
 
 
-def sockaddr_to_multiaddr(sockaddr: tuple) -> Multiaddr:
+def sockaddr_to_multiaddr(sockaddr: tuple[Any, ...]) -> Multiaddr:
     host, port = sockaddr[0], sockaddr[1]
     ip = ipaddress.ip_address(host)
     proto = "ip4" if ip.version == 4 else "ip6"
@@ -105,7 +105,7 @@ _SIOCGIFFLAGS, _SIOCGIFADDR, _IFF_UP = 0x8913, 0x8915, 0x1
 _NETLINK_MAX_BYTES = 1 << 22  # stop reading a (local, but still bounded) dump after 4 MiB
 MAX_ANNOUNCED_PER_LISTENER = 8  # the DHT carries at most 16 addresses per peer
 # documentation-only addresses (RFC 5737 / RFC 3849): a UDP connect picks a route, sends nothing
-_ROUTE_PROBES = {socket.AF_INET: "198.51.100.1", socket.AF_INET6: "2001:db8::1"}
+_ROUTE_PROBES: dict[int, str] = {socket.AF_INET: "198.51.100.1", socket.AF_INET6: "2001:db8::1"}
 
 
 def _interface_is_up(index: int) -> bool:
@@ -203,7 +203,8 @@ def _route_source_address(family: int) -> str | None:
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect((_ROUTE_PROBES[family], 9))  # UDP connect: selects a route, sends nothing
-            return probe.getsockname()[0]
+            address: str = probe.getsockname()[0]
+            return address
     except OSError:
         return None
 
@@ -282,7 +283,7 @@ async def _open_listeners(host: str, port: int, reuse_port: bool) -> list[tuple[
     infos = await trio.socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
-    seen: list[tuple] = []
+    seen: list[tuple[int, tuple[Any, ...]]] = []
     out: list[tuple[Any, bool]] = []
     try:
         for family, kind, proto, _, sockaddr in infos:

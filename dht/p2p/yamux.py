@@ -150,7 +150,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         return flags
 
     # -- receiving -----------------------------------------------------------------------
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:  # type: ignore[override]  # trio-typing's stubs say bytes; trio returns bytearray too
         if self._reading:
             raise trio.BusyResourceError("another task is already reading from this stream")
         self._reading = True
@@ -313,7 +313,10 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                     if self._send_window <= 0:
                         continue
                     n = min(total - offset, self._send_window, MAX_FRAME_PAYLOAD)
-                    piece = data if (immutable and n == total) else view[offset : offset + n]
+                    if isinstance(data, bytes) and n == total:  # (``immutable``, for mypy)
+                        piece: bytes | memoryview = data
+                    else:
+                        piece = view[offset : offset + n]
                     self._send_window -= n
                     self.session._enqueue_data(self.stream_id, piece, self._flags(0), owner)
                     offset += n
