@@ -107,6 +107,7 @@ class Config:
     max_rounds: int = MAX_ROUNDS
     rotate: bool | str = "default"  # GroupKeyManager's rotate_lines ("default": its own)
     size_hint: bool = True  # cells / lines: also pass expected_num_peers = N with the bits
+    key_bits: int | None = None  # keybits: peer i on key i mod 2**key_bits (any bit count)
 
 
 @dataclass
@@ -148,6 +149,16 @@ def make_managers(cfg: Config, rng: random.Random) -> list[GroupKeyManager]:
         return [
             GroupKeyManager("sim", m, rng=random.Random(rng.random())) for _ in range(cfg.peers)
         ]
+    if cfg.placement == "keybits":  # even lines over 2**B keys, B not a multiple of the
+        # coordinate's bits: a key holds a coordinate and part of the one before
+        b = int(cfg.key_bits or 0)
+        return [
+            GroupKeyManager(
+                "sim", m, initial_group_bits=format(i % (1 << b), f"0{b}b") if b else "",
+                rng=random.Random(rng.random()), adaptive=False,
+            )
+            for i in range(cfg.peers)
+        ]  # fmt: skip
     side = cfg.grid or m
     if cfg.placement == "random":
         return [
@@ -405,6 +416,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group-size", type=int, default=None, help="M (default: the grid's side)")
     p.add_argument("--placement", choices=["cells", "lines", "random"], default="cells")
     p.add_argument("--adaptive", action="store_true", help="no size hint (default grid)")
+    p.add_argument(
+        "--key-bits", type=int, default=None,
+        help="instead of a grid: peer i on key i mod 2**B, B key bits (e.g. 6 for 1024 peers "
+        "in groups of 16: 64 keys of one group each)",
+    )  # fmt: skip
     p.add_argument("--model", choices=["ours", "paper", "allreduce"], default="ours")
     p.add_argument("--fail", type=float, default=0.01, help="per peer per round")
     p.add_argument("--failure", choices=["sitout", "midround"], default="sitout")
@@ -428,14 +444,18 @@ def main(argv: list[str] | None = None) -> None:
         for model, cfg in table(seeds, args.fail):
             print(json.dumps(measure(model, cfg, seeds, args.runs)), flush=True)
         return
-    if args.adaptive == (args.grid is not None):
-        p.error("give --grid SIDE or --adaptive")
+    if args.adaptive + (args.grid is not None) + (args.key_bits is not None) != 1:
+        p.error("give one of --grid SIDE, --key-bits B or --adaptive")
     numel = args.numel or (32 if args.failure == "midround" else 1)
     cfg = Config(
         args.peers,
         args.group_size or args.grid,
         grid=args.grid,
-        placement="none" if args.adaptive else args.placement,
+        placement="none"
+        if args.adaptive
+        else "keybits"
+        if args.key_bits is not None
+        else args.placement,
         adaptive=args.adaptive,
         fail=args.fail,
         failure=args.failure,
@@ -444,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
         max_rounds=args.max_rounds,
         rotate={"default": "default", "yes": True, "no": False}[args.rotate],
         size_hint=not args.no_size_hint,
+        key_bits=args.key_bits,
     )
     if cfg.group_size is None or math.isnan(cfg.group_size):
         p.error("--adaptive needs --group-size")

@@ -51,6 +51,17 @@ def test_a_half_filled_grid_of_equal_lines_is_exact_after_2_rounds():
         assert len(result.variances) == 2 and result.variances[1] < 1e-13
 
 
+def test_keys_of_one_group_each_are_exact_in_ceil_log_m_n_rounds_whatever_the_bit_count():
+    # 128 peers in groups of 8 on 16 keys (4 bits: a coordinate of 3 bits and one bit of the
+    # one before): each round's key holds one peer of 8 different groups, so the mean is
+    # exact after 3 rounds (8**3 >= 128), not after the ~2.3 of a factor 8 per round
+    for seed in range(3):
+        cfg = Config(128, 8, placement="keybits", key_bits=4, fail=0.0)
+        result = RulesSwarm(cfg, seed).run(seed)
+        assert len(result.variances) == 3 and result.variances[2] < 1e-13, result.variances
+        assert result.variances[1] > 1e-6  # not before
+
+
 def test_failures_slow_convergence_but_it_stays_geometric():
     # p = 0.05 on 8 x 8, 48 peers: a failed peer sits out and keeps its value, so the mean
     # is not exact after 2 rounds, but every 2 rounds still cut the variance by a factor of
