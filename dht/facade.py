@@ -28,6 +28,19 @@ logger = logging.getLogger(__name__)
 
 _live_instances: weakref.WeakSet[DHT] = weakref.WeakSet()
 
+# Entered around every hand-off of work to the loop (trio's ``run_sync_soon``), which holds a
+# lock that the loop and every other thread handing work over need. A program whose signal
+# handlers wait for other threads installs a section here during which they only defer their
+# work: run inside the lock, such a handler waits for a thread that waits for the lock.
+# ``moshpit.critical`` installs its ``critical_section``.
+handoff_section: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+
+
+def _hand_off(token: trio.lowlevel.TrioToken, fn: Callable[[], object]) -> None:
+    """``token.run_sync_soon(fn)`` inside :data:`handoff_section`."""
+    with handoff_section():
+        token.run_sync_soon(fn)
+
 
 @atexit.register
 def _shutdown_all() -> None:
@@ -159,7 +172,7 @@ class DHT:
         _live_instances.discard(self)
         if token is not None and stop is not None:
             try:
-                token.run_sync_soon(stop.set)
+                _hand_off(token, stop.set)
             except trio.RunFinishedError:
                 pass
         thread = self._thread
@@ -225,7 +238,7 @@ class DHT:
                     future.set_exception(RuntimeError(f"the DHT is shutting down: {e}"))
 
         try:
-            token.run_sync_soon(spawn)
+            _hand_off(token, spawn)
         except trio.RunFinishedError as e:
             raise RuntimeError("the DHT is shutting down") from e
         return future
@@ -320,6 +333,6 @@ class DHT:
 
 def _cancel_from_anywhere(token: trio.lowlevel.TrioToken, scope: trio.CancelScope) -> None:
     try:
-        token.run_sync_soon(scope.cancel)
+        _hand_off(token, scope.cancel)
     except trio.RunFinishedError:
         pass

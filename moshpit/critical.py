@@ -8,6 +8,10 @@ forever. So a handler that finds the main thread inside a critical section only
 :func:`defer`\\ s its work, which runs when the outermost section ends; and every lock the
 training thread takes is a :class:`CriticalLock`, which holds a section while held.
 
+Handing work to the DHT's loop is one more such place (trio holds a lock there that other
+threads need): this module installs :func:`critical_section` as the DHT facade's
+``handoff_section``.
+
 This module sits below ``moshpit.averaging`` and ``moshpit.training`` so both can use it.
 """
 
@@ -17,6 +21,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import dht.facade
 
 __all__ = ["CriticalLock", "critical_section", "defer", "in_critical_section"]
 
@@ -62,6 +68,9 @@ def critical_section() -> Iterator[None]:
         yield
     finally:
         _exit()
+
+
+dht.facade.handoff_section = critical_section
 
 
 class CriticalLock:

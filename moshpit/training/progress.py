@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 import trio
 
 from dht.kademlia.clock import get_dht_time
-from moshpit.critical import CriticalLock
+from moshpit.critical import CriticalLock, critical_section
 
 # the record and the rule live in their own modules (read without this loop by `moshpit
 # status` and the dashboard); their names stay importable from here
@@ -485,7 +485,10 @@ class ProgressTracker:
             return
         self._wake_pending = True
         try:
-            token.run_sync_soon(lambda: self._wakeup.set() if self._wakeup is not None else None)
+            with critical_section():  # trio's entry lock is held in there (moshpit.critical)
+                token.run_sync_soon(
+                    lambda: self._wakeup.set() if self._wakeup is not None else None
+                )
         except trio.RunFinishedError:
             pass
 

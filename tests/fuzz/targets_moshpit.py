@@ -593,7 +593,7 @@ class _ReplyStream:
 
 def _sharing() -> tuple[StateSharing, _StateService]:
     manifest, chunks = _manifest()
-    node = SimpleNamespace(host=None, peer_id=ALICE.peer_id)
+    node = SimpleNamespace(host=SimpleNamespace(), peer_id=ALICE.peer_id)  # serving needs none
     sharing = StateSharing(node, "run", _Store(chunks), batch_bytes=64)
     sharing._published = _Served.of(manifest)
     service = _StateService(request_timeout=5.0)

@@ -254,3 +254,45 @@ def test_sigterm_while_the_training_thread_holds_the_averagers_tensors_leaves_af
     assert done.returncode == 0, done.stderr[-3000:]
     assert "saved [1.0, 1.0, 1.0, 1.0]" in done.stdout, (done.stdout, done.stderr[-3000:])
     assert "never reached" not in done.stdout
+
+
+def test_sigterm_while_the_training_thread_hands_work_to_the_dht_loop_still_leaves_cleanly():
+    """Handing work to the DHT's loop (``run_coroutine``) holds trio's entry-queue lock for a
+    moment; every other thread that hands work over needs it too. A SIGTERM landing there ran
+    the leave in the handler, which waited for a checkpoint writer thread that waited for the
+    lock: the tutorial's second volunteer exited 3 by the watchdog, its writer thread in
+    ``run_sync_soon``. A profile hook raises the signal exactly there (inside the lock)."""
+    script = (
+        "import signal, sys, threading\n"
+        "import moshpit\n"
+        "dht = moshpit.DHT(host_maddrs=['/ip4/127.0.0.1/tcp/0'], start=True)\n"
+        "async def noop(_dht, _node):\n"
+        "    return 1\n"
+        "class Writer:  # leaving waits for another thread that hands work to the loop\n"
+        "    def leave_swarm(self, deadline):\n"
+        "        out = []\n"
+        "        t = threading.Thread(target=lambda: out.append(dht.run_coroutine(noop)))\n"
+        "        t.start()\n"
+        "        t.join(deadline)\n"
+        "        print('writer done', out, flush=True)\n"
+        "        dht.shutdown()\n"
+        "moshpit.handle_preemption(Writer(), deadline=5.0)\n"
+        "def hook(frame, event, arg):\n"
+        "    if event == 'call' and frame.f_code.co_name == 'wakeup_thread_and_signal_safe':\n"
+        "        sys.setprofile(None)\n"
+        "        signal.raise_signal(signal.SIGTERM)  # trio's entry-queue lock is held here\n"
+        "sys.setprofile(hook)\n"
+        "dht.run_coroutine(noop)\n"
+        "print('never reached', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "left the swarm cleanly" in done.stderr, done.stderr[-3000:]
+    assert "writer done [1]" in done.stdout, (done.stdout, done.stderr[-3000:])
+    assert "never reached" not in done.stdout
