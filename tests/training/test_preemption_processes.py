@@ -169,6 +169,17 @@ def test_without_the_handler_sigterm_kills_and_the_swarm_goes_on(bootstrap, tmp_
             peer.stop()
 
 
+def _python(script: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter with this checkout importable."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+
+
 def test_a_leave_that_hangs_past_the_deadline_exits_3_saying_where_it_waited():
     """The watchdog ends a hung exit, and its stderr shows every thread's stack: a hang in the
     field then says where it waited instead of only that it did."""
@@ -182,13 +193,7 @@ def test_a_leave_that_hangs_past_the_deadline_exits_3_saying_where_it_waited():
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "time.sleep(60)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
+    done = _python(script)
     assert done.returncode == 3, done.stderr
     assert "leaving took longer than 1 s" in done.stderr
     assert "in leave_swarm" in done.stderr and "Thread 0x" in done.stderr, done.stderr
@@ -212,13 +217,7 @@ def test_sigterm_while_the_training_thread_holds_the_progress_lock_still_leaves_
         "    print('still inside', flush=True)\n"
         "print('never reached', flush=True)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
+    done = _python(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "left the swarm cleanly" in done.stderr, done.stderr[-3000:]
     assert "still inside" in done.stdout and "never reached" not in done.stdout, done.stdout
@@ -244,13 +243,7 @@ def test_sigterm_while_the_training_thread_holds_the_averagers_tensors_leaves_af
         "    tensors[0] += 1  # the update the block was making is not cut in half\n"
         "print('never reached', flush=True)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
+    done = _python(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "saved [1.0, 1.0, 1.0, 1.0]" in done.stdout, (done.stdout, done.stderr[-3000:])
     assert "never reached" not in done.stdout
@@ -285,13 +278,7 @@ def test_sigterm_while_the_training_thread_hands_work_to_the_dht_loop_still_leav
         "dht.run_coroutine(noop)\n"
         "print('never reached', flush=True)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
+    done = _python(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "left the swarm cleanly" in done.stderr, done.stderr[-3000:]
     assert "writer done [1]" in done.stdout, (done.stdout, done.stderr[-3000:])
