@@ -181,6 +181,7 @@ def rules_view(
     index: dict,
     m: int,
     rng: random.Random,
+    cut_before: set[int] | None = None,  # the peers cut in the round before
 ) -> dict:
     """What ``sim_rounds.py``'s rules would do with this round's keys and failures, next to
     what the stack did: the peers declared per key, the groups the rules form (live peers
@@ -213,6 +214,8 @@ def rules_view(
                 lost["no_group, alone under the key (the rules too)"] += 1
             elif len(live) < len(by_key[keys[i]]):
                 lost["no_group, a cut peer under the key"] += 1
+            elif cut_before and cut_before.intersection(live):
+                lost["no_group, a peer cut last round under the key"] += 1
             else:
                 lost["no_group, in time"] += 1
         elif not r.succeeded:
@@ -319,6 +322,7 @@ class Sim:
         view = rules_view(
             keys, before, hit, results, index, self.target_group_size,
             random.Random(len(self.history)),  # not self.rng: the failures stay as they were
+            set(self.history[-1]["cut"]) if self.history else set(),
         )  # fmt: skip
         variance_before = paper_variance(before)
         row = {
@@ -336,6 +340,7 @@ class Sim:
             "failed_peers": len(failing),
             "cut_before_done": len(hit),
             "cut": sorted(hit),  # sim_rounds.py --replay runs the rules with these failures
+            "alone": [i for i, r in enumerate(results) if not r.succeeded and i not in hit],
             "steps_failed": n - len(sizes),
             "mean_group_size": sum(sizes) / max(1, len(sizes)),
             "steps_alone": sum(
