@@ -182,6 +182,7 @@ def rules_view(
     m: int,
     rng: random.Random,
     cut_before: set[int] | None = None,  # the peers cut in the round before
+    last_groups: Sequence[Sequence[int]] = (),  # the groups formed in the round before
 ) -> dict:
     """What ``sim_rounds.py``'s rules would do with this round's keys and failures, next to
     what the stack did: the peers declared per key, the groups the rules form (live peers
@@ -231,7 +232,18 @@ def rules_view(
     as_formed = before.clone()
     live_groups = [[i for i in g if i not in failing] for g in formed.values()]
     average_groups(as_formed, [g for g in live_groups if len(g) >= MIN_GROUP_SIZE])
+    # pairs of this round's groups that were in one group the round before too: random
+    # groups of m out of n repeat ~(m - 1) / (n - 1) of them, a grid's next axis none
+    last = {i: k for k, g in enumerate(last_groups) for i in g}
+    pairs = repeats = 0
+    for g in formed.values():
+        for a in range(len(g)):
+            for b in range(a + 1, len(g)):
+                pairs += 1
+                repeats += g[a] in last and last.get(g[a]) == last.get(g[b])
     return {
+        "groups": [sorted(g) for g in formed.values()],
+        "repeated_pairs": round(repeats / pairs, 3) if pairs else None,
         "declared_per_key": histogram([len(p) for p in by_key.values()]),
         "rules_group_sizes": histogram([len(g) for g in predicted]),
         "formed_group_sizes": histogram([len(g) for g in formed.values()]),
@@ -323,6 +335,7 @@ class Sim:
             keys, before, hit, results, index, self.target_group_size,
             random.Random(len(self.history)),  # not self.rng: the failures stay as they were
             set(self.history[-1]["cut"]) if self.history else set(),
+            self.history[-1]["groups"] if self.history else (),
         )  # fmt: skip
         variance_before = paper_variance(before)
         row = {
