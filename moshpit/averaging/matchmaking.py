@@ -119,10 +119,7 @@ __all__ = [  # the public names, wherever they live
 
 logger = logging.getLogger(__name__)
 
-# join attempts per declaration that answered "busy" or redirected; one that did not answer
-# within request_timeout (cut off, stalled) is not asked again this round: each try cost
-# request_timeout of the round's window
-MAX_TRIES = 3
+MAX_TRIES = 3  # join attempts per declaration that answered "busy"/timed out/redirected
 # a candidate redirected us to a leader we saw go silent: it will notice too, not a try spent
 ORPHANED = "orphaned"
 
@@ -436,7 +433,7 @@ class Matchmaker(LeaderSide):
                 reply = await stream.receive_msg(max_size=MAX_RESPONSE_BYTES)
             if cs.cancelled_caught:
                 logger.debug("join request to %s timed out", peer)
-                return None
+                return RETRY
             self._note_schema_refusal(rnd, peer, reply)
             kind, outcome = self._parse_reply(reply)
             if kind != "accepted":

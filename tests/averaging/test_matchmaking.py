@@ -388,25 +388,6 @@ async def test_followers_of_a_lost_leader_regroup_whole_past_min_matchmaking_tim
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("n", [8, 16])
-async def test_a_stalled_peer_first_in_the_order_is_asked_once(autojump_clock, n):
-    # A peer cut off after it declared (its links stall: no answer, no refusal) sorts first
-    # under the key. Every join request to it timed out after request_timeout and counted as
-    # "retry later", so each peer spent up to 3 x 3 s of its 10 s on it, between asks of the
-    # others; leaders went on alone past min_matchmaking_time and the line split (groups of
-    # 2 and 5 of 7, 5, 5 and 5 of 15; on the full stack, 128 peers on one key with one
-    # peer cut, 28 peers without a group). A request that got no answer is not repeated.
-    async with trio.open_nursery() as nursery:
-        net = LocalNet(nursery, latency=0.01)
-        mms = make(net, n, target_group_size=16, min_matchmaking_time=5.0, request_timeout=3.0)
-        net.freeze(mms[0].backend.local_peer)  # declared, then cut off: first in the order
-        starts = [0.05 * i for i in range(n)]
-        results, _ = await run_all(mms, ["run.0b"] * n, window=10.0, starts=starts)
-        groups = check_consistent(mms, {i: results[i] for i in range(1, n)})
-        assert sorted(len(members) for members in groups.values()) == [n - 1], groups
-        nursery.cancel_scope.cancel()
-
-
 async def test_banned_peers_are_avoided(autojump_clock):
     async with trio.open_nursery() as nursery:
         net = LocalNet(nursery)
