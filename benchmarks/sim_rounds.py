@@ -216,8 +216,12 @@ def average_with_dead(values: torch.Tensor, group: list[int], dead: set[int]) ->
 class RulesSwarm:
     """N peers' keys (real GroupKeyManagers) and float32 values, round by round."""
 
-    def __init__(self, cfg: Config, seed: int):
+    def __init__(self, cfg: Config, seed: int, replay: Sequence[Sequence[int]] = ()):
+        """``replay``: the peers that fail in rounds 1, 2, ... (``sim_swarm.py``'s ``cut``:
+        the same failures as a run of the full stack); later rounds draw at ``cfg.fail``."""
         self.cfg = cfg
+        self.replay = list(replay)
+        self.rounds_done = 0
         self.rng = random.Random(seed)
         self.managers = make_managers(cfg, self.rng)
         self.values = initial_values(cfg.peers, cfg.numel, seed)
@@ -242,6 +246,9 @@ class RulesSwarm:
     def round(self) -> None:
         cfg, n = self.cfg, self.cfg.peers
         failing = {i for i in range(n) if self.rng.random() < cfg.fail}
+        if self.rounds_done < len(self.replay):
+            failing = set(self.replay[self.rounds_done])
+        self.rounds_done += 1
         in_groups = set(range(n)) - failing if cfg.failure == "sitout" else set(range(n))
         by_key, groups = self.form_groups(sorted(in_groups))
         # adaptive grids: one round in PROBE_EVERY a peer also counts a longer key's peers
@@ -373,11 +380,29 @@ def result(model: str, cfg: Config, runs: list[Run], seconds: float) -> dict:
     return row
 
 
-def measure(model: str, cfg: Config, seeds: Sequence[int], runs_out: bool = False) -> dict:
+def read_replay(path: str) -> dict[int, list[list[int]]]:
+    """Per seed, the peers cut in each round of a ``sim_swarm.py`` run (its JSON lines)."""
+    cuts: dict[int, list[list[int]]] = defaultdict(list)
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        if row.get("kind") == "round" and "cut" in row:
+            cuts[row["seed"]].append(row["cut"])
+    return dict(cuts)
+
+
+def measure(
+    model: str,
+    cfg: Config,
+    seeds: Sequence[int],
+    runs_out: bool = False,
+    replay: dict[int, list[list[int]]] | None = None,
+) -> dict:
     t0 = time.perf_counter()
     runs = []
     for seed in seeds:
-        if model == "paper":
+        if replay is not None:
+            run = RulesSwarm(cfg, seed, replay[seed]).run(seed)
+        elif model == "paper":
             run = paper_run(cfg.peers, cfg.grid or cfg.group_size, cfg.fail, seed, cfg.max_rounds)
         elif model == "allreduce":
             run = allreduce_run(cfg.peers, cfg.fail, seed, cfg.max_rounds)
@@ -438,6 +463,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=20, help="seeds 0..n-1")
     p.add_argument("--max-rounds", type=int, default=MAX_ROUNDS)
     p.add_argument("--runs", action="store_true", help="also one line per seed")
+    p.add_argument(
+        "--replay", default=None,
+        help="sim_swarm.py's output: its seeds, and in each round the peers it cut",
+    )  # fmt: skip
     args = p.parse_args(argv)
     seeds = range(args.seeds)
     if args.peers is None:
@@ -468,7 +497,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if cfg.group_size is None or math.isnan(cfg.group_size):
         p.error("--adaptive needs --group-size")
-    print(json.dumps(measure(args.model, cfg, seeds, args.runs)), flush=True)
+    replay = read_replay(args.replay) if args.replay else None
+    if replay is not None:
+        seeds = sorted(replay)
+    print(json.dumps(measure(args.model, cfg, seeds, args.runs, replay)), flush=True)
 
 
 if __name__ == "__main__":

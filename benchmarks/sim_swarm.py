@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import random
 import resource
 import sys
 import time
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -53,11 +55,13 @@ import trio.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.sim_rounds import MIN_GROUP_SIZE, VARIANCE_TARGET, average_groups  # noqa: E402
 from dht.kademlia.clock import dht_clock, trio_clock  # noqa: E402
 from dht.kademlia.simulation import Swarm, open_swarm  # noqa: E402
 from dht.p2p import MemoryNetwork  # noqa: E402
 from dht.p2p.memory import LinkConfig  # noqa: E402
 from moshpit.averaging.averager import Averager  # noqa: E402
+from moshpit.averaging.step_result import StepResult  # noqa: E402
 
 MBIT = 1e6 / 8  # bytes per second
 JOIN_CONCURRENCY = 16
@@ -130,6 +134,127 @@ def initial_values(n: int, numel: int, seed: int) -> list[torch.Tensor]:
     return list(torch.randn(n, numel, generator=g, dtype=torch.float32))
 
 
+class MatchmakingEvents(logging.Handler):
+    """Counts what matchmaking logs at DEBUG about lost leaders: a follower whose leader
+    went silent (cut off) or sent no group by the deadline looks on, late in the round."""
+
+    EVENTS = {
+        "leader %s silent for %.1fs: looking on": "leader_silent",
+        "leader %s did not send a group in time": "leader_late",
+        "join request to %s timed out": "join_timed_out",
+    }
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.counts: Counter[str] = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        name = self.EVENTS.get(record.msg) if isinstance(record.msg, str) else None
+        if name is not None:
+            self.counts[name] += 1
+
+    @classmethod
+    def install(cls) -> MatchmakingEvents:
+        handler = cls()
+        log = logging.getLogger("moshpit.averaging.matchmaking")
+        log.setLevel(logging.DEBUG)
+        log.addHandler(handler)
+        log.propagate = False  # the DEBUG lines themselves go nowhere
+        return handler
+
+
+def paper_variance(values: torch.Tensor) -> float:
+    """The paper's metric (as ``sim_rounds.variance``): the variance of all peers' values
+    around their mean now, per element, averaged over elements; values start N(0, 1)."""
+    return float(values.double().var(0, unbiased=False).mean())
+
+
+def histogram(sizes: Sequence[int]) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(Counter(sizes).items())}
+
+
+def rules_view(
+    keys: Sequence[str],
+    before: torch.Tensor,
+    failing: set[int],
+    results: Sequence[StepResult],
+    index: dict,
+    m: int,
+    rng: random.Random,
+    cut_before: set[int] | None = None,  # the peers cut in the round before
+    last_groups: Sequence[Sequence[int]] = (),  # the groups formed in the round before
+) -> dict:
+    """What ``sim_rounds.py``'s rules would do with this round's keys and failures, next to
+    what the stack did: the peers declared per key, the groups the rules form (live peers
+    under a key, in groups of up to ``m``; a failed peer sits out) and the groups that
+    formed, the variance after each, and why each live peer without an averaged step lost
+    it. ``before``: the values at the start of the round (float32, one row per peer)."""
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        by_key[key].append(i)
+    predicted: list[list[int]] = []
+    for peers in by_key.values():
+        live = [i for i in peers if i not in failing]
+        rng.shuffle(live)
+        predicted.extend(live[k : k + m] for k in range(0, len(live), m))
+    predicted = [g for g in predicted if len(g) >= MIN_GROUP_SIZE]
+    after = before.clone()
+    average_groups(after, predicted)
+    formed: dict[bytes, list[int]] = {}
+    for r in results:
+        if r.group_id is not None:
+            formed[r.group_id] = [index[p] for p in r.members]
+    lost: Counter[str] = Counter()
+    for i, r in enumerate(results):
+        if i in failing:
+            continue
+        if r.group_id is None:
+            # a cut peer under our key: our leader (or one we waited on) may have been it
+            live = [j for j in by_key[keys[i]] if j not in failing]
+            if len(live) < MIN_GROUP_SIZE:
+                lost["no_group, alone under the key (the rules too)"] += 1
+            elif len(live) < len(by_key[keys[i]]):
+                lost["no_group, a cut peer under the key"] += 1
+            elif cut_before and cut_before.intersection(live):
+                lost["no_group, a peer cut last round under the key"] += 1
+            else:
+                lost["no_group, in time"] += 1
+        elif not r.succeeded:
+            cut = failing.intersection(formed[r.group_id])
+            lost["group failed, a cut member" if cut else "group failed"] += 1
+        elif r.complete_fraction < 1.0:
+            lost["partial, a cut member"] += 1
+    # keys whose live peers the rules put in fewer groups than formed there (a split)
+    rules_groups = Counter(keys[g[0]] for g in predicted)
+    formed_groups = Counter(keys[g[0]] for g in formed.values())
+    # the groups that formed, had their cut members sat out (as the rules' failures do): the
+    # gap to the rules is matchmaking's, the gap from here to the result the all-reduce's
+    as_formed = before.clone()
+    live_groups = [[i for i in g if i not in failing] for g in formed.values()]
+    average_groups(as_formed, [g for g in live_groups if len(g) >= MIN_GROUP_SIZE])
+    # pairs of this round's groups that were in one group the round before too: random
+    # groups of m out of n repeat ~(m - 1) / (n - 1) of them, a grid's next axis none
+    last = {i: k for k, g in enumerate(last_groups) for i in g}
+    pairs = repeats = 0
+    for g in formed.values():
+        for a in range(len(g)):
+            for b in range(a + 1, len(g)):
+                pairs += 1
+                repeats += g[a] in last and last.get(g[a]) == last.get(g[b])
+    return {
+        "groups": [sorted(g) for g in formed.values()],
+        "repeated_pairs": round(repeats / pairs, 3) if pairs else None,
+        "declared_per_key": histogram([len(p) for p in by_key.values()]),
+        "rules_group_sizes": histogram([len(g) for g in predicted]),
+        "formed_group_sizes": histogram([len(g) for g in formed.values()]),
+        "cut_in_formed_groups": sum(len(failing.intersection(g)) for g in formed.values()),
+        "split_keys": sum(formed_groups[k] > rules_groups[k] for k in formed_groups),
+        "lost": dict(sorted(lost.items())),
+        "rules_paper_variance": paper_variance(after),
+        "formed_paper_variance": paper_variance(as_formed),
+    }
+
+
 @dataclass
 class Sim:
     swarm: Swarm
@@ -139,6 +264,8 @@ class Sim:
     mean: torch.Tensor  # the global mean, float64, of the initial values
     scale: float  # max |x_i - mean| at the start
     rng: random.Random
+    target_group_size: int = 32
+    events: MatchmakingEvents | None = None
     variance0: float = 1.0
     history: list[dict] = field(default_factory=list)
 
@@ -175,24 +302,42 @@ class Sim:
         await trio.sleep(gap)
         n = len(self.averagers)
         failing = [i for i in range(n) if self.rng.random() < fail or i in cut]
+        keys = [a.keys.key for a in self.averagers]
+        before = torch.stack(self.values).clone()
+        if self.events is not None:
+            self.events.counts.clear()
         results: list = [None] * n
         t0, w0, c0 = trio.current_time(), time.perf_counter(), time.process_time()
 
+        done_at: dict[int, float] = {}
+
         async def step(i: int) -> None:
             results[i] = await self.averagers[i].astep()
+            done_at[i] = trio.current_time()
 
         async def fail_later(i: int, delay: float) -> None:
             await trio.sleep(delay)
             self.net.cut(port_of(self.swarm.nodes[i]))
 
         async with trio.open_nursery() as nursery:
-            for i in failing:
-                nursery.start_soon(fail_later, i, self.rng.uniform(0, fail_window))
+            cut_delay = {i: self.rng.uniform(0, fail_window) for i in failing}
+            for i, delay in cut_delay.items():
+                nursery.start_soon(fail_later, i, delay)
             for i in range(n):
                 nursery.start_soon(step, i)
         if isinstance(self.net, WanNetwork):
             self.net.restore()
         sizes = [r.group_size for r in results if r.succeeded]
+        index = {node.host.peer_id: i for i, node in enumerate(self.swarm.nodes)}
+        # a peer cut after its step was over failed nobody (its round had ended)
+        hit = {i for i in failing if i not in done_at or done_at[i] > t0 + cut_delay[i]}
+        view = rules_view(
+            keys, before, hit, results, index, self.target_group_size,
+            random.Random(len(self.history)),  # not self.rng: the failures stay as they were
+            set(self.history[-1]["cut"]) if self.history else set(),
+            self.history[-1]["groups"] if self.history else (),
+        )  # fmt: skip
+        variance_before = paper_variance(before)
         row = {
             "kind": "round",
             "peers": n,
@@ -201,9 +346,21 @@ class Sim:
             "consensus_error": self.consensus_error(),
             "drift": self.drift(),
             "variance": self.variance(),
+            "paper_variance": paper_variance(torch.stack(self.values)),
+            "factor": paper_variance(torch.stack(self.values)) / variance_before,
+            "rules_factor": view["rules_paper_variance"] / variance_before,
+            "formed_factor": view["formed_paper_variance"] / variance_before,
             "failed_peers": len(failing),
+            "cut_before_done": len(hit),
+            "cut": sorted(hit),  # sim_rounds.py --replay runs the rules with these failures
+            "alone": [i for i, r in enumerate(results) if not r.succeeded and i not in hit],
             "steps_failed": n - len(sizes),
             "mean_group_size": sum(sizes) / max(1, len(sizes)),
+            "steps_alone": sum(
+                1 for i, r in enumerate(results) if not r.succeeded and i not in hit
+            ),
+            **view,
+            "matchmaking_events": dict(self.events.counts) if self.events is not None else {},
             "reasons": sorted({r.reason for r in results if not r.succeeded})[:3],
             "virtual_s": round(trio.current_time() - t0, 3),
             "wall_s": round(time.perf_counter() - w0, 2),
@@ -259,7 +416,7 @@ async def open_sim(
             )
             for i, node in enumerate(swarm.nodes)
         ]
-        sim = Sim(swarm, net, averagers, values, mean, scale, random.Random(seed))
+        sim = Sim(swarm, net, averagers, values, mean, scale, random.Random(seed), m)
         sim.variance0 = sim.variance()
         try:
             yield sim
@@ -282,6 +439,7 @@ async def run_one(args: argparse.Namespace, seed: int) -> dict:
             grid=args.grid,
             target_group_size=args.group_size,
         ) as sim:
+            sim.events = MatchmakingEvents.install()
             setup_wall = time.perf_counter() - w0
             setup_virtual = trio.current_time()
             setup_cpu = time.process_time() - c0
@@ -296,7 +454,8 @@ async def run_one(args: argparse.Namespace, seed: int) -> dict:
                 if row["error"] <= args.tolerance and reached is None:
                     reached = r
                 # once the peers agree, later rounds cannot undo a drift of the mean
-                if row["consensus_error"] <= args.tolerance and not args.keep_going:
+                agree = row["consensus_error"] <= args.tolerance or args.until_variance
+                if agree and row["paper_variance"] < VARIANCE_TARGET and not args.keep_going:
                     break
             total_wall = time.perf_counter() - w0
             total_cpu = time.process_time() - c0
@@ -311,6 +470,14 @@ async def run_one(args: argparse.Namespace, seed: int) -> dict:
                 "numel": args.numel,
                 "tolerance": args.tolerance,
                 "rounds_to_tolerance": reached,
+                # the paper's metric, as sim_rounds.py counts it (the cap when not reached)
+                "rounds_to_variance_1e-9": next(
+                    (h["round"] for h in sim.history if h["paper_variance"] < VARIANCE_TARGET),
+                    None,
+                ),
+                "factors": [float(f"{h['factor']:.3g}") for h in sim.history],
+                "rules_factors": [float(f"{h['rules_factor']:.3g}") for h in sim.history],
+                "formed_factors": [float(f"{h['formed_factor']:.3g}") for h in sim.history],
                 "errors": [h["error"] for h in sim.history],
                 "consensus_errors": [h["consensus_error"] for h in sim.history],
                 "rounds_to_consensus": next(
@@ -345,6 +512,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tolerance", type=float, default=1e-6)
     p.add_argument("--max-rounds", type=int, default=20)
     p.add_argument("--keep-going", action="store_true", help="run all max-rounds")
+    p.add_argument(
+        "--until-variance", action="store_true",
+        help="stop at the paper's variance < 1e-9, even if the max error is above tolerance",
+    )  # fmt: skip
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--profile", type=str, default=None, help="pyinstrument HTML/text to this")
     args = p.parse_args(argv)

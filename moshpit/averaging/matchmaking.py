@@ -120,6 +120,8 @@ __all__ = [  # the public names, wherever they live
 logger = logging.getLogger(__name__)
 
 MAX_TRIES = 3  # join attempts per declaration that answered "busy"/timed out/redirected
+# a candidate redirected us to a leader we saw go silent: it will notice too, not a try spent
+ORPHANED = "orphaned"
 
 
 class Matchmaker(LeaderSide):
@@ -306,7 +308,8 @@ class Matchmaker(LeaderSide):
                     if isinstance(outcome, GroupInfo):
                         return outcome
                     tag = (cand.peer, cand.order)
-                    attempts[tag] = attempts.get(tag, 0) + 1 if outcome == RETRY else MAX_TRIES
+                    if outcome != ORPHANED:
+                        attempts[tag] = attempts.get(tag, 0) + 1 if outcome == RETRY else MAX_TRIES
                 next_poll = trio.current_time() + self.poll_interval
             wake = min(next_poll, rnd.deadline, self._finalize_time(rnd))
             with trio.move_on_at(max(wake, trio.current_time())):
@@ -377,7 +380,8 @@ class Matchmaker(LeaderSide):
         """Join ``peer``, following redirects (each one strictly earlier in the order).
 
         Returns a GroupInfo, :data:`RETRY` (the candidate may still lead later: it was busy or
-        following someone) or None (it will not take us this round).
+        following someone), :data:`ORPHANED` (it follows a leader we lost: ask again, it will
+        notice) or None (it will not take us this round).
         """
         retry = False
         for _ in range(MAX_GROUP_SIZE):
@@ -392,6 +396,10 @@ class Matchmaker(LeaderSide):
             peer, addrs = result
             # (a redirect target accepted a leader of our schema: it is skipped only if it
             # refused us while declaring what it declares now)
+            if peer in rnd.gone:
+                # a leader we lost: its other followers redirect to it until they notice
+                # (within a heartbeat of us), then lead or follow again: not a try spent
+                return ORPHANED
             if (
                 peer == rnd.me.peer
                 or self.is_banned(peer)
@@ -415,6 +423,7 @@ class Matchmaker(LeaderSide):
         request = self._join_request(rnd, remaining)
         rnd.probing = True
         stream = None
+        outcome: JoinOutcome = None
         try:
             with trio.move_on_after(min(self.request_timeout, remaining)) as cs:
                 stream = await self.backend.open_stream(
@@ -430,7 +439,8 @@ class Matchmaker(LeaderSide):
             if kind != "accepted":
                 return outcome
             self._follow(rnd, peer, addrs)
-            return await self._await_group(rnd, stream, peer, self._silence_limit(reply))
+            outcome = await self._await_group(rnd, stream, peer, self._silence_limit(reply))
+            return outcome
         except (MatchmakingError, GroupInfoError) as e:
             logger.warning("bad matchmaking reply from %s: %s", peer, e)
             return None
@@ -440,6 +450,11 @@ class Matchmaker(LeaderSide):
             logger.debug("join request to %s failed: %r", peer, e)
             return None
         finally:
+            if rnd.following is not None and outcome is None:
+                # the leader we followed is gone (silent, gave up, or its stream broke), and
+                # the others it led look on with us: a lead we take now waits for them
+                rnd.orphaned = trio.current_time()
+                rnd.gone.add(rnd.following)
             rnd.probing = False
             rnd.following, rnd.following_addrs = None, ()
             if stream is not None:

@@ -235,7 +235,15 @@ class LeaderSide:
             return rnd.deadline
         if self._everyone_joined(rnd):
             return rnd.started
-        return min(rnd.started + self.min_matchmaking_time, self._member_deadline(rnd))
+        start = rnd.started + self.min_matchmaking_time
+        if rnd.orphaned is not None:
+            # our leader went away and its other followers are looking on too, each noticing
+            # at its own heartbeat: past min_matchmaking_time the first of them to join us
+            # would start a group of two, and the rest split into pairs or stay alone (the
+            # full stack, a line of 16 whose leader was cut: groups of 2, 2, 2 and one alone).
+            # Give them one request's time to find us
+            start = max(start, rnd.orphaned + self.request_timeout)
+        return min(start, self._member_deadline(rnd))
 
     def _can_lead_now(self, rnd: MatchmakingRound) -> bool:
         if rnd.finished or rnd.following is not None or rnd.lead.outcome is not None:

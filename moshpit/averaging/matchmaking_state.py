@@ -121,6 +121,8 @@ class MatchmakingRound:
     me: Member
     lead: Lead = field(default_factory=Lead)
     following: PeerID | None = None  # peer we are joining right now (None: we lead)
+    orphaned: float | None = None  # when a leader that had accepted us went away (trio time)
+    gone: set[PeerID] = field(default_factory=set)  # such leaders: not asked again this round
     following_addrs: tuple[str, ...] = ()
     probing: bool = False  # asking someone to lead us (not accepted yet)
     finished: bool = False

@@ -353,6 +353,41 @@ async def test_leader_that_stalls_loses_its_followers_who_regroup(autojump_clock
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("latency", [0.001, 0.02])
+@pytest.mark.parametrize("freeze_at", [1.5, 2.5])
+async def test_followers_of_a_lost_leader_regroup_whole_past_min_matchmaking_time(
+    autojump_clock, latency, freeze_at
+):
+    # A line of 8 (groups of up to 16: it waits min_matchmaking_time) whose leader stalls.
+    # Its 7 followers joined over 0.8 s, so each notices the silence at its own heartbeat,
+    # by then past min_matchmaking_time. The first orphan to lead started a group with the
+    # first one to join it, the others were turned away or redirected to the lost leader:
+    # groups of 2, 2 and 2 and one peer alone (as measured on the full stack,
+    # benchmarks/sim_swarm.py: a cut leader's line in pairs and peers without a group).
+    # An orphan that leads waits one request's time for the others, and a redirect to the
+    # lost leader does not count as a try of the peer that sent it.
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery, latency=latency)
+        mms = make(net, 8, target_group_size=16, min_matchmaking_time=3.0, request_timeout=3.0)
+        frozen = []
+
+        async def freezer():
+            await trio.sleep(freeze_at)
+            leader = next(m for m in mms if m._round is not None and m._round.followers)
+            assert len(leader._round.followers) == 7
+            frozen.append(leader)
+            net.freeze(leader.backend.local_peer)
+
+        nursery.start_soon(freezer)
+        starts = [0.11 * i for i in range(8)]
+        results, finished = await run_all(mms, ["run.0b"] * 8, window=8.0, starts=starts)
+        (leader,) = frozen
+        good = {i: results[i] for i, m in enumerate(mms) if m is not leader}
+        groups = check_consistent(mms, good)
+        assert sorted(len(members) for members in groups.values()) == [7], groups
+        nursery.cancel_scope.cancel()
+
+
 async def test_banned_peers_are_avoided(autojump_clock):
     async with trio.open_nursery() as nursery:
         net = LocalNet(nursery)
