@@ -23,7 +23,7 @@ from .base import (
     expect_len,
     meta_float,
 )
-from .errors import MalformedMessageError
+from .errors import MalformedMessageError, PayloadValueError
 
 FP16_MAX = 65504.0
 # Scales are powers of two so that multiplying by them is exact; this range keeps both the
@@ -106,6 +106,14 @@ class NoCompression(Codec):
     def validate(cls, ct: CompressedTensor) -> None:
         itemsize = torch.empty((), dtype=EXACT_DTYPES[ct.dtype]).element_size()
         expect_len(ct, ct.numel * itemsize)
+        if ct.dtype == "bool" and ct.numel:
+            # torch reads any nonzero byte as a bool it then mishandles (3 is "True" but not
+            # equal to True); a sender's torch only ever writes 0 and 1
+            raw = _bytes.view(ct.payload, torch.uint8, ct.numel)
+            if int(raw.max()) > 1:
+                raise PayloadValueError(
+                    f"a bool payload holds byte {int(raw.max())}: only 0 and 1 are bools"
+                )
 
     @classmethod
     def decode(cls, ct: CompressedTensor, device: torch.device) -> torch.Tensor:

@@ -125,6 +125,18 @@ def test_non_finite_scales_in_payload_rejected():
             CompressedTensor.from_msg({**msg, "payload": bytes(payload)}, max_numel=300)
 
 
+def test_a_raw_bool_payload_holds_only_0_and_1():
+    """Found by the decoder fuzzer: byte 3 in a raw bool tensor decoded to a bool torch
+    mishandles (it re-encodes as 1, so the message did not survive its own round trip)."""
+    from compression import NoCompression
+
+    msg = NoCompression().compress(torch.tensor([False, True, True])).to_msg()
+    assert bytes(msg["payload"]) == b"\x00\x01\x01"
+    assert parse_and_decode(msg).tolist() == [False, True, True]
+    with pytest.raises(PayloadValueError, match="only 0 and 1"):
+        parse_and_decode({**msg, "payload": b"\x00\x01\x03"})
+
+
 @settings(max_examples=60, deadline=None)
 @given(which=st.integers(0, len(all_codecs()) - 1), data=st.data())
 def test_random_corruption_never_crashes(which, data):
