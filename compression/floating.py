@@ -109,10 +109,10 @@ class NoCompression(Codec):
         if ct.dtype == "bool" and ct.numel:
             # torch reads any nonzero byte as a bool it then mishandles (3 is "True" but not
             # equal to True); a sender's torch only ever writes 0 and 1
-            raw = _bytes.view(ct.payload, torch.uint8, ct.numel)
-            if int(raw.max()) > 1:
+            largest = int(_bytes.view(ct.payload, torch.uint8, ct.numel).max())
+            if largest > 1:
                 raise PayloadValueError(
-                    f"a bool payload holds byte {int(raw.max())}: only 0 and 1 are bools"
+                    f"a bool payload holds byte {largest}: only 0 and 1 are bools"
                 )
 
     @classmethod

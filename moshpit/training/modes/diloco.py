@@ -139,7 +139,8 @@ def _regrouping_sides(spec: TwoWayCompression) -> None:
         feedback = getattr(spec, side)
         if type(feedback) is ErrorFeedback:
             scoped = _RegroupingFeedback(feedback.codec, feedback.max_keys)
-            scoped.load_state_dict(feedback.state_dict())
+            # the same tensors, on their devices, under scope 0 (no copy through the CPU)
+            scoped.restore({_scoped(k): r for k, r in feedback.snapshot().items()})
             setattr(spec, side, scoped)
 
 

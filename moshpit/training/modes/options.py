@@ -128,13 +128,9 @@ class DiLoCoOptions(ModeOptions):
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr!r}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
-        for name in ("topk_density", "reducer_density"):
-            value = getattr(self, name)
-            if value is None and name == "reducer_density":
-                continue
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not number or not 0 < value <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        _check_share("topk_density", self.topk_density)
+        if self.reducer_density is not None:
+            _check_share("reducer_density", self.reducer_density)
         check_integer("fragments", self.fragments, minimum=1)
         check_integer("overlap_steps", self.overlap_steps, minimum=0)
         if not isinstance(self.local_error_feedback, bool):
@@ -143,6 +139,12 @@ class DiLoCoOptions(ModeOptions):
             )
         check_seconds("round_timeout", self.round_timeout, positive=True, optional=True)
         check_seconds("refresh_period", self.refresh_period, positive=True, optional=True)
+
+
+def _check_share(name: str, value: object) -> None:
+    """A share of the values sent: a number in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
 
 
 _BY_MODE: dict[str, type[ModeOptions]] = {
