@@ -6,10 +6,13 @@ Protocol (``/moshpit/matchmaking/1.0.0``, one stream per join attempt, msgpack m
    value, subkey = its PeerID, value = ``{"x": order, "a": [multiaddrs], "m": mode,
    "s": schema}``, expiring at its matchmaking deadline; ``schema`` hashes the shapes of its
    tensors). ``(order, PeerID)`` totally orders the peers looking under a key: earlier
-   arrivals come first.
+   arrivals come first, and arrivals within ``ORDER_RESOLUTION`` (0.25 s) of each other are
+   shuffled anew every round (``matchmaking_blocks.rank``).
 2. It reads the key and asks the first peer *before it in that order* with the same schema to
-   lead it: ``{"prefix", "key", "x": order, "dl": seconds left, "m": mode, "bw",
-   "g": gathered, "n": size, "s": schema}``.
+   lead it. On a crowded key (more looking peers than ``target_group_size``) the order is cut
+   into blocks of one group each: a block's first peer leads and asks nobody, the others ask
+   it first (``matchmaking_blocks.py``). The request: ``{"prefix", "key", "x": order,
+   "dl": seconds left, "m": mode, "bw", "g": gathered, "n": size, "s": schema}``.
    The leader answers ``{"t": "accepted"}``, ``{"t": "redirect", "to": PeerID bytes, "a": addrs}``
    (it is itself following someone: ask them) or ``{"t": "reject", "why": reason}`` (another
    schema is refused first, with a reason starting "tensor schema mismatch"); an accepted
@@ -17,8 +20,9 @@ Protocol (``/moshpit/matchmaking/1.0.0``, one stream per join attempt, msgpack m
    a redirect (the leader merged into a better group) or a reject (the leader gave up).
 3. A leader finalizes as soon as it has ``target_group_size`` members; or (with
    ``start_when_all_joined``, which the averager sets for keys without grid bits) as soon as
-   every peer declared under the key (same schema, not banned) follows it, as seen by a
-   complete read of the key made after its newest follower joined; or once
+   every peer declared under the key (same schema, not banned; on a crowded key: every
+   peer of its block) follows it, as seen by a complete read of the key made after its
+   newest follower joined; or once
    ``min_matchmaking_time`` has passed with at least ``min_group_size`` members; or at the
    earliest deadline of its members if it has enough by then.
 
@@ -69,6 +73,7 @@ from moshpit.averaging.matchmaking_backend import (
     MsgStream,
     dispatcher_for_host,
 )
+from moshpit.averaging.matchmaking_blocks import Block, block_of
 from moshpit.averaging.matchmaking_leader import LeaderSide
 from moshpit.averaging.matchmaking_messages import (
     BUSY,
@@ -300,7 +305,7 @@ class Matchmaker(LeaderSide):
                     if attempts.get((c.peer, c.order), 0) < MAX_TRIES
                     and (client or self._before(c.order, c.peer, rnd.order, me))
                 ]
-                candidates.sort(key=lambda c: (c.order, self.backend.peer_to_bytes(c.peer)))
+                candidates = self._in_block_order(rnd, candidates, now)
                 for cand in candidates[:MAX_CANDIDATES]:
                     if trio.current_time() >= rnd.deadline:
                         break
@@ -310,10 +315,39 @@ class Matchmaker(LeaderSide):
                     tag = (cand.peer, cand.order)
                     if outcome != ORPHANED:
                         attempts[tag] = attempts.get(tag, 0) + 1 if outcome == RETRY else MAX_TRIES
+                        if attempts[tag] >= MAX_TRIES:
+                            rnd.passed_over.add(cand.peer)
                 next_poll = trio.current_time() + self.poll_interval
             wake = min(next_poll, rnd.deadline, self._finalize_time(rnd))
             with trio.move_on_at(max(wake, trio.current_time())):
                 await changed.wait()
+
+    def _in_block_order(
+        self, rnd: MatchmakingRound, candidates: list[Declaration], now: float
+    ) -> list[Declaration]:
+        """Whom to ask, in turn: on a crowded key our block's leader first, then every
+        earlier peer (earliest first); a block leader asks nobody while its block may still
+        come (see ``matchmaking_blocks.py``)."""
+        candidates = sorted(candidates, key=lambda c: self._rank(c.order, c.peer))
+        if rnd.block is not None and not rnd.block_settled:
+            return []  # read again at the next poll: the view of the key is still growing
+        leader = self._block_leader(rnd)
+        if leader is None:
+            return candidates
+        if leader == rnd.me.peer:
+            # a leader nobody joined within a request's time is a leader only in its own
+            # read of the key: it looks for a group as before
+            if rnd.followers or now < rnd.started + self.request_timeout:
+                return []
+            return candidates
+        return sorted(candidates, key=lambda c: c.peer != leader)
+
+    @staticmethod
+    def _block_leader(rnd: MatchmakingRound) -> PeerID | None:
+        """Who leads our block (None: no blocks, or nobody left in ours to lead it)."""
+        if rnd.block is None:
+            return None
+        return rnd.block.leader(passed_over=rnd.gone | rnd.passed_over)
 
     async def _read_declarations(self, rnd: MatchmakingRound) -> list[Declaration]:
         """Read the key; return the declarations we may ask to lead us (not us, not banned,
@@ -364,15 +398,41 @@ class Matchmaker(LeaderSide):
                 rnd.note_schema_conflict(c.peer, memory.why(c.peer) or SCHEMA_MISMATCH)
                 continue
             usable.append(c)
+        rnd.block = self._block(rnd, usable)
         if complete and rnd.joins == joins_before:
             # a withdrawn peer counts as one that may still come: on the shared key the
             # peers of the last round come back under the same key, and a leader that
             # started without waiting for them left them alone
-            rnd.declared = frozenset(c.peer for c in usable)
+            coming = frozenset(c.peer for c in usable)
+            if rnd.block is not None and self._block_leader(rnd) == me:
+                # a block leader waits for its block only: the withdrawn peers of a crowded
+                # key are mostly this round's other blocks, and a late arrival (or a peer
+                # back from its last round) ranks after us and starts a block of its own
+                coming = rnd.block.members - rnd.passed_over - rnd.gone - {me}
+            rnd.declared = coming
         elif rnd.joins == joins_before:
             rnd.declared = None  # untrusted read (timed out or missing records): keep waiting
         # ... but nobody asks a withdrawn peer to lead: it is not looking
         return [c for c in usable if c.looking and c.mode != MODE_CLIENT]
+
+    def _block(self, rnd: MatchmakingRound, usable: list[Declaration]) -> Block[PeerID] | None:
+        """Our block of the looking peers in ``usable`` (None: they all fit in one group).
+
+        Kept from the read that showed the most looking peers: once groups form, their
+        members withdraw and a later read shows fewer, which would cut other blocks."""
+        looking = [(self._rank(c.order, c.peer), c.peer, c.mode) for c in usable if c.looking]
+        looking.append((self._rank(rnd.order, rnd.me.peer), rnd.me.peer, self.mode))
+        basis = 0 if rnd.block is None else rnd.block.basis
+        # a read that shows more peers than the last one may show more still: declarations
+        # made at once reach the key's nodes one by one, and blocks cut from a partial view
+        # put a peer under another leader than its neighbours' views do (the full stack,
+        # 128 peers on one key, first rounds: 21-31 peers alone, groups of 2-9)
+        rnd.block_settled = len(looking) <= basis
+        if len(looking) < basis:
+            return rnd.block
+        looking.sort(key=lambda entry: entry[0])
+        ranked = [(peer, mode) for _, peer, mode in looking]
+        return block_of(ranked, rnd.me.peer, self.target_group_size)
 
     async def _follow_chain(
         self, rnd: MatchmakingRound, peer: PeerID, addrs: tuple[str, ...]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from moshpit.averaging.matchmaking_blocks import Block
 from moshpit.averaging.matchmaking_messages import MAX_WHY_CHARS
 
 if TYPE_CHECKING:
@@ -131,6 +132,11 @@ class MatchmakingRound:
     # joined (None: no such read yet); when all of them follow us we need not wait longer
     declared: frozenset[PeerID] | None = None
     joins: int = 0  # followers accepted so far (a read that overlaps a join is not trusted)
+    # our block of the key (None: everyone fits in one group), and the peers we stopped
+    # asking this round (they would not take us, or were unreachable): none of them leads it
+    block: Block[PeerID] | None = None
+    passed_over: set[PeerID] = field(default_factory=set)
+    block_settled: bool = False  # two reads in a row showed as many looking peers
     # peers that average tensors of another schema: never grouped with, reported if alone
     schema_conflicts: dict[PeerID, str] = field(default_factory=dict)
     # what each peer declared at the last read of the key (for SchemaMemory entries)
