@@ -5,7 +5,7 @@ not grown a grid yet, or an overfull grid line), asking "the earliest peer first
 peer ask the same leader. It fills up, and the rest then try full leaders one by one, each a
 dial and a round trip, while the peers they ask are busy asking someone else themselves. In a
 simulation of 128 peers on one key with groups of 16, 10-33 peers were left alone every
-round and half the groups were pairs.
+round and up to half the groups were pairs.
 
 With blocks, every peer ranks the looking peers it read and cuts the ranking into consecutive
 blocks of ``target_group_size``. A block's first peer leads it and asks nobody; the others ask
@@ -33,14 +33,18 @@ from moshpit.averaging.group_info import MODE_CLIENT
 # seconds of arrival order that a round shuffles: wider than the spread of a swarm that steps
 # together on one clock, narrower than the gap between a round's early and late arrivals
 ORDER_RESOLUTION = 0.25
+MAX_BUCKET = 2**62
 
 Rank = tuple[int, bytes, float, bytes]
 P = TypeVar("P", bound=Hashable)
 
 
 def rank(order: float, peer: bytes) -> Rank:
-    """The sort key of a declaration: earlier buckets first, shuffled inside a bucket."""
-    bucket = math.floor(order / ORDER_RESOLUTION)
+    """The sort key of a declaration: earlier buckets first, shuffled inside a bucket.
+
+    ``order`` comes from the network (finite, but any size): the bucket is clamped so that
+    it always fits the 8 bytes hashed."""
+    bucket = math.floor(max(-MAX_BUCKET, min(MAX_BUCKET, order / ORDER_RESOLUTION)))
     salt = bucket.to_bytes(8, "big", signed=True)
     shuffle = hashlib.blake2b(salt + peer, digest_size=8).digest()
     return (bucket, shuffle, order, peer)

@@ -31,6 +31,14 @@ def test_rank_keeps_arrival_order_across_buckets_and_shuffles_inside_one():
     assert first == again and first != later and first != sorted(peers)
 
 
+def test_rank_takes_any_finite_order_from_the_network():
+    # declarations and join requests carry the order; a finite 1e308 used to be hashable only
+    # after a bucket that overflowed 8 bytes (OverflowError while reading the key)
+    peer = Identity.generate().peer_id.to_bytes()
+    keys = [rank(x, peer) for x in (-1.7e308, -1e30, 0.0, 1e30, 1.7e308)]
+    assert keys == sorted(keys)
+
+
 def test_blocks_cut_the_ranking_into_groups_led_by_their_first_peer():
     ranked = [(f"p{i}", "node") for i in range(10)]
     assert block_of(ranked, "p3", 10) is None  # everyone fits: no blocks
