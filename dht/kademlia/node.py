@@ -44,7 +44,7 @@ from dht.kademlia.protocol import (
 )
 from dht.kademlia.records import DHTRecord, ValueWithExpiration
 from dht.kademlia.roles import NatRoles, RoleDecision, check_relay_setting, start_autonat
-from dht.kademlia.routing import Blacklist, Contact, KBucket, RoutingTable
+from dht.kademlia.routing import Blacklist, Contact, KBucket, OutageGuard, RoutingTable
 from dht.kademlia.search import LookupStats as LookupStats
 from dht.kademlia.search import SharedLookups
 from dht.kademlia.storage import LocalStorage, OwnedRecords, StorageLimits
@@ -150,6 +150,7 @@ class DHTNode:
         if handover and not client_mode:
             self.routing_table.on_change = self._handover.on_routing_change
         self.blacklist = Blacklist()
+        self.outage = OutageGuard()  # a dead link of ours is not the peers' fault
         self.storage = LocalStorage(limits)
         self.validators = default_validators(identity, validators)
         self.max_background_tasks = max_background_tasks
@@ -453,14 +454,36 @@ class DHTNode:
             response = await self.network.call(peer_id, request, self.rpc_timeout)
         except PeerUnreachableError as e:
             if not e.answered:
-                delay = self.blacklist.register_failure(peer_id, get_dht_time())
-                self.routing_table.remove(peer_id)
-                logger.debug("%s unreachable, banned for %.0fs: %s", peer_id, delay, e)
+                self._unanswered(peer_id, e)
             else:
+                self.reachable()
                 logger.debug("%s answered with an error: %s", peer_id, e)
             return None
         self.blacklist.register_success(peer_id)
+        self.reachable()
         return response
+
+    def _unanswered(self, peer_id: Any, error: Exception) -> None:
+        """An RPC got no answer: ban the peer and drop it, unless our own links look down."""
+        if self.outage.suspected:
+            logger.debug("%s unreachable, not banned (no peer answers us): %s", peer_id, error)
+            return
+        delay = self.blacklist.register_failure(peer_id, get_dht_time())
+        self.outage.failed(peer_id, self.routing_table.remove(peer_id))
+        logger.debug("%s unreachable, banned for %.0fs: %s", peer_id, delay, error)
+
+    def reachable(self) -> None:
+        """A peer answered us or asked us something: if every peer had failed us before,
+        the outage was ours, and the peers it cost are unbanned and back in the table."""
+        back = self.outage.recovered()
+        if not back:
+            return
+        now = get_dht_time()
+        for peer_id, contact in back:
+            self.blacklist.register_success(peer_id)
+            if contact is not None:
+                self.routing_table.add_or_update(contact, now)
+        logger.info("back from a network outage: %d peers unbanned", len(back))
 
     async def ping(self, peer_id: Any, fallback_addrs: Sequence[bytes] = ()) -> bool:
         """DHT-level ping; on success the peer (unless in client mode) enters the routing table."""

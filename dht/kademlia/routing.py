@@ -241,3 +241,45 @@ class Blacklist:
     def is_banned(self, peer_id: Hashable, now: float) -> bool:
         entry = self._banned.get(peer_id)
         return entry is not None and entry[0] > now
+
+
+OUTAGE_PEERS = 8  # distinct peers failing in a row, none answering between: our outage
+
+
+class OutageGuard:
+    """Tells a dead peer from a dead link of our own, and takes back what the latter cost.
+
+    Every RPC that gets no answer bans the peer it went to and drops it from the routing
+    table. When our own links are down, every RPC fails, and the node would come back with an
+    empty table and the whole swarm banned (in the 256-peer simulation, peers back from a cut
+    stayed alone for rounds). Peers failing in a row with no answer from anyone between them
+    are recorded here; from ``threshold`` of them on we stop blaming peers (``suspected``),
+    and the first answer afterwards (to an RPC of ours, or an RPC to us) hands back the
+    streak's peers, to be unbanned and put back. A shorter streak is the peers' own fault: an
+    answer only forgets it. With peers failing independently at a rate of 20%, 8 in a row
+    without an answer between happen about 3 times in a million.
+    """
+
+    def __init__(self, threshold: int = OUTAGE_PEERS, capacity: int = 256):
+        self.threshold = threshold
+        self.capacity = capacity
+        self._streak: OrderedDict[Hashable, Contact | None] = OrderedDict()
+
+    @property
+    def suspected(self) -> bool:
+        return len(self._streak) >= self.threshold
+
+    def failed(self, peer_id: Hashable, contact: Contact | None) -> None:
+        """``peer_id`` did not answer (``contact``: its routing entry, which was dropped)."""
+        self._streak[peer_id] = contact
+        self._streak.move_to_end(peer_id)
+        while len(self._streak) > self.capacity:
+            self._streak.popitem(last=False)
+
+    def recovered(self) -> list[tuple[Hashable, Contact | None]]:
+        """Someone answered: the streak's peers if it was an outage of ours, else nothing."""
+        if not self._streak:
+            return []
+        streak = list(self._streak.items()) if self.suspected else []
+        self._streak.clear()
+        return streak

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 async def handle_rpc(node: DHTNode, peer_id: Any, raw_request: Any) -> dict[str, Any]:
     """Serve one DHT RPC. Malformed requests raise DHTProtocolError (an error reply)."""
     request = parse_request(raw_request)
+    if peer_id != node.peer_id:
+        node.reachable()  # a peer reached us: our links work
     sender_addrs = request.sender.addrs
     if not request.sender.client and sender_addrs and peer_id != node.peer_id:
         sender_addrs = node.network.usable_addrs(sender_addrs, peer_id)
