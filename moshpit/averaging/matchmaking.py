@@ -423,11 +423,16 @@ class Matchmaker(LeaderSide):
         looking = [(self._rank(c.order, c.peer), c.peer, c.mode) for c in usable if c.looking]
         looking.append((self._rank(rnd.order, rnd.me.peer), rnd.me.peer, self.mode))
         basis = 0 if rnd.block is None else rnd.block.basis
-        # a read that shows more peers than the last one may show more still: declarations
+        # a read that shows a peer no read showed before may show more still: declarations
         # made at once reach the key's nodes one by one, and blocks cut from a partial view
         # put a peer under another leader than its neighbours' views do (the full stack,
         # 128 peers on one key, first rounds: 21-31 peers alone, groups of 2-9)
-        rnd.block_settled = len(looking) <= basis
+        seen = {peer for _, peer, _ in looking}
+        rnd.block_settled = seen <= rnd.seen_looking
+        if len(rnd.seen_looking) < 4 * MAX_CANDIDATES:  # bounded: a key churning without end
+            rnd.seen_looking |= seen
+        else:
+            rnd.block_settled = True
         if len(looking) < basis:
             return rnd.block
         looking.sort(key=lambda entry: entry[0])

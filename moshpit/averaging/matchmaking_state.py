@@ -136,7 +136,8 @@ class MatchmakingRound:
     # asking this round (they would not take us, or were unreachable): none of them leads it
     block: Block[PeerID] | None = None
     passed_over: set[PeerID] = field(default_factory=set)
-    block_settled: bool = False  # two reads in a row showed as many looking peers
+    block_settled: bool = False  # the last read showed no looking peer not seen before
+    seen_looking: set[PeerID] = field(default_factory=set)  # every looking peer read so far
     # peers that average tensors of another schema: never grouped with, reported if alone
     schema_conflicts: dict[PeerID, str] = field(default_factory=dict)
     # what each peer declared at the last read of the key (for SchemaMemory entries)
