@@ -6,12 +6,12 @@ Protocol (``/moshpit/matchmaking/1.0.0``, one stream per join attempt, msgpack m
    value, subkey = its PeerID, value = ``{"x": order, "a": [multiaddrs], "m": mode,
    "s": schema}``, expiring at its matchmaking deadline; ``schema`` hashes the shapes of its
    tensors). ``(order, PeerID)`` totally orders the peers looking under a key: earlier
-   arrivals come first, and arrivals within ``ORDER_RESOLUTION`` (0.25 s) of each other are
-   shuffled anew every round (``matchmaking_blocks.rank``).
+   arrivals come first.
 2. It reads the key and asks the first peer *before it in that order* with the same schema to
-   lead it. On a crowded key (more looking peers than ``target_group_size``) the order is cut
-   into blocks of one group each: a block's first peer leads and asks nobody, the others ask
-   it first (``matchmaking_blocks.py``). The request: ``{"prefix", "key", "x": order,
+   lead it. On a crowded key (more looking peers than ``target_group_size``) the peers are
+   ranked into blocks of one group each, arrivals within 0.25 s shuffled anew every round: a
+   block's earliest arrival leads and asks nobody, the others ask it first
+   (``matchmaking_blocks.py``). The request: ``{"prefix", "key", "x": order,
    "dl": seconds left, "m": mode, "bw", "g": gathered, "n": size, "s": schema}``.
    The leader answers ``{"t": "accepted"}``, ``{"t": "redirect", "to": PeerID bytes, "a": addrs}``
    (it is itself following someone: ask them) or ``{"t": "reject", "why": reason}`` (another
@@ -73,7 +73,7 @@ from moshpit.averaging.matchmaking_backend import (
     MsgStream,
     dispatcher_for_host,
 )
-from moshpit.averaging.matchmaking_blocks import Block, block_of
+from moshpit.averaging.matchmaking_blocks import Block, Rank, block_of, rank
 from moshpit.averaging.matchmaking_leader import LeaderSide
 from moshpit.averaging.matchmaking_messages import (
     BUSY,
@@ -328,7 +328,7 @@ class Matchmaker(LeaderSide):
         """Whom to ask, in turn: on a crowded key our block's leader first, then every
         earlier peer (earliest first); a block leader asks nobody while its block may still
         come (see ``matchmaking_blocks.py``)."""
-        candidates = sorted(candidates, key=lambda c: self._rank(c.order, c.peer))
+        candidates = sorted(candidates, key=lambda c: (c.order, self.backend.peer_to_bytes(c.peer)))
         if rnd.block is not None and not rnd.block_settled:
             return []  # read again at the next poll: the view of the key is still growing
         leader = self._block_leader(rnd)
@@ -415,6 +415,10 @@ class Matchmaker(LeaderSide):
         # ... but nobody asks a withdrawn peer to lead: it is not looking
         return [c for c in usable if c.looking and c.mode != MODE_CLIENT]
 
+    def _rank(self, order: float, peer: PeerID) -> Rank:
+        """Where a declaration falls when the key is cut into blocks."""
+        return rank(order, self.backend.peer_to_bytes(peer))
+
     def _block(self, rnd: MatchmakingRound, usable: list[Declaration]) -> Block[PeerID] | None:
         """Our block of the looking peers in ``usable`` (None: they all fit in one group).
 
@@ -422,6 +426,7 @@ class Matchmaker(LeaderSide):
         members withdraw and a later read shows fewer, which would cut other blocks."""
         looking = [(self._rank(c.order, c.peer), c.peer, c.mode) for c in usable if c.looking]
         looking.append((self._rank(rnd.order, rnd.me.peer), rnd.me.peer, self.mode))
+        arrival = {peer: (key[2], key[3]) for key, peer, _ in looking}  # (order, peer bytes)
         basis = 0 if rnd.block is None else rnd.block.basis
         # a read that shows a peer no read showed before may show more still: declarations
         # made at once reach the key's nodes one by one, and blocks cut from a partial view
@@ -437,7 +442,7 @@ class Matchmaker(LeaderSide):
             return rnd.block
         looking.sort(key=lambda entry: entry[0])
         ranked = [(peer, mode) for _, peer, mode in looking]
-        return block_of(ranked, rnd.me.peer, self.target_group_size)
+        return block_of(ranked, rnd.me.peer, self.target_group_size, lead_order=arrival.__getitem__)
 
     async def _follow_chain(
         self, rnd: MatchmakingRound, peer: PeerID, addrs: tuple[str, ...]

@@ -8,25 +8,29 @@ simulation of 128 peers on one key with groups of 16, 10-33 peers were left alon
 round and up to half the groups were pairs.
 
 With blocks, every peer ranks the looking peers it read and cuts the ranking into consecutive
-blocks of ``target_group_size``. A block's first peer leads it and asks nobody; the others ask
-it first. Reads that differ a little still meet: a peer that is not a leader redirects to the
-leader it follows, and the old order (every earlier peer, earliest first) remains the fallback.
+blocks of ``target_group_size``. A block's earliest arrival leads it and asks nobody; the
+others ask it first. Reads that differ a little still meet: a peer that is not a leader
+redirects to the leader it follows, and the old order (every earlier peer, earliest first)
+remains the fallback.
 
-The rank is ``(bucket of the order, hash of bucket and peer, order, peer)``: a total order
-that every peer computes alike from the declarations. Peers that arrive in different buckets
-keep their arrival order, so a late arrival lands in the last block and does not reshuffle
-the earlier ones. Peers that arrive within one bucket (a swarm that steps together) are
-shuffled anew every round; ranked by arrival alone they would form the same groups round
-after round (seen in the same simulation: factors of 0.8-0.96 per round from round 4 on).
+The rank is ``(bucket of the order, hash of bucket and peer, order, peer)``, which every peer
+computes alike from the declarations. Peers that arrive in different buckets keep their
+arrival order, so a late arrival lands in the last block and does not reshuffle the earlier
+ones. Peers that arrive within one bucket (a swarm that steps together) are shuffled anew
+every round; ranked by arrival alone they would form the same groups round after round (seen
+in the same simulation: factors of 0.8-0.96 per round from round 4 on). The rank only sorts
+peers into blocks: who may ask whom stays the arrival order, ``(order, peer)``. Used for
+that as well, it cost a poll interval (0.25 s) whenever a later arrival ranked first and had
+to wait for the earlier one's next read: an ADPSGD test with 3 peers ran 72 s instead of 38.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from moshpit.averaging.group_info import MODE_CLIENT
 
@@ -54,7 +58,7 @@ def rank(order: float, peer: bytes) -> Rank:
 class Block(Generic[P]):
     """Our block of the ranking, as one read of the key showed it."""
 
-    ranked: tuple[tuple[P, str], ...]  # its peers and their modes in rank order, us included
+    ranked: tuple[tuple[P, str], ...]  # its peers and their modes, us included, leader first
     basis: int  # how many looking peers that read showed
 
     @property
@@ -69,11 +73,22 @@ class Block(Generic[P]):
         )
 
 
-def block_of(ranked: Sequence[tuple[P, str]], me: P, size: int) -> Block[P] | None:
+def block_of(
+    ranked: Sequence[tuple[P, str]],
+    me: P,
+    size: int,
+    lead_order: Callable[[P], Any] | None = None,
+) -> Block[P] | None:
     """Our block of ``ranked`` (looking peers and their modes, in rank order, us included),
-    or None when everyone fits in one group (no blocks: the whole key is one group)."""
+    or None when everyone fits in one group (no blocks: the whole key is one group).
+
+    ``lead_order``: who of the block leads first (the matchmaker passes the arrival order,
+    which requests must follow); None keeps the rank order."""
     if len(ranked) <= size:
         return None
     index = next(i for i, (peer, _) in enumerate(ranked) if peer == me)
     start = index - index % size
-    return Block(ranked=tuple(ranked[start : start + size]), basis=len(ranked))
+    block = list(ranked[start : start + size])
+    if lead_order is not None:
+        block.sort(key=lambda entry: lead_order(entry[0]))
+    return Block(ranked=tuple(block), basis=len(ranked))

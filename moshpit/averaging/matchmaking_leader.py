@@ -18,7 +18,6 @@ import trio
 
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, GroupInfo
 from moshpit.averaging.matchmaking_backend import MatchmakingBackend, MsgStream
-from moshpit.averaging.matchmaking_blocks import Rank, rank
 from moshpit.averaging.matchmaking_messages import (
     BUSY,
     HEARTBEAT_SECONDS,
@@ -62,13 +61,12 @@ class LeaderSide:
 
     # ---- ordering ----
 
-    def _rank(self, order: float, peer: PeerID) -> Rank:
-        """A declaration's place in the total order every peer computes alike."""
-        return rank(order, self.backend.peer_to_bytes(peer))
-
     def _before(self, order_a: float, peer_a: PeerID, order_b: float, peer_b: PeerID) -> bool:
         """Is (order_a, peer_a) strictly before (order_b, peer_b)?"""
-        return self._rank(order_a, peer_a) < self._rank(order_b, peer_b)
+        return (order_a, self.backend.peer_to_bytes(peer_a)) < (
+            order_b,
+            self.backend.peer_to_bytes(peer_b),
+        )
 
     # ---- accepting joiners ----
 

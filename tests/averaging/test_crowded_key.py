@@ -1,7 +1,7 @@
 """A crowded key: more peers look under one key than fit in one group (issue 33).
 
 Every peer cuts the ranking of the looking peers into blocks of ``target_group_size``; a
-block's first peer leads it. Before blocks, every peer asked the earliest peer first and the
+block's earliest arrival leads it. Before blocks, every peer asked the earliest peer first and the
 rest went through full leaders one by one: 64 peers with groups of 16 on one key left peers
 alone or in pairs, and arrivals at the same instant formed the same groups every round.
 """

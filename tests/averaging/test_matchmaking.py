@@ -26,7 +26,6 @@ from moshpit.averaging.matchmaking import (
     MatchmakingError,
     SchemaMemory,
 )
-from moshpit.averaging.matchmaking_blocks import ORDER_RESOLUTION
 
 
 class ChannelStream:
@@ -590,9 +589,7 @@ async def test_a_refusal_for_our_schema_is_remembered_until_the_peer_declares_an
         leader, joiner = make_schema(net, [SCHEMA_A, None])
         lead_peer = leader.backend.local_peer
         for _ in range(3):
-            results, _ = await run_all(
-                [leader, joiner], ["run.0b"] * 2, starts=[0.0, ORDER_RESOLUTION]
-            )
+            results, _ = await run_all([leader, joiner], ["run.0b"] * 2, starts=[0.0, 0.1])
             assert results == {0: None, 1: None}
             assert lead_peer in joiner.last_schema_conflicts  # still reported every round
         assert joiner.backend.dialed[lead_peer] == 1 and joiner.schema_refusals == 1
@@ -602,7 +599,7 @@ async def test_a_refusal_for_our_schema_is_remembered_until_the_peer_declares_an
             leader.backend, "run", schema=SCHEMA_B, target_group_size=4, request_timeout=1.0
         )
         for _ in range(2):
-            await run_all([leader, joiner], ["run.0b"] * 2, starts=[0.0, ORDER_RESOLUTION])
+            await run_all([leader, joiner], ["run.0b"] * 2, starts=[0.0, 0.1])
         assert joiner.backend.dialed[lead_peer] == 2 and joiner.schema_refusals == 2
         nursery.cancel_scope.cancel()
 

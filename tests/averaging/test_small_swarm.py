@@ -17,7 +17,6 @@ from dht.p2p import MemoryNetwork
 from dht.p2p.identity import Identity
 from moshpit.averaging.averager import Averager
 from moshpit.averaging.matchmaking import Declaration, Matchmaker
-from moshpit.averaging.matchmaking_blocks import ORDER_RESOLUTION
 from tests.averaging.test_matchmaking import LocalBackend, LocalNet, make, run_all
 
 EARLY = dict(start_when_all_joined=True)  # what the averager sets for keys without grid bits
@@ -95,12 +94,10 @@ async def test_a_join_during_a_read_is_not_missed(autojump_clock):
         leader = backend.matchmaker = Matchmaker(backend, "run", **kwargs)
         mms = [leader, *make(net, 2, **kwargs)]
         assert leader.poll_interval == 0.25
-        # arrivals a bucket of the order apart (ORDER_RESOLUTION): the first one leads
-        starts = [0.0, ORDER_RESOLUTION, 2 * ORDER_RESOLUTION]
-        results, finished = await run_all(mms, ["run.0b"] * 3, starts=starts)
+        results, finished = await run_all(mms, ["run.0b"] * 3, starts=[0.0, 0.05, 0.1])
         assert backend.stalled
         assert all(g is not None and g.size == 3 for g in results.values())
-        assert max(finished.values()) < starts[-1] + leader.poll_interval
+        assert max(finished.values()) < 0.1 + leader.poll_interval
         nursery.cancel_scope.cancel()
 
 
