@@ -73,7 +73,7 @@ from moshpit.averaging.matchmaking_backend import (
     MsgStream,
     dispatcher_for_host,
 )
-from moshpit.averaging.matchmaking_blocks import Block, Rank, block_of, rank
+from moshpit.averaging.matchmaking_blocks import Block, block_of, rank
 from moshpit.averaging.matchmaking_leader import LeaderSide
 from moshpit.averaging.matchmaking_messages import (
     BUSY,
@@ -415,19 +415,13 @@ class Matchmaker(LeaderSide):
         # ... but nobody asks a withdrawn peer to lead: it is not looking
         return [c for c in usable if c.looking and c.mode != MODE_CLIENT]
 
-    def _rank(self, order: float, peer: PeerID) -> Rank:
-        """Where a declaration falls when the key is cut into blocks."""
-        return rank(order, self.backend.peer_to_bytes(peer))
-
     def _block(self, rnd: MatchmakingRound, usable: list[Declaration]) -> Block[PeerID] | None:
         """Our block of the looking peers in ``usable`` (None: they all fit in one group).
 
         Kept from the read that showed the most looking peers: once groups form, their
         members withdraw and a later read shows fewer, which would cut other blocks."""
-        looking = [(self._rank(c.order, c.peer), c.peer, c.mode) for c in usable if c.looking]
-        looking.append((self._rank(rnd.order, rnd.me.peer), rnd.me.peer, self.mode))
-        arrival = {peer: (key[2], key[3]) for key, peer, _ in looking}  # (order, peer bytes)
-        basis = 0 if rnd.block is None else rnd.block.basis
+        looking = [(c.order, c.peer, c.mode) for c in usable if c.looking]
+        looking.append((rnd.order, rnd.me.peer, self.mode))
         # a read that shows a peer no read showed before may show more still: declarations
         # made at once reach the key's nodes one by one, and blocks cut from a partial view
         # put a peer under another leader than its neighbours' views do (the full stack,
@@ -438,9 +432,13 @@ class Matchmaker(LeaderSide):
             rnd.seen_looking |= seen
         else:
             rnd.block_settled = True
-        if len(looking) < basis:
+        if rnd.block is not None and len(looking) < rnd.block.basis:
             return rnd.block
-        looking.sort(key=lambda entry: entry[0])
+        if len(looking) <= self.target_group_size:
+            return None  # everyone fits: no ranking to compute
+        as_bytes = {peer: self.backend.peer_to_bytes(peer) for _, peer, _ in looking}
+        looking.sort(key=lambda entry: rank(entry[0], as_bytes[entry[1]]))
+        arrival = {peer: (order, as_bytes[peer]) for order, peer, _ in looking}
         ranked = [(peer, mode) for _, peer, mode in looking]
         return block_of(ranked, rnd.me.peer, self.target_group_size, lead_order=arrival.__getitem__)
 
