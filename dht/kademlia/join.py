@@ -118,6 +118,18 @@ async def reach_initial_peers(
     return attempts.joined
 
 
+async def try_initial_peers_once(
+    network: RPCNetwork, ping: Ping, initial_peers: list[Any], time_limit: float
+) -> list[Any]:
+    """One try at each initial peer at once, quietly: the PeerIDs that answered (a node
+    rejoining after its routing table emptied; see rejoin.py)."""
+    attempts = _Attempts(network, ping, initial_peers, trio.current_time() + time_limit)
+    async with trio.open_nursery() as nursery:
+        for address in list(attempts.pending):
+            nursery.start_soon(attempts.try_peer, address)
+    return attempts.joined
+
+
 class _Attempts:
     """What the tries so far found: who answered, the last failure of each, who refused."""
 

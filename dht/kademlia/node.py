@@ -43,6 +43,7 @@ from dht.kademlia.protocol import (
     sender_info,
 )
 from dht.kademlia.records import DHTRecord, ValueWithExpiration
+from dht.kademlia.rejoin import Rejoin
 from dht.kademlia.roles import NatRoles, RoleDecision, check_relay_setting, start_autonat
 from dht.kademlia.routing import Blacklist, Contact, KBucket, OutageGuard, RoutingTable
 from dht.kademlia.search import LookupStats as LookupStats
@@ -151,6 +152,7 @@ class DHTNode:
             self.routing_table.on_change = self._handover.on_routing_change
         self.blacklist = Blacklist()
         self.outage = OutageGuard()  # a dead link of ours is not the peers' fault
+        self.rejoin = Rejoin(self)  # the way back once every contact stopped answering
         self.storage = LocalStorage(limits)
         self.validators = default_validators(identity, validators)
         self.max_background_tasks = max_background_tasks
@@ -285,6 +287,8 @@ class DHTNode:
                         if node.handover and not client_mode:
                             nursery.start_soon(node._handover.run, nursery)
                         await node._bootstrap(initial_peers, bootstrap_timeout)
+                        node.rejoin.initial_peers = initial_peers
+                        nursery.start_soon(node.rejoin.run)
                         nursery.start_soon(node._maintenance_loop)
                         if node.autonat is not None:
                             nursery.start_soon(node.autonat.run)
@@ -447,8 +451,10 @@ class DHTNode:
 
     # ------------------------------------------------------------------ outgoing RPCs
 
-    async def _rpc(self, peer_id: Any, request: dict[str, Any]) -> Any:
-        if self.blacklist.is_banned(peer_id, get_dht_time()):
+    async def _rpc(
+        self, peer_id: Any, request: dict[str, Any], even_if_banned: bool = False
+    ) -> Any:
+        if not even_if_banned and self.blacklist.is_banned(peer_id, get_dht_time()):
             return None
         try:
             response = await self.network.call(peer_id, request, self.rpc_timeout)
@@ -469,7 +475,9 @@ class DHTNode:
             logger.debug("%s unreachable, not banned (no peer answers us): %s", peer_id, error)
             return
         delay = self.blacklist.register_failure(peer_id, get_dht_time())
-        self.outage.failed(peer_id, self.routing_table.remove(peer_id))
+        dropped = self.routing_table.remove(peer_id)
+        self.outage.failed(peer_id, dropped)
+        self.rejoin.dropped_contact(dropped)
         logger.debug("%s unreachable, banned for %.0fs: %s", peer_id, delay, error)
 
     def reachable(self) -> None:
@@ -485,9 +493,12 @@ class DHTNode:
                 self.routing_table.add_or_update(contact, now)
         logger.info("back from a network outage: %d peers unbanned", len(back))
 
-    async def ping(self, peer_id: Any, fallback_addrs: Sequence[bytes] = ()) -> bool:
-        """DHT-level ping; on success the peer (unless in client mode) enters the routing table."""
-        response = await self._rpc(peer_id, self._request("ping"))
+    async def ping(
+        self, peer_id: Any, fallback_addrs: Sequence[bytes] = (), *, even_if_banned: bool = False
+    ) -> bool:
+        """DHT-level ping; on success the peer (unless in client mode) enters the routing table.
+        ``even_if_banned``: ask a peer banned for not answering anyway (rejoin.py)."""
+        response = await self._rpc(peer_id, self._request("ping"), even_if_banned)
         if response is None:
             return False
         try:
