@@ -144,8 +144,7 @@ class DHTNode:
         self.republish_interval = placement.check_republish_interval(republish_interval)
         self.owned = OwnedRecords(max_republish_records, max_republish_bytes)
         self.maintenance = MaintenanceStats()
-        # RPCs this node answered, by type (monitoring reads it; never reset)
-        self.requests_served = {"ping": 0, "store": 0, "find": 0}
+        self.requests_served = {"ping": 0, "store": 0, "find": 0}  # answered; never reset
         self.routing_table = RoutingTable(self.node_id, bucket_size, self._refresh_far_bucket)
         self._handover = Handover(self)
         if handover and not client_mode:
