@@ -296,3 +296,56 @@ def test_without_a_public_address_the_status_line_says_it_does_not_relay(tmp_pat
         assert not any(line.startswith("Reachability:") for line in peer.output)
     finally:
         assert peer.stop() == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_peer_whose_contacts_all_died_rejoins_when_the_bootstrap_is_back(tmp_path):
+    """Every contact of a peer gone at once (its bootstrap and the other peer restarted): its
+    lookups fail, its routing table empties, and it used to stay alone for good (a server with
+    an empty table stores and reads locally, believing it is the whole DHT)."""
+    port = _free_port()
+    boot_args = ("--identity", str(tmp_path / "boot.pem"))
+    listen = ("--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
+    peers: list[Peer] = []
+    try:
+        bootstrap = Peer(*boot_args, *listen)
+        peers.append(bootstrap)
+        boot = bootstrap.start()[1][0]
+        survivor = Peer("--initial-peers", boot, "--refresh-period", "1", "--status-period", "0.5")
+        other = Peer("--initial-peers", boot, "--identity", str(tmp_path / "other.pem"))
+        peers += [survivor, other]
+        survivor.start(), other.start()
+
+        def contacts() -> int:
+            lines = [line for line in list(survivor.output) if "routing contacts" in line]
+            return int(lines[-1].split(" routing contacts")[0].split()[-1]) if lines else -1
+
+        def wait_for_contacts(ok, timeout: float) -> bool:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if ok(contacts()):
+                    return True
+                time.sleep(0.25)
+            return False
+
+        assert wait_for_contacts(lambda n: n == 2, 30), "".join(survivor.output)
+        bootstrap.stop(signal.SIGKILL), other.stop(signal.SIGKILL)
+        assert wait_for_contacts(lambda n: n == 0, 30), "".join(survivor.output)
+        bootstrap = Peer(*boot_args, *listen)  # back on the same address
+        other = Peer("--initial-peers", boot, "--identity", str(tmp_path / "other.pem"))
+        peers += [bootstrap, other]
+        bootstrap.start(), other.start()
+        assert wait_for_contacts(lambda n: n >= 2, 40), "".join(survivor.output[-30:])
+    finally:
+        for peer in peers:
+            if peer.proc.poll() is None:
+                peer.proc.kill()
+            peer.stop()
