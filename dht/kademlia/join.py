@@ -91,9 +91,7 @@ async def reach_initial_peers(
     attempts = _Attempts(network, ping, initial_peers, trio.current_time() + time_limit)
     delay = BOOTSTRAP_RETRY_FIRST
     for attempt in range(1, sys.maxsize):
-        async with trio.open_nursery() as nursery:
-            for address in list(attempts.pending):
-                nursery.start_soon(attempts.try_peer, address)
+        await attempts.try_all()
         remaining = attempts.deadline - trio.current_time()
         if attempts.joined or not attempts.pending or remaining < 2 * BOOTSTRAP_RETRY_FIRST:
             break
@@ -124,9 +122,7 @@ async def try_initial_peers_once(
     """One try at each initial peer at once, quietly: the PeerIDs that answered (a node
     rejoining after its routing table emptied; see rejoin.py)."""
     attempts = _Attempts(network, ping, initial_peers, trio.current_time() + time_limit)
-    async with trio.open_nursery() as nursery:
-        for address in list(attempts.pending):
-            nursery.start_soon(attempts.try_peer, address)
+    await attempts.try_all()
     return attempts.joined
 
 
@@ -147,6 +143,12 @@ class _Attempts:
         self.errors: dict[str, str] = {}  # the last failure of each initial peer
         self.refused: set[str] = set()  # initial peers whose last attempt was refused
         self.refused_since: float | None = None  # since when every initial peer refuses
+
+    async def try_all(self) -> None:
+        """One try at every initial peer still pending, all at once."""
+        async with trio.open_nursery() as nursery:
+            for address in list(self.pending):
+                nursery.start_soon(self.try_peer, address)
 
     async def try_peer(self, address: Any) -> None:
         self.refused.discard(str(address))

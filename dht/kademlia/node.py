@@ -359,21 +359,25 @@ class DHTNode:
         if not initial_peers:
             return
         joined = await reach_initial_peers(self.network, self.ping, initial_peers, time_limit)
-        # Kademlia's join: look up our own ID for the k (not beam) nearest peers. Every peer
-        # asked learns us (and hands over the records we are now closer to), and we learn our
-        # whole neighbourhood; with only beam_size, neighbours ranked 5-10 from a key often
-        # never met, so later lookups could stop short of the nearest replicas (issue 3).
+        await self.join_neighbourhood()
+        logger.info(
+            "joined the DHT through %d initial peer(s); %d contacts",
+            len(joined),
+            len(self.routing_table),
+        )
+
+    async def join_neighbourhood(self) -> None:
+        """Kademlia's join, once a peer answered (at start-up, or rejoining: rejoin.py)."""
+        # look up our own ID for the k (not beam) nearest peers. Every peer asked learns us
+        # (and hands over the records we are now closer to), and we learn our whole
+        # neighbourhood; with only beam_size, neighbours ranked 5-10 from a key often never
+        # met, so later lookups could stop short of the nearest replicas (issue 3).
         await self.find_nearest_peers(self.node_id, self.bucket_size)
         # ... then refresh every farther bucket (the join's second half), in the background:
         # the self-lookup meets only peers near us, and the buckets it split off were refreshed
         # with what the table knew then (docs/dht.md, "Fix found by this simulation").
         for bucket in [b for b in self.routing_table.buckets if not b.covers(self.node_id)]:
             self._refresh_far_bucket(bucket)
-        logger.info(
-            "joined the DHT through %d initial peer(s); %d contacts",
-            len(joined),
-            len(self.routing_table),
-        )
 
     async def _maintenance_loop(self) -> None:
         """Prune expired records; refresh buckets that saw no traffic for refresh_period."""

@@ -97,9 +97,7 @@ class Rejoin:
         for peer_id in self.dropped:  # with every contact gone, their bans were guesses
             node.blacklist.register_success(peer_id)
         self.dropped.clear()
-        await node.find_nearest_peers(node.node_id, node.bucket_size)
-        for bucket in [b for b in node.routing_table.buckets if not b.covers(node.node_id)]:
-            node._refresh_far_bucket(bucket)
+        await node.join_neighbourhood()
         self.rejoined += 1
         logger.info(
             "every DHT contact had stopped answering (this process paused, or its links "

@@ -328,7 +328,7 @@ class Matchmaker(LeaderSide):
         """Whom to ask, in turn: on a crowded key our block's leader first, then every
         earlier peer (earliest first); a block leader asks nobody while its block may still
         come (see ``matchmaking_blocks.py``)."""
-        candidates = sorted(candidates, key=lambda c: (c.order, self.backend.peer_to_bytes(c.peer)))
+        candidates = sorted(candidates, key=lambda c: self._arrival(c.order, c.peer))
         if rnd.block is not None and not rnd.block_settled:
             return []  # read again at the next poll: the view of the key is still growing
         leader = self._block_leader(rnd)

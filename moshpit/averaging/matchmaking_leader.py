@@ -61,12 +61,13 @@ class LeaderSide:
 
     # ---- ordering ----
 
+    def _arrival(self, order: float, peer: PeerID) -> tuple[float, bytes]:
+        """A declaration's place in the arrival order, which requests follow."""
+        return (order, self.backend.peer_to_bytes(peer))
+
     def _before(self, order_a: float, peer_a: PeerID, order_b: float, peer_b: PeerID) -> bool:
         """Is (order_a, peer_a) strictly before (order_b, peer_b)?"""
-        return (order_a, self.backend.peer_to_bytes(peer_a)) < (
-            order_b,
-            self.backend.peer_to_bytes(peer_b),
-        )
+        return self._arrival(order_a, peer_a) < self._arrival(order_b, peer_b)
 
     # ---- accepting joiners ----
 
