@@ -66,6 +66,10 @@ logger = logging.getLogger(__name__)
 # addresses announced for it (pass /ip4/127.0.0.1/tcp/0 to stay local to this machine)
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 SIGNATURES_ON_LOOP = 16  # default: more signed records than this are verified in a worker thread
+# Bucket refreshes: at most this many per maintenance pass (the rest wait for the next), and
+# this many lookups in flight together, so one slow lookup does not delay the others' refresh.
+MAX_REFRESHES_PER_PASS = 16
+REFRESH_LOOKUPS_AT_ONCE = 4
 # (under MockClock(autojump_threshold=0) a worker thread lets virtual time leap past every
 # timeout, so simulations raise max_signatures_on_loop to keep verification on the loop)
 StoreItem = tuple[Any, Any, Any, float]  # (key, subkey or None, value, expiration_time)
@@ -380,16 +384,30 @@ class DHTNode:
             self._refresh_far_bucket(bucket)
 
     async def _maintenance_loop(self) -> None:
-        """Prune expired records; refresh buckets that saw no traffic for refresh_period."""
+        """Prune expired records; refresh buckets that saw no traffic for refresh_period.
+
+        Passes run on a fixed beat, and each refreshes the buckets that would go stale before
+        the next one: checking only for buckets already stale let one wait a whole extra pass
+        (up to 1.5 refresh periods plus the lookups queued before it).
+        """
         period = min(self.refresh_period / 2, 60.0)
+        next_pass = trio.current_time()
         while True:
-            await trio.sleep(period)
+            next_pass += period
+            await trio.sleep_until(next_pass)
             self.storage.prune(get_dht_time())
             self.owned.prune(get_dht_time())
-            stale = self.routing_table.stale_buckets(get_dht_time(), self.refresh_period)
-            for bucket in stale[:16]:
-                await self.find_nearest_peers(random_id(bucket.lower, bucket.upper), self.beam_size)
-                bucket.last_updated = get_dht_time()
+            due = self.routing_table.stale_buckets(get_dht_time(), self.refresh_period - period)
+            limiter = trio.CapacityLimiter(REFRESH_LOOKUPS_AT_ONCE)
+            async with trio.open_nursery() as nursery:
+                for bucket in due[:MAX_REFRESHES_PER_PASS]:
+                    nursery.start_soon(self._refresh_bucket, bucket, limiter)
+            next_pass = max(next_pass, trio.current_time())
+
+    async def _refresh_bucket(self, bucket: KBucket, limiter: trio.CapacityLimiter) -> None:
+        async with limiter:
+            await self.find_nearest_peers(random_id(bucket.lower, bucket.upper), self.beam_size)
+            bucket.last_updated = get_dht_time()
 
     # ------------------------------------------------------------------ background helpers
 

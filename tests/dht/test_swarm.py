@@ -326,12 +326,19 @@ async def test_join_with_one_live_initial_peer_refresh_caching_and_blacklist(
         after = {n.peer_id for n in swarm.alive() if n.storage.get(key_id, get_dht_time())}
         assert len(after) >= len(before)
 
-        # with no user traffic, stale buckets are refreshed by lookups every refresh_period
+        # with no user traffic, buckets are refreshed by lookups every refresh_period: watched
+        # every second for 600 s, none goes unrefreshed for longer than that period and the
+        # refresh's own lookup (one RPC to the dead peer may cost rpc_timeout; a lookup queued
+        # behind it another). Checking only for buckets already stale let some reach 183 s.
         lookups = sum(len(n.lookup_stats) for n in swarm.alive())
-        await trio.sleep(600)
+        worst = 0.0
+        for _ in range(600):
+            await trio.sleep(1)
+            now = get_dht_time()
+            ages = [now - b.last_updated for n in swarm.alive() for b in n.routing_table.buckets]
+            worst = max(worst, *ages) if now > 200 else worst
         assert sum(len(n.lookup_stats) for n in swarm.alive()) > lookups
-        for node in swarm.alive():
-            assert node.routing_table.stale_buckets(get_dht_time(), 120.0 + 60.0 + 1.0) == []
+        assert 100 < worst <= 120.0 + 2 * 3.0 + 1.0
 
 
 async def test_many_owner_signed_subkeys_merge(autojump_clock, virtual_dht_time):
