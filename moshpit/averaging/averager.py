@@ -39,7 +39,7 @@ from moshpit.averaging.errors import AveragingError
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE, GroupInfo
 from moshpit.averaging.group_keys import GroupKeyManager
 from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, Matchmaker, SchemaMemory
-from moshpit.averaging.partition import empty_like_all
+from moshpit.averaging.partition import CHUNKS_PER_PEER, empty_like_all, round_link_seconds
 from moshpit.averaging.step_result import StepResult
 from moshpit.critical import critical_section
 
@@ -52,6 +52,11 @@ logger = logging.getLogger(__name__)
 # the longest a step waits, after matchmaking, for its look at the longer grid
 PROBE_WAIT_SECONDS = 1.0
 HARD_STEP_SLACK = 30.0  # s past a step's bound before it is abandoned (a safety net)
+# The all-reduce gets allreduce_timeout plus this many times what the group's slowest stated
+# link needs to carry the round: a fixed timeout failed every round of a model whose bytes
+# take longer than it on a home uplink (100M values at 4 bits in a group of 4 on 10 Mbit/s:
+# ~67 s against the 60-s default), however well the links were stated.
+LINK_TIME_FACTOR = 2.0
 
 __all__ = ["Averager", "AveragerLockError", "StepResult", "tensor_schema"]
 
@@ -222,6 +227,7 @@ class Averager:
         # peers of another tensor schema, across rounds (and averagers sharing the memory)
         self._schema_memory = schema_memory if schema_memory is not None else SchemaMemory()
         self._step_scopes: set[trio.CancelScope] = set()
+        self._hard_scope: trio.CancelScope | None = None  # the running step's safety net
         self._step_lock: trio.Lock | None = None
         self._mm_backend: _CountingBackend | None = None
         self._facade: DHT | None = None
@@ -542,11 +548,14 @@ class Averager:
                     # counted from now: waiting for a previous step (above) is bounded apart
                     now = trio.current_time()
                     hard_end = min(end, now + self._hard_step_bound()) + HARD_STEP_SLACK
-                    with trio.move_on_at(hard_end):
+                    with trio.move_on_at(hard_end) as hard_scope:
+                        self._hard_scope = hard_scope  # _step extends it for slow links
                         try:
                             return await self._step(key, float(weight), gather, started, end)
                         finally:
                             self.in_group = False
+                            self._hard_scope = None
+                    hard_end = hard_scope.deadline
                     logger.error(
                         "averaging step under %s ran past %.0fs although each of its phases "
                         "has a timeout; abandoned (please report this with the log above)",
@@ -582,6 +591,33 @@ class Averager:
         whatever it waits for; the phases' own timeouts should always end it before."""
         return self.matchmaking_timeout + self.allreduce_timeout + 4 * self.request_timeout
 
+    def allreduce_budget(self, group: GroupInfo) -> float:
+        """Seconds the all-reduce with ``group`` may take: ``allreduce_timeout`` plus
+        ``LINK_TIME_FACTOR`` times the round's time on the slowest link a member stated.
+
+        Every member computes the same from the GroupInfo (bandwidths, codec densities) and
+        the shared schema, so they give up together. Before any member reported its codec's
+        density, the widest dtype's size counts (an upper bound for every codec).
+        """
+        return self.allreduce_timeout + LINK_TIME_FACTOR * self._stated_link_seconds(group)
+
+    def _stall_limits(self, group: GroupInfo) -> tuple[float, float]:
+        """(sender_timeout, reducer_timeout): as configured, or 1/3 and 2/3 of
+        ``allreduce_timeout`` plus twice a chunk's time on the slowest stated link (a round
+        has at least ``CHUNKS_PER_PEER`` per sender pair). Not shares of the whole budget:
+        a member that stopped sending would then hold a slow-link round for most of it."""
+        chunk = LINK_TIME_FACTOR * self._stated_link_seconds(group) / CHUNKS_PER_PEER
+        return (
+            self.sender_timeout or self.allreduce_timeout / 3 + chunk,
+            self.reducer_timeout or 2 * self.allreduce_timeout / 3 + chunk,
+        )
+
+    def _stated_link_seconds(self, group: GroupInfo) -> float:
+        """``round_link_seconds`` for our tensors (0 where no member stated a bandwidth)."""
+        widest = max((t.element_size() for t in self._tensors), default=4)
+        link = round_link_seconds(group, self._numel, unknown_bytes_per_value=float(widest))
+        return link if link is not None else 0.0
+
     def _attached(self) -> tuple[Matchmaker, _CountingBackend, AllReduceService, Host]:
         """The parts :meth:`start` attached (a step before it is a bug in the caller)."""
         mm, backend, allreduce = self.matchmaker, self._mm_backend, self._allreduce
@@ -613,9 +649,12 @@ class Averager:
         if self._before_allreduce is not None:  # test/demo hook (e.g. die mid-round)
             await self._before_allreduce(group)
         # waiting for the tensor lock counts against the all-reduce's time (and the step's)
-        allreduce_end = trio.current_time() + min(
-            self.allreduce_timeout, max(end - trio.current_time(), 1e-3)
-        )
+        budget = self.allreduce_budget(group)
+        allreduce_end = trio.current_time() + min(budget, max(end - trio.current_time(), 1e-3))
+        if self._hard_scope is not None:  # the safety net counted only allreduce_timeout
+            after = allreduce_end + 4 * self.request_timeout
+            hard = min(after, end) + HARD_STEP_SLACK
+            self._hard_scope.deadline = max(self._hard_scope.deadline, hard)
         me = self._attached()[3].peer_id
         if not await self._acquire_lock(allreduce_end):
             next_key = self.keys.update_after_round(group.group_id, group.members, me, declared)
@@ -721,14 +760,15 @@ class Averager:
         """All-reduce with ``group`` until ``end`` and write the average into our tensors
         (the caller holds the tensor lock)."""
         matchmaker, _, allreduce, _ = self._attached()
+        sender_timeout, reducer_timeout = self._stall_limits(group)
         result = await allreduce.run(
             group,
             self._tensors,
             weight=0.0 if self.mode == MODE_AUX else weight,
             compression=self.compression,
             timeout=max(end - trio.current_time(), 1e-3),
-            sender_timeout=self.sender_timeout,
-            reducer_timeout=self.reducer_timeout,
+            sender_timeout=sender_timeout,
+            reducer_timeout=reducer_timeout,
             numel=self._numel,
             out=self._out_buffers(),
             uplink_rate=self.bandwidth if self.pace_uplink else None,

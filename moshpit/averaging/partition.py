@@ -217,16 +217,21 @@ def chunk_numel_for(
     return max(1, min(max_chunk_numel, max(MIN_CHUNK_NUMEL, wanted)))
 
 
-def round_link_seconds(group: GroupInfo, total: int) -> float | None:
+def round_link_seconds(
+    group: GroupInfo, total: int, *, unknown_bytes_per_value: float | None = None
+) -> float | None:
     """About how long a round of ``total`` values keeps the group's slowest stated link busy.
 
     Each member sends about ``2 (s-1)/s`` of the vector (chunks out, results back) for ``s``
     senders, at the densest codec any member reported (``bytes_per_value``) over the smallest
-    bandwidth any member stated. None where nobody stated either: the caller then assumes
-    nothing about the links.
+    bandwidth any member stated. None where nobody stated a bandwidth, or nobody reported a
+    density and ``unknown_bytes_per_value`` (what to assume then) is None: the caller then
+    assumes nothing about the links.
     """
     rates = [float(b) for b in group.bandwidths if b is not None]
     densities = [float(b) for b in group.bytes_per_value if b is not None]
+    if not densities and unknown_bytes_per_value is not None:
+        densities = [unknown_bytes_per_value]
     senders = len(group.sender_indices)
     if not rates or not densities or senders < 2:
         return None

@@ -218,3 +218,12 @@ def test_group_info_wire_roundtrip_and_bad_input():
     ]:
         with pytest.raises(GroupInfoError):
             GroupInfo.from_msg(bad)
+
+
+def test_round_link_seconds_assumes_the_given_density_before_any_member_reported_one():
+    two = dataclasses.replace(group(bandwidths=[1e6, None]), bytes_per_value=(None, None))
+    assert round_link_seconds(two, 1000) is None  # nobody knows the codec yet
+    # 2 * (2-1)/2 * 1000 values * 4 bytes over the one stated link, 1 MB/s
+    assert round_link_seconds(two, 1000, unknown_bytes_per_value=4.0) == pytest.approx(4e-3)
+    reported = dataclasses.replace(two, bytes_per_value=(0.5, None))
+    assert round_link_seconds(reported, 1000, unknown_bytes_per_value=4.0) == pytest.approx(5e-4)
