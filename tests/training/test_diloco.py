@@ -701,3 +701,34 @@ def test_peers_that_start_from_different_weights_are_told(make_dhts):
             assert p.opt.mode.theta_mismatches == 2
     finally:
         _shutdown(peers)
+
+
+def test_each_epochs_averager_tells_the_group_the_codec_density_of_the_last(make_dhts, monkeypatch):
+    """Every outer epoch has a new averager; the density our codec put on the wire last round
+    goes to the next, so from the second round on the GroupInfo carries it (chunk sizes and
+    the all-reduce's time on stated links follow it) instead of nobody knowing it."""
+    from moshpit.averaging.allreduce import AllReduceService
+
+    densities: list[tuple] = []
+    real = AllReduceService.run
+
+    async def spy(self, group, *args, **kwargs):
+        densities.append(group.bytes_per_value)
+        return await real(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(AllReduceService, "run", spy)
+    dhts = make_dhts(2)
+    peers = []
+    try:
+        for i, (d, m) in enumerate(zip(dhts, [_model() for _ in dhts], strict=True)):
+            inner = torch.optim.Adam(m.parameters(), lr=0.02)
+            peers.append(Peer(i, m, _opt(d, m, inner=inner, compression="8bit")))
+        _train_all(peers, 3)
+        assert all(p.opt.mode.rounds_succeeded == 3 for p in peers)
+    finally:
+        _shutdown(peers)
+    assert len(densities) == 6
+    assert densities[:2] == [(None, None)] * 2
+    for later in densities[2:]:
+        # 8-bit: one byte per value plus each chunk's scale and header
+        assert all(b is not None and 1.0 <= b < 1.5 for b in later), later

@@ -65,6 +65,7 @@ class _PendingAverager:
         self.tensors = tensors
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.keys = type("Keys", (), {"key": "test"})()
+        self.matchmaker = None  # no network: nothing learned of the codec's density
         self.closed = False
         _PendingAverager.made.append(self)
 

@@ -255,6 +255,10 @@ class DiLoCoMode(TrainingMode):
         # peers of another tensor schema, shared by the per-epoch averagers (asked once,
         # warned about once)
         self.schema_memory = SchemaMemory()
+        # wire bytes per value our codec sent in the last round, handed to the next epoch's
+        # averager: its GroupInfo then tells every member how long the links need (chunk
+        # sizes, the all-reduce's time on stated links) instead of assuming float32
+        self.codec_density: float | None = None
         if self.compression is None:
             self.compression = optimizer.averager_config.compression
         self.deltas = [torch.zeros_like(t) for t in self.theta]
@@ -504,6 +508,8 @@ class DiLoCoMode(TrainingMode):
             schema_memory=self.schema_memory,
             config=dataclasses.replace(config, **options),
         )
+        if averager.matchmaker is not None and self.codec_density is not None:
+            averager.matchmaker.bytes_per_value = self.codec_density
         digest = self._theta_digest()
         try:
             future = averager.step(
@@ -532,9 +538,15 @@ class DiLoCoMode(TrainingMode):
             except concurrent.futures.CancelledError:
                 return StepResult(False, averager.keys.key, reason="cancelled")
         finally:
-            averager.shutdown()
+            self._shut_down(averager)
         self._check_thetas(result, digest, epoch)
         return result
+
+    def _shut_down(self, averager: Averager) -> None:
+        """Shut a round's averager down, keeping what it learned of our codec's density."""
+        if averager.matchmaker is not None and averager.matchmaker.bytes_per_value is not None:
+            self.codec_density = averager.matchmaker.bytes_per_value
+        averager.shutdown()
 
     def _check_thetas(self, result: StepResult, digest: bytes, epoch: int) -> None:
         thetas = [g.get("theta") if isinstance(g, dict) else None for g in result.gathered.values()]
@@ -676,7 +688,7 @@ class DiLoCoMode(TrainingMode):
         except Exception as e:  # noqa: BLE001 - a failed round is retried like a missed one
             result = StepResult(False, rnd.averager.keys.key, reason=repr(e))
         finally:
-            rnd.averager.shutdown()
+            self._shut_down(rnd.averager)
         self.note_round(result)
         self.last_result = result
         self.bytes_sent += result.bytes_sent
