@@ -28,7 +28,9 @@ Methods (``--methods``):
   background, pseudo-gradients weighted by samples.
 
 ``--local-error-feedback`` and ``--outer-momentum M`` pass those options to every ``diloco``
-method (the run rows record them).
+method (the run rows record them). ``--state-link`` gives every moshpit peer the shaped rate as
+its ``bandwidth`` (pacing, and the all-reduce's time allowance on slow links); the rows say
+``stated_link``. ``BENCH_LOG=INFO`` in the environment prints the workers' logs on stderr.
 
 ``--speeds 1 2 4 8`` makes the peers unequal: worker ``i`` times its own forward and backward
 pass before the race (the median of 3, no communication) and sleeps ``speeds[i] - 1`` times
@@ -177,7 +179,9 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
         batch_size_per_step=args.batch,
         mode=mode,
         target_group_size=args.world,
-        averager_options=FAST,
+        averager_options=FAST
+        if args.link_bps is None
+        else {**FAST, "bandwidth": args.link_bps / 8},
         load_state_timeout=20.0,
         **options,
     )
@@ -207,6 +211,13 @@ def worker(args: argparse.Namespace) -> None:
     from lm_task import validation_windows as windows
 
     torch.set_num_threads(1)
+    if os.environ.get("BENCH_LOG"):  # e.g. BENCH_LOG=INFO: the workers' logs on stderr
+        import logging
+
+        logging.basicConfig(
+            level=os.environ["BENCH_LOG"],
+            format=f"%(relativeCreated)7.0f w{args.rank} %(name)s %(levelname)s: %(message)s",
+        )
     train, val = stdlib_corpus()
     model = make_model(context=CONTEXT)
     params = list(model.parameters())
@@ -357,6 +368,9 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
             argv += ["--outer-momentum", str(args.outer_momentum)]
         if args.reducer_density is not None:
             argv += ["--reducer-density", str(args.reducer_density)]
+        rate = link_bits_per_second(link)
+        if args.state_link and rate is not None:
+            argv += ["--link-bps", str(rate)]
         return spawn(argv, rank, bootstrap, tb)
 
     peers = start_peers(n, start)
@@ -385,6 +399,7 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
         "local_error_feedback": args.local_error_feedback,
         "outer_momentum": args.outer_momentum,
         "reducer_density": args.reducer_density,
+        "stated_link": args.state_link,
         "local_steps_all": [r["steps"] for r in results],
         "optimizer_steps_worker0": first["epochs"],
         "local_steps_worker0": first["steps"],
@@ -616,6 +631,13 @@ def main() -> int:
         "--reducer-density", type=float, default=None,
         help="sparse2bit: share of the summed part a reducer sends back (default: --topk-density)",
     )  # fmt: skip
+    parser.add_argument(
+        "--state-link", action="store_true",
+        help="moshpit peers state the shaped link's rate as their bandwidth (as a volunteer "
+        "does with `moshpit train --uplink-mbit`): it paces their uplink and sizes the "
+        "all-reduce's time budget",
+    )  # fmt: skip
+    parser.add_argument("--link-bps", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--overlap-steps", type=int, default=5, help="streaming: inner steps")
     parser.add_argument("--average-every", type=int, default=4, help="local: initial period")
     parser.add_argument("--refresh", type=float, default=0.05, help="s between progress reads")
