@@ -191,8 +191,9 @@ class AllReduceService:
             return
         self._pending_streams += 1
         round_ = msg = None
+        wait = self._hello_wait()
         try:
-            deadline = trio.current_time() + self.accept_timeout
+            deadline = trio.current_time() + wait
             with trio.move_on_at(deadline):
                 msg = await stream.receive_msg(max_size=HELLO_MAX_BYTES)
             gid = hello_group_id(msg)
@@ -215,9 +216,7 @@ class AllReduceService:
             self._pending_streams -= 1
         if round_ is None:
             logger.info(
-                "all-reduce stream from %s: no hello or unknown group within %.3gs",
-                peer,
-                self.accept_timeout,
+                "all-reduce stream from %s: no hello or unknown group within %.3gs", peer, wait
             )
             await self._refuse(stream, "unknown group (or no hello in time)")
             return
@@ -229,6 +228,13 @@ class AllReduceService:
         except (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             logger.info("all-reduce stream from %s broke: %s", peer, e)
             await self._refuse(stream, str(e), left_out=round_.left_out(peer))
+
+    def _hello_wait(self) -> float:
+        """How long an incoming stream may take to bring its hello (and its round to start):
+        ``accept_timeout``, or while rounds run the longest of their sender stall limits. The
+        hello is a sender's first message, and over a saturated home uplink it took longer
+        than ``accept_timeout`` (1 Mbit/s, 4 peers), which cost the round that sender."""
+        return max([self.accept_timeout, *(r.sender_timeout for r in self._rounds.values())])
 
     def _sender_gone(self, peer: PeerID, round_: AllReduceRound | None, reason: str) -> None:
         """Tell the round ``peer``'s broken stream was for that it brings nothing. Without

@@ -522,3 +522,34 @@ async def test_reducer_quitting_mid_round_on_tcp(uplink_rate):
                 for other in services:
                     if other is not s and s.host.is_connected(other.host.peer_id):
                         assert connection_pacing_rate(s.host, other.host.peer_id) == UNLIMITED
+
+
+async def test_a_hello_slower_than_accept_timeout_is_served_while_its_round_runs(autojump_clock):
+    """Over a saturated home uplink a sender's first message can take seconds. While a round
+    runs, an incoming stream may take that round's sender stall limit to bring its hello, as
+    the chunks after it may; accept_timeout alone (1 s here) refused it at the reducer, and
+    its contribution was lost. With no round running, accept_timeout still applies."""
+    async with swarm(2, accept_timeout=1.0, chunk_numel=100) as services:
+        group = make_group(services)
+        ours, theirs = torch.randn(30), torch.randn(30)
+        a, b = part_bounds(group, 30)[0]
+
+        async def slow_sender() -> list:
+            stream = await services[1].host.new_stream(group.members[0], ALLREDUCE_PROTOCOL)
+            await trio.sleep(3.0)  # past accept_timeout, within the round's sender_timeout
+            await stream.send_msg(hello_msg(group.group_id, 0, 30, 100, 1.0))
+            await send_with_payload(stream, chunk_of(theirs[a:b]))
+            return [await receive_with_payload(stream, 1 << 20)]
+
+        async with trio.open_nursery() as nursery:
+            replies: list = []
+
+            async def drive() -> None:
+                replies.extend(await slow_sender())
+
+            nursery.start_soon(drive)
+            result = await services[0].run(group, [ours], timeout=30, sender_timeout=6)
+        assert group.members[1] not in result.failed_senders, result.failure_reasons
+        want = (ours[a:b].double() + theirs[a:b].double()) / 2
+        assert torch.allclose(result.averaged[0][a:b].double(), want, atol=1e-6)
+        assert replies and replies[0]["t"] == "result"
