@@ -49,11 +49,25 @@ def _is_refusal(error: BaseException) -> bool:
     return isinstance(cause, ConnectionRefusedError)
 
 
+# Unsent bytes the kernel may hold before the socket stops reporting itself writable
+# (Linux's TCP_NOTSENT_LOWAT). Without it a slow link's socket buffers megabytes, and
+# whatever the multiplexer writes next (a request of another stream, light or not) waits
+# behind them; with it, the multiplexer's own order (yamux.LIGHT_STREAM_BYTES) holds.
+NOTSENT_LOWAT = 32 * 1024
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+
+
 def _set_nodelay(stream: trio.SocketStream) -> None:
+    """TCP_NODELAY, and a bounded queue of unsent bytes where the system has the option."""
     try:
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
     except OSError:  # pragma: no cover - not a TCP socket
         pass
+    if sys.platform.startswith("linux"):
+        try:
+            stream.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
+        except OSError:  # pragma: no cover - an old kernel
+            pass
 
 
 # Linux's SO_MAX_PACING_RATE (not every Python exports the name); other systems lack the option

@@ -588,3 +588,89 @@ async def test_yamux_over_a_prefixed_secure_session_reads_the_prefix_first(nurse
     assert length == 4242  # the ping in the prefix was answered
     await session.aclose()
     await remote.aclose()
+
+
+class _SlowLink(trio.abc.HalfCloseableStream):
+    """A stream whose sends take as long as their bytes at ``rate`` (a slow uplink)."""
+
+    def __init__(self, inner: trio.abc.HalfCloseableStream, rate: float) -> None:
+        self.inner, self.rate = inner, rate
+
+    async def send_all(self, data) -> None:
+        await trio.sleep(len(data) / self.rate)
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_request_overtakes_a_bulk_streams_queued_data_on_a_slow_link(autojump_clock):
+    """One stream pushes megabytes over a 1 MB/s uplink; a request opened meanwhile is
+    answered within a batch of the link's time (~50 ms), not after the megabyte or more
+    queued before it (~1 s and more before light streams went first)."""
+    client_raw, server_raw = trio.testing.memory_stream_pair()
+    async with yamux_pair(_SlowLink(client_raw, 1e6), server_raw) as (client, server):
+        answered: list[float] = []
+
+        async def serve() -> None:
+            async with trio.open_nursery() as inner:
+                inner.start_soon(read_all, await server.accept_stream())
+                request = await server.accept_stream()
+                assert await request.receive_some() == b"ping"
+                await request.send_all(b"pong")
+
+        async def push() -> None:
+            bulk = await client.open_stream()
+            for _ in range(16):
+                await bulk.send_all(b"x" * (256 * 1024))
+            await bulk.send_eof()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            nursery.start_soon(push)
+            await trio.sleep(1.0)  # the bulk stream has filled every queue by now
+            asked = trio.current_time()
+            request = await client.open_stream()
+            await request.send_all(b"ping")
+            assert await request.receive_some() == b"pong"
+            answered.append(trio.current_time() - asked)
+        assert answered[0] < 0.25, answered
+
+
+async def test_streams_crossing_the_light_limit_keep_their_bytes_in_order(autojump_clock):
+    """Frames of a stream go to the light queue, then (past LIGHT_STREAM_BYTES) to the other
+    for good: every stream's bytes and its FIN still arrive whole and in order, while light
+    and heavy streams interleave on a slow link."""
+    client_raw, server_raw = trio.testing.memory_stream_pair()
+    sizes = [10, 64 * 1024, 64 * 1024 + 1, 200_000, 3_000_000, 70_000, 5]
+    payloads = [hashlib.sha256(bytes([i])).digest() * (n // 32 + 1) for i, n in enumerate(sizes)]
+    payloads = [p[:n] for p, n in zip(payloads, sizes, strict=True)]
+    received: dict[bytes, bytes] = {}
+    async with yamux_pair(_SlowLink(client_raw, 2e6), server_raw) as (client, server):
+
+        async def serve_one(stream) -> None:
+            data = await read_all(stream)
+            received[data[:32]] = data
+
+        async def send(payload: bytes, delay: float) -> None:
+            await trio.sleep(delay)
+            stream = await client.open_stream()
+            for i in range(0, len(payload), 50_000):  # several sends, some crossing the limit
+                await stream.send_all(payload[i : i + 50_000])
+            await stream.send_eof()
+
+        async with trio.open_nursery() as nursery:
+            for i, payload in enumerate(payloads):
+                nursery.start_soon(send, payload, 0.1 * i)
+            for _ in payloads:
+                nursery.start_soon(serve_one, await server.accept_stream())
+    assert sorted(received.values()) == sorted(payloads)
