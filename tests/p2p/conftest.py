@@ -46,3 +46,30 @@ async def wait_until(predicate, limit: float = 10.0, interval: float = 0.02) -> 
     with trio.fail_after(limit):
         while not predicate():  # noqa: ASYNC110 - there is no event for this external state
             await trio.sleep(interval)
+
+
+class DelayedSends(trio.abc.HalfCloseableStream):
+    """Wraps a stream; every send first awaits :meth:`before_send` (a stalled or slow
+    network, as the subclass decides). Everything else passes through."""
+
+    def __init__(self, inner: trio.abc.HalfCloseableStream) -> None:
+        self.inner = inner
+
+    async def before_send(self, data) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def send_all(self, data) -> None:
+        await self.before_send(data)
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

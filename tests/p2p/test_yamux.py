@@ -28,7 +28,7 @@ from dht.p2p.yamux import (
     pack_header,
 )
 
-from .conftest import socket_stream_pair, yamux_pair
+from .conftest import DelayedSends, socket_stream_pair, yamux_pair
 
 
 async def read_all(stream: trio.abc.ReceiveStream) -> bytes:
@@ -590,27 +590,15 @@ async def test_yamux_over_a_prefixed_secure_session_reads_the_prefix_first(nurse
     await remote.aclose()
 
 
-class _SlowLink(trio.abc.HalfCloseableStream):
+class _SlowLink(DelayedSends):
     """A stream whose sends take as long as their bytes at ``rate`` (a slow uplink)."""
 
     def __init__(self, inner: trio.abc.HalfCloseableStream, rate: float) -> None:
-        self.inner, self.rate = inner, rate
+        super().__init__(inner)
+        self.rate = rate
 
-    async def send_all(self, data) -> None:
+    async def before_send(self, data) -> None:
         await trio.sleep(len(data) / self.rate)
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes=None):
-        return await self.inner.receive_some(max_bytes)
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def test_a_request_overtakes_a_bulk_streams_queued_data_on_a_slow_link(autojump_clock):

@@ -13,7 +13,7 @@ import trio.testing
 from dht.p2p.identity import Identity
 from dht.p2p.noise import noise_handshake
 
-from .conftest import socket_stream_pair, yamux_pair
+from .conftest import DelayedSends, socket_stream_pair, yamux_pair
 
 
 async def _secure_pair(a_raw=None, b_raw=None):
@@ -68,29 +68,16 @@ async def test_buffer_reused_right_after_send_all(secure):
         assert not client._borrowed and stream._borrowed_pending == 0
 
 
-class _Gate(trio.abc.HalfCloseableStream):
+class _Gate(DelayedSends):
     """A stream whose writes wait while the gate is shut (a stalled network)."""
 
     def __init__(self, inner: trio.SocketStream) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.open = trio.Event()
         self.open.set()
 
-    async def send_all(self, data) -> None:
+    async def before_send(self, data) -> None:
         await self.open.wait()
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes=None):
-        return await self.inner.receive_some(max_bytes)
-
-    async def send_eof(self) -> None:
-        await self.inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["plain", "noise"])
