@@ -33,11 +33,16 @@ RPCHandler = Callable[[Any, Any], Awaitable[Any]]
 class PeerUnreachableError(DHTError):
     """A DHT RPC to a peer failed (dial, timeout, reset, or the peer replied with an error)."""
 
-    def __init__(self, message: str, *, answered: bool = False, refused: bool = False):
+    def __init__(
+        self, message: str, *, answered: bool = False, refused: bool = False, busy: bool = False
+    ):
         super().__init__(message)
         self.answered = answered  # True when the peer is alive but refused/failed the request
         # True when every address refused the connection: nothing listens there (yet)
         self.refused = refused
+        # True when no answer came in time but the peer's connection kept delivering bytes
+        # meanwhile: a full link (a bulk transfer on a slow uplink), not a dead peer
+        self.busy = busy
 
 
 class RPCNetwork(Protocol):
@@ -94,8 +99,9 @@ class HostNetwork:
         self.host.set_rpc_handler(PROTOCOL_ID, handler)
 
     async def call(self, peer_id: Any, request: Any, time_limit: float) -> Any:
-        from dht.p2p import P2PError, RemoteError
+        from dht.p2p import P2PError, P2PTimeoutError, RemoteError
 
+        started = trio.current_time()
         try:
             with trio.fail_after(time_limit):
                 return await self.host.call(peer_id, PROTOCOL_ID, request, timeout=time_limit)
@@ -110,7 +116,11 @@ class HostNetwork:
             trio.BrokenResourceError,
             trio.ClosedResourceError,
         ) as e:
-            raise PeerUnreachableError(f"DHT RPC to {peer_id} failed: {e!r}") from e
+            heard = self.host.last_heard_from(peer_id)
+            busy = isinstance(e, (trio.TooSlowError, P2PTimeoutError)) and (
+                heard is not None and heard > started
+            )
+            raise PeerUnreachableError(f"DHT RPC to {peer_id} failed: {e!r}", busy=busy) from e
 
     async def connect(self, address: Any, time_limit: float) -> tuple[Any, tuple[bytes, ...]]:
         from dht.p2p import DialRefusedError, P2PError

@@ -45,7 +45,14 @@ from dht.kademlia.protocol import (
 from dht.kademlia.records import DHTRecord, ValueWithExpiration
 from dht.kademlia.rejoin import Rejoin
 from dht.kademlia.roles import NatRoles, RoleDecision, check_relay_setting, start_autonat
-from dht.kademlia.routing import Blacklist, Contact, KBucket, OutageGuard, RoutingTable
+from dht.kademlia.routing import (
+    Blacklist,
+    BusyPeers,
+    Contact,
+    KBucket,
+    OutageGuard,
+    RoutingTable,
+)
 from dht.kademlia.search import LookupStats as LookupStats
 from dht.kademlia.search import SharedLookups
 from dht.kademlia.storage import LocalStorage, OwnedRecords, StorageLimits
@@ -154,7 +161,7 @@ class DHTNode:
         if handover and not client_mode:
             self.routing_table.on_change = self._handover.on_routing_change
         self.blacklist = Blacklist()
-        self.outage = OutageGuard()  # a dead link of ours is not the peers' fault
+        self.outage, self.busy = OutageGuard(), BusyPeers()  # our link down, or theirs full
         self.rejoin = Rejoin(self)  # the way back once every contact stopped answering
         self.storage = LocalStorage(limits)
         self.validators = default_validators(identity, validators)
@@ -487,13 +494,18 @@ class DHTNode:
                 logger.debug("%s answered with an error: %s", peer_id, e)
             return None
         self.blacklist.register_success(peer_id)
+        self.busy.answered(peer_id)
         self.reachable()
         return response
 
     def _unanswered(self, peer_id: Any, error: Exception) -> None:
-        """An RPC got no answer: ban the peer and drop it, unless our own links look down."""
+        """An RPC got no answer: ban the peer and drop it, unless our own links look down,
+        or its connection kept delivering meanwhile (a busy peer: see BusyPeers)."""
         if self.outage.suspected:
             logger.debug("%s unreachable, not banned (no peer answers us): %s", peer_id, error)
+            return
+        if self.busy.tolerate(peer_id, getattr(error, "busy", False)):
+            logger.debug("%s slow to answer (its connection is busy), kept: %s", peer_id, error)
             return
         delay = self.blacklist.register_failure(peer_id, get_dht_time())
         dropped = self.routing_table.remove(peer_id)

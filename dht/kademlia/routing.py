@@ -246,6 +246,32 @@ class Blacklist:
 OUTAGE_PEERS = 8  # distinct peers failing in a row, none answering between: our outage
 
 
+class BusyPeers:
+    """Peers that left RPCs unanswered while their connection kept delivering bytes: a full
+    link (an all-reduce on a slow uplink), not a dead peer. Up to ``misses`` such RPCs in a
+    row are not held against a peer; past that (a DHT that never answers again) it is treated
+    like a silent one. At most ``max_peers`` are remembered (all forgotten beyond)."""
+
+    def __init__(self, misses: int = 4, max_peers: int = 4096) -> None:
+        self.misses = misses
+        self.max_peers = max_peers
+        self._in_a_row: dict[Hashable, int] = {}
+
+    def tolerate(self, peer_id: Hashable, busy: bool) -> bool:
+        """An RPC to ``peer_id`` got no answer (``busy``: its connection delivered meanwhile):
+        True while that is forgiven, False when it counts as a failure."""
+        count = self._in_a_row.pop(peer_id, 0)
+        if not busy or count >= self.misses:
+            return False
+        if len(self._in_a_row) >= self.max_peers:
+            self._in_a_row.clear()
+        self._in_a_row[peer_id] = count + 1
+        return True
+
+    def answered(self, peer_id: Hashable) -> None:
+        self._in_a_row.pop(peer_id, None)
+
+
 class OutageGuard:
     """Tells a dead peer from a dead link of our own, and takes back what the latter cost.
 

@@ -498,6 +498,13 @@ class Host:
     def is_connected(self, peer_id: PeerID) -> bool:
         return self.best_connection(peer_id) is not None
 
+    def last_heard_from(self, peer_id: PeerID) -> float | None:
+        """When bytes last arrived from ``peer_id`` on any live connection (trio time), or
+        None without one: tells a peer that is slow to answer (its link is full) from one
+        that is gone."""
+        times = [c.session.last_received for c in self._conns.get(peer_id, ())]
+        return max(times) if times else None
+
     def connection_counts(self) -> dict[str, int]:
         """Live connections by kind: ``{"direct": n, "relayed": m}`` (for monitoring).
 

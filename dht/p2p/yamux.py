@@ -524,6 +524,9 @@ class YamuxSession:
         self._first_bytes = 0
         self._out: deque[bytes | memoryview] = deque()
         self._heavy_ids: set[int] = set()
+        # when bytes last arrived (trio time): a peer whose request timed out while its
+        # connection kept delivering is busy, not gone (the DHT keeps such contacts)
+        self.last_received = trio.current_time()
         self._batch_limit = _OUT_LIMIT  # see _BATCH_SECONDS
         # Window updates, pings/pongs, ACKs and RSTs may overtake queued data (a window update
         # stuck behind megabytes of our own data would stall the remote's sender). SYN and FIN
@@ -935,6 +938,7 @@ class YamuxSession:
             if not data:
                 self._shutdown("remote closed the connection")
                 return
+            self.last_received = trio.current_time()
             borrowed = isinstance(data, memoryview)
             n = len(data)
             off = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import trio
 
 from dht.kademlia.clock import get_dht_time
-from dht.kademlia.routing import Contact, OutageGuard
+from dht.kademlia.routing import BusyPeers, Contact, OutageGuard
 from dht.kademlia.simulation import open_swarm
 from dht.p2p import MemoryNetwork
 
@@ -66,3 +66,58 @@ def test_outage_guard_takes_back_only_a_long_streak():
     back = guard.recovered()
     assert [p for p, _ in back] == ["p2", "p3", "p4", "p5"]  # bounded: the oldest dropped
     assert guard.recovered() == [] and not guard.suspected
+
+
+async def test_a_peer_slow_to_answer_while_its_connection_delivers_is_kept_a_while(
+    autojump_clock, virtual_dht_time
+):
+    """On a full uplink (an all-reduce over 1 Mbit/s) a peer answers late, but its bytes
+    keep arriving: that is a busy peer, not a gone one. It stays in the routing table and
+    unbanned for ``BusyPeers.misses`` (4) unanswered RPCs in a row, then is dropped like a silent one
+    (a peer whose DHT never answers again must not stay for good). Before, the first late
+    answer dropped and banned it, and a swarm of four emptied its tables mid-round."""
+    net = MemoryNetwork(latency=0.002)
+    async with open_swarm(8, memory_network=net, seed=5, rpc_timeout=1.0) as swarm:
+        asker, slow = swarm.nodes[0], swarm.nodes[1]
+        assert await asker.ping(slow.peer_id)
+        assert slow.peer_id in asker.routing_table
+
+        async def late(sender, request):
+            await trio.sleep(5.0)  # queued behind the bulk transfer
+            return await slow._handle_rpc(sender, request)
+
+        async def drain(stream) -> None:
+            while await stream.receive_some(1 << 16):
+                pass
+
+        async def push() -> None:
+            stream = await slow.host.new_stream(asker.peer_id, "/bulk")
+            while True:
+                await stream.send_all(b"x" * 1024)
+                await trio.sleep(0.1)
+
+        slow.network.set_handler(late)
+        asker.host.set_stream_handler("/bulk", drain)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(push)
+            for _ in range(asker.busy.misses):
+                assert not await asker.ping(slow.peer_id)
+                assert slow.peer_id in asker.routing_table
+                assert not asker.blacklist.is_banned(slow.peer_id, get_dht_time())
+            assert not await asker.ping(slow.peer_id)
+            assert slow.peer_id not in asker.routing_table
+            assert asker.blacklist.is_banned(slow.peer_id, get_dht_time())
+            nursery.cancel_scope.cancel()
+
+
+def test_busy_peers_forgive_a_few_misses_in_a_row_and_forget_on_an_answer():
+    busy = BusyPeers(misses=2, max_peers=2)
+    assert not busy.tolerate("silent", False)  # no bytes meanwhile: a failure at once
+    assert busy.tolerate("a", True) and busy.tolerate("a", True)
+    assert not busy.tolerate("a", True)  # the third in a row counts
+    assert busy.tolerate("a", True)  # ... and the count starts again after it
+    busy.answered("a")
+    assert busy.tolerate("a", True) and busy.tolerate("a", True)
+    for peer in ("b", "c", "d"):  # bounded: beyond max_peers, all are forgotten
+        assert busy.tolerate(peer, True)
+    assert len(busy._in_a_row) <= 2
