@@ -530,7 +530,7 @@ class YamuxSession:
         self._batch_limit = _OUT_LIMIT  # see _BATCH_SECONDS
         # Window updates, pings/pongs, ACKs and RSTs may overtake queued data (a window update
         # stuck behind megabytes of our own data would stall the remote's sender). SYN and FIN
-        # must stay ordered with their stream's data, so they use the normal queue.
+        # must stay ordered with their stream's data, so they use the queue its data uses.
         self._urgent: deque[bytes] = deque()
         self._out_bytes = 0
         # queued pieces that are views of a sender's buffer (id -> the sending stream)

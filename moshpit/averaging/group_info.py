@@ -48,8 +48,9 @@ class GroupInfo:
     """The members of one all-reduce round, in the same order on every member.
 
     ``bandwidths[i]`` is member i's advertised bandwidth in bytes/s (``None`` = unknown); it
-    decides part sizes, and the slowest adds to the round's time budget. ``gathered[i]`` is opaque msgpack-able metadata that member i sent the
-    leader (passed through to the user, e.g. for progress tracking); empty or one per member.
+    decides part sizes, and the slowest adds to the round's time budget. ``gathered[i]`` is
+    opaque msgpack-able metadata that member i sent the leader (passed through to the user,
+    e.g. for progress tracking); empty or one per member.
     ``addrs[i]`` are multiaddr strings where member i can be dialed (empty, or one tuple per
     member): members found through different DHT lookups may not know each other's addresses,
     so the leader passes them along and the all-reduce adds them to the host's peerstore.
