@@ -135,6 +135,12 @@ class YamuxStream(trio.abc.HalfCloseableStream):
         self._ack_pending = False  # inbound stream whose ACK rides on our first frame
         self._sent_total = 0  # payload bytes queued so far (LIGHT_STREAM_BYTES)
 
+    @property
+    def heavy(self) -> bool:
+        """Past LIGHT_STREAM_BYTES: its frames queue after light streams' (for good, since
+        ``_sent_total`` only grows, so they stay in order)."""
+        return self._sent_total > LIGHT_STREAM_BYTES
+
     # -- introspection -------------------------------------------------------------------
     @property
     def buffered_bytes(self) -> int:
@@ -319,8 +325,7 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                         await self._send_lot.park()
                         continue
                     n = min(total - offset, self._send_window, MAX_FRAME_PAYLOAD)
-                    light = self.session._is_light(self, n)
-                    await self.session._wait_send_space(light)
+                    await self.session._wait_send_space(self._sent_total + n <= LIGHT_STREAM_BYTES)
                     self._raise_if_unwritable()
                     if self._send_window <= 0:
                         continue
@@ -331,7 +336,9 @@ class YamuxStream(trio.abc.HalfCloseableStream):
                         piece = view[offset : offset + n]
                     self._send_window -= n
                     self._sent_total += n
-                    self.session._enqueue_data(self.stream_id, piece, self._flags(0), owner)
+                    self.session._enqueue_data(
+                        self.stream_id, piece, self._flags(0), owner, heavy=self.heavy
+                    )
                     offset += n
                 await self.session._after_enqueue()
                 while self._borrowed_pending:
@@ -523,7 +530,6 @@ class YamuxSession:
         self._first: deque[bytes | memoryview] = deque()
         self._first_bytes = 0
         self._out: deque[bytes | memoryview] = deque()
-        self._heavy_ids: set[int] = set()
         # when bytes last arrived (trio time): a peer whose request timed out while its
         # connection kept delivering is busy, not gone (the DHT keeps such contacts)
         self.last_received = trio.current_time()
@@ -707,7 +713,6 @@ class YamuxSession:
     def _forget(self, stream: YamuxStream) -> None:
         if self._streams.get(stream.stream_id) is stream:
             del self._streams[stream.stream_id]
-            self._heavy_ids.discard(stream.stream_id)
             self._granted_extra -= stream._recv_window - INITIAL_WINDOW
 
     def _maybe_forget(self, stream: YamuxStream) -> None:
@@ -728,16 +733,6 @@ class YamuxSession:
         else:
             await trio.lowlevel.checkpoint_if_cancelled()
 
-    def _is_light(self, stream: YamuxStream, more: int) -> bool:
-        """Will ``more`` bytes of ``stream`` still go to the light streams' queue? Once not,
-        never again (its frames must stay in order)."""
-        if stream.stream_id in self._heavy_ids:
-            return False
-        if stream._sent_total + more <= LIGHT_STREAM_BYTES:
-            return True
-        self._heavy_ids.add(stream.stream_id)
-        return False
-
     async def _wait_send_space(self, light: bool = False) -> None:
         """Data senders wait while the queue is full; light streams only while theirs is (so
         a request does not wait for a bulk sender's megabyte to drain first)."""
@@ -754,10 +749,13 @@ class YamuxSession:
         payload: bytes | memoryview,
         flags: int = 0,
         owner: YamuxStream | None = None,
+        *,
+        heavy: bool = False,
     ) -> None:
         """Queue one Data frame; ``owner``: ``payload`` is a view of that stream's caller's
-        buffer, which must not be reused before the writer has sent it."""
-        queue = self._out if stream_id in self._heavy_ids else self._first
+        buffer, which must not be reused before the writer has sent it; ``heavy``: the
+        stream is past LIGHT_STREAM_BYTES (its frames queue after light streams')."""
+        queue = self._out if heavy else self._first
         queue.append(pack_header(TYPE_DATA, flags, stream_id, len(payload)))
         queue.append(payload)
         if queue is self._first:
@@ -803,7 +801,8 @@ class YamuxSession:
         header = pack_header(ftype, flags, stream_id, length)
         if stream_id and flags & (FLAG_SYN | FLAG_FIN):
             # in order with the stream's data: in the queue its data goes to
-            if stream_id in self._heavy_ids:
+            stream = self._streams.get(stream_id)
+            if stream is not None and stream.heavy:
                 self._out.append(header)
             else:
                 self._first.append(header)
