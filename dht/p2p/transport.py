@@ -57,7 +57,7 @@ NOTSENT_LOWAT = 32 * 1024
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 
 
-def _set_nodelay(stream: trio.SocketStream) -> None:
+def _set_socket_options(stream: trio.SocketStream) -> None:
     """TCP_NODELAY, and a bounded queue of unsent bytes where the system has the option."""
     try:
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
@@ -349,7 +349,7 @@ async def connect_from_port(host: str, port: int, local_port: int) -> trio.Socke
         sock.close()
         raise
     stream = trio.SocketStream(sock)
-    _set_nodelay(stream)
+    _set_socket_options(stream)
     return stream
 
 
@@ -375,7 +375,7 @@ class TCPListener:
 
     async def accept(self) -> tuple[trio.SocketStream, str]:
         stream = await self._listener.accept()
-        _set_nodelay(stream)
+        _set_socket_options(stream)
         try:
             peer = stream.socket.getpeername()
             remote = f"{peer[0]}:{peer[1]}"
@@ -454,7 +454,7 @@ class TCPTransport:
                         errors.append(f"{host}:{port}: {e}")
                         refused = False
                     continue
-                _set_nodelay(stream)
+                _set_socket_options(stream)
                 return stream
             # refused: the host answered at once that nothing listens on that port
             raise (ConnectionRefusedError if refused and errors else OSError)("; ".join(errors))

@@ -227,7 +227,6 @@ class Averager:
         # peers of another tensor schema, across rounds (and averagers sharing the memory)
         self._schema_memory = schema_memory if schema_memory is not None else SchemaMemory()
         self._step_scopes: set[trio.CancelScope] = set()
-        self._hard_scope: trio.CancelScope | None = None  # the running step's safety net
         self._step_lock: trio.Lock | None = None
         self._mm_backend: _CountingBackend | None = None
         self._facade: DHT | None = None
@@ -549,12 +548,12 @@ class Averager:
                     now = trio.current_time()
                     hard_end = min(end, now + self._hard_step_bound()) + HARD_STEP_SLACK
                     with trio.move_on_at(hard_end) as hard_scope:
-                        self._hard_scope = hard_scope  # _step extends it for slow links
-                        try:
-                            return await self._step(key, float(weight), gather, started, end)
+                        try:  # _step extends hard_scope for slow links
+                            return await self._step(
+                                key, float(weight), gather, started, end, hard_scope
+                            )
                         finally:
                             self.in_group = False
-                            self._hard_scope = None
                     hard_end = hard_scope.deadline
                     logger.error(
                         "averaging step under %s ran past %.0fs although each of its phases "
@@ -601,6 +600,16 @@ class Averager:
         """
         return self.allreduce_timeout + LINK_TIME_FACTOR * self._stated_link_seconds(group)
 
+    def _allreduce_end(self, group: GroupInfo, end: float, hard_scope: trio.CancelScope) -> float:
+        """When the all-reduce with ``group`` must end (trio time): its budget from now, within
+        the step's ``end``; the step's safety net, which counted only ``allreduce_timeout``,
+        moves as far past it as past a plain all-reduce."""
+        now = trio.current_time()
+        allreduce_end = now + min(self.allreduce_budget(group), max(end - now, 1e-3))
+        hard = min(allreduce_end + 4 * self.request_timeout, end) + HARD_STEP_SLACK
+        hard_scope.deadline = max(hard_scope.deadline, hard)
+        return allreduce_end
+
     def _stall_limits(self, group: GroupInfo) -> tuple[float, float]:
         """(sender_timeout, reducer_timeout): as configured, or 1/3 and 2/3 of
         ``allreduce_timeout`` plus twice a chunk's time on the slowest stated link (a round
@@ -626,9 +635,16 @@ class Averager:
         return mm, backend, allreduce, self._host
 
     async def _step(
-        self, key: str, weight: float, gather: Any, started: float, end: float
+        self,
+        key: str,
+        weight: float,
+        gather: Any,
+        started: float,
+        end: float,
+        hard_scope: trio.CancelScope,
     ) -> StepResult:
-        """One round; ``end`` (trio time, may be inf) bounds everything including the lock."""
+        """One round; ``end`` (trio time, may be inf) bounds everything including the lock;
+        ``hard_scope`` is the step's safety net, moved later where slow links need it."""
         matchmaking_deadline = min(started + self.matchmaking_timeout, end)
         mode, why = self._round_mode()
         if mode is None:
@@ -649,12 +665,7 @@ class Averager:
         if self._before_allreduce is not None:  # test/demo hook (e.g. die mid-round)
             await self._before_allreduce(group)
         # waiting for the tensor lock counts against the all-reduce's time (and the step's)
-        budget = self.allreduce_budget(group)
-        allreduce_end = trio.current_time() + min(budget, max(end - trio.current_time(), 1e-3))
-        if self._hard_scope is not None:  # the safety net counted only allreduce_timeout
-            after = allreduce_end + 4 * self.request_timeout
-            hard = min(after, end) + HARD_STEP_SLACK
-            self._hard_scope.deadline = max(self._hard_scope.deadline, hard)
+        allreduce_end = self._allreduce_end(group, end, hard_scope)
         me = self._attached()[3].peer_id
         if not await self._acquire_lock(allreduce_end):
             next_key = self.keys.update_after_round(group.group_id, group.members, me, declared)
