@@ -30,7 +30,8 @@ Methods (``--methods``):
 ``--local-error-feedback`` and ``--outer-momentum M`` pass those options to every ``diloco``
 method (the run rows record them). ``--state-link`` gives every moshpit peer the shaped rate as
 its ``bandwidth`` (pacing, and the all-reduce's time allowance on slow links); the rows say
-``stated_link``. ``BENCH_LOG=INFO`` in the environment prints the workers' logs on stderr.
+``stated_link``. ``BENCH_LOG=INFO`` in the environment prints the workers' logs on stderr (``BENCH_DEBUG`` =
+comma-separated logger names: those at DEBUG).
 
 ``--speeds 1 2 4 8`` makes the peers unequal: worker ``i`` times its own forward and backward
 pass before the race (the median of 3, no communication) and sleeps ``speeds[i] - 1`` times
@@ -218,6 +219,8 @@ def worker(args: argparse.Namespace) -> None:
             level=os.environ["BENCH_LOG"],
             format=f"%(relativeCreated)7.0f w{args.rank} %(name)s %(levelname)s: %(message)s",
         )
+        for name in filter(None, os.environ.get("BENCH_DEBUG", "").split(",")):
+            logging.getLogger(name).setLevel(logging.DEBUG)  # e.g. moshpit.training.modes
     train, val = stdlib_corpus()
     model = make_model(context=CONTEXT)
     params = list(model.parameters())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 import moshpit
 from compression import Float16, GraVAC, TopK, TopK2Bit, TwoWayCompression
@@ -732,3 +733,39 @@ def test_each_epochs_averager_tells_the_group_the_codec_density_of_the_last(make
     for later in densities[2:]:
         # 8-bit: one byte per value plus each chunk's scale and header
         assert all(b is not None and 1.0 <= b < 1.5 for b in later), later
+
+
+def test_a_member_still_finishing_its_round_is_not_left_behind_by_the_members_done_first(
+    make_dhts, monkeypatch
+):
+    """On a slow link the members of one round finish it seconds apart: the first to finish
+    report the next epoch while the last are still taking in their results. The last must
+    finish the round they are in, not take the others' new epoch for a swarm that moved on
+    without them (they abandoned it, then waited for donors, then stepped alone: a split)."""
+    from moshpit.averaging.averager import Averager
+
+    dhts = make_dhts(3)  # the swarm's epoch is the second highest: two must finish first
+    slow_node = dhts[2].peer_id
+    real_write = Averager._write
+
+    async def late_write(self, averaged):
+        if self._host.peer_id == slow_node:  # its results arrive seconds after the other's
+            await trio.sleep(3.0)
+        await real_write(self, averaged)
+
+    monkeypatch.setattr(Averager, "_write", late_write)
+    models = [_model() for _ in dhts]
+    peers = [
+        Peer(i, m, _opt(d, m, inner=torch.optim.Adam(m.parameters(), lr=0.02), target_group_size=3))
+        for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+    ]
+    try:
+        _train_all(peers, 2)
+        for p in peers:
+            mode = p.opt.mode
+            assert (mode.rounds_succeeded, mode.rounds_failed) == (2, 0)
+            assert mode.solo_steps == mode.state_loads == mode.theta_mismatches == 0
+        for epoch in (1, 2):
+            assert all(_same(peers[0].theta_at[epoch], p.theta_at[epoch]) for p in peers[1:])
+    finally:
+        _shutdown(peers)

@@ -658,6 +658,35 @@ def test_peers_behind_are_awaited_for_a_while_not_forever():
     ) == {"n1"}
 
 
+def test_a_round_with_its_group_is_waited_for_though_the_view_moved_on():
+    """The view shows a later epoch: a round still matchmaking is abandoned, one whose group
+    formed is waited for (its members done first are the later epoch), and one whose step
+    just ended (the flag drops a moment before the result) is taken."""
+    from moshpit.training.modes.epoch_rounds import wait_unless_left_behind
+
+    ahead = SimpleNamespace(epoch=8)
+
+    def run(in_group, resolve_after: float) -> tuple[bool, concurrent.futures.Future]:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        timer = threading.Timer(resolve_after, future.set_result, ("done",))
+        timer.start()
+        try:
+            return wait_unless_left_behind(future, 7, 0.02, lambda: ahead, in_group), future
+        finally:
+            timer.cancel()
+
+    kept, future = run(lambda: True, 0.3)  # several looks at the view while in the group
+    assert kept and future.result() == "done"
+    kept, future = run(lambda: False, 5.0)  # still looking for a group: left behind
+    assert not kept and not future.done()
+    flag = iter([True] * 5)  # in the group for five looks, then the step ends
+    kept, future = run(lambda: next(flag, False), 0.12)
+    assert kept and future.done()
+    # the view at our epoch: waited for either way
+    ahead = SimpleNamespace(epoch=7)
+    assert run(lambda: False, 0.1)[0]
+
+
 def test_epoch_rounds_use_their_own_prefix():
     assert grads_prefix("run", 3) != grads_prefix("run", 4)
     assert grads_prefix("run", 3).startswith("run.grads.")

@@ -525,10 +525,12 @@ class DiLoCoMode(TrainingMode):
 
     def _average(self, epoch: int, expected: int) -> StepResult:
         """Average Δ with the peers of this outer epoch, waiting for the round; abandoned when
-        the swarm moves past the epoch meanwhile."""
+        the swarm moves past the epoch before the round found its group."""
         averager, future, digest = self._start_round(epoch, expected, self.deltas, self.samples)
         try:
-            if not wait_unless_left_behind(future, epoch, self.refresh_period, self._view):
+            if not wait_unless_left_behind(
+                future, epoch, self.refresh_period, self._view, lambda: averager.in_group
+            ):
                 future.cancel()
                 return StepResult(
                     False, averager.keys.key, reason="the swarm moved on to a later epoch"

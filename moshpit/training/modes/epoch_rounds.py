@@ -34,6 +34,7 @@ RECENT_STEPS = 2.5
 BEHIND_PATIENCE = 30.0  # s a round waits for peers an epoch behind (see _worth_waiting)
 MAX_RATE_RATIO = 10.0  # a peer's throughput counts at most this x the swarm's median
 MAX_EXTRAPOLATION = 10.0  # s a peer's last report is projected forward at most
+STEP_RESOLVE_GRACE = 1.0  # s between an averager step's end and its future's result, at most
 
 
 def reported_recently(peer: PeerProgress, now: float) -> bool:
@@ -222,15 +223,29 @@ class EpochRounds:
 
 
 def wait_unless_left_behind(
-    future: concurrent.futures.Future[Any], epoch: int, period: float, view: Callable[[], Any]
+    future: concurrent.futures.Future[Any],
+    epoch: int,
+    period: float,
+    view: Callable[[], Any],
+    in_group: Callable[[], bool],
 ) -> bool:
     """Wait for a round of ``epoch``; False as soon as the swarm's view shows a later epoch
-    first (the peers the round waits for have moved on: it can only time out, while the
-    caller should load their state). ``view`` is read at most every ``period`` s."""
+    while the round has no group (the peers it waits for have moved on: it can only time
+    out, while the caller should load their state). ``view`` is read at most every
+    ``period`` s.
+
+    A round whose group formed (``in_group``) is waited for: on a slow link its members
+    finish seconds apart, and the later epoch the view shows is most likely that of the
+    members done first; the round's own timeouts bound it. Abandoning it there left the
+    last members behind the very round they were in (a 1-Mbit/s race lost two of four peers
+    so, who then stepped alone on θ the others never had)."""
     while not future.done():
         concurrent.futures.wait([future], timeout=period)
-        if future.done():
-            break
+        if future.done() or in_group():
+            continue
         if view().epoch > epoch:
-            return False
+            # the step clears in_group a moment before its future resolves: a round that
+            # just ended is taken, not abandoned
+            concurrent.futures.wait([future], timeout=STEP_RESOLVE_GRACE)
+            return future.done()
     return True

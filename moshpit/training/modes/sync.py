@@ -268,8 +268,9 @@ class SyncMode(TrainingMode):
 
     def _wait_for(self, round_: GradientRound) -> Any:
         """The round's result; a round whose epoch the swarm left meanwhile is abandoned."""
+        averager = round_.averager
         if not wait_unless_left_behind(
-            round_.future, round_.epoch, self.refresh_period, self._view
+            round_.future, round_.epoch, self.refresh_period, self._view, lambda: averager.in_group
         ):
             round_.cancel()
             reason = "the swarm moved on to a later epoch meanwhile"
