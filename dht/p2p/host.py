@@ -505,6 +505,13 @@ class Host:
         times = [c.session.last_received for c in self._conns.get(peer_id, ())]
         return max(times) if times else None
 
+    def last_sent_to(self, peer_id: PeerID) -> float | None:
+        """When our last write to ``peer_id`` completed on any live connection (trio time), or
+        None without one: a send that waits while writes keep completing waits for a full
+        uplink, not for a peer that stopped reading."""
+        times = [c.session.last_sent for c in self._conns.get(peer_id, ())]
+        return max(times) if times else None
+
     def connection_counts(self) -> dict[str, int]:
         """Live connections by kind: ``{"direct": n, "relayed": m}`` (for monitoring).
 

@@ -293,6 +293,9 @@ class SecureSession(trio.abc.HalfCloseableStream):
         self._error: Exception | None = None
         self._sending = False
         self._receiving = False
+        # when a write to the raw stream last went through (trio time): a send that waits
+        # while these keep coming waits for a full uplink, not for a peer that stopped reading
+        self.last_write = trio.current_time()
         self._plain_borrowed = False  # ``_plain`` lies in the reused bulk buffer
         self._cbuf: bytearray | None = None  # bulk mode: reused ciphertext buffer
         self._cview = memoryview(b"")
@@ -410,6 +413,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
         raw = self.raw
         if type(raw) is not trio.SocketStream or not _FD_WRITES:
             await raw.send_all(data)
+            self.last_write = trio.current_time()
             return
         sock = raw.socket
         if sock.did_shutdown_SHUT_WR:
@@ -425,6 +429,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
                 raise trio.ClosedResourceError("the raw socket was closed")
             try:
                 sent += os.write(fd, data[sent:])
+                self.last_write = trio.current_time()
             except BlockingIOError:
                 await trio.lowlevel.wait_writable(sock)  # type: ignore[arg-type]  # trio-typing's stubs: an int only; trio takes the socket
                 waited = True

@@ -533,6 +533,8 @@ class YamuxSession:
         # when bytes last arrived (trio time): a peer whose request timed out while its
         # connection kept delivering is busy, not gone (the DHT keeps such contacts)
         self.last_received = trio.current_time()
+        # when our last write to the connection completed (see last_sent)
+        self._last_write = trio.current_time()
         self._batch_limit = _OUT_LIMIT  # see _BATCH_SECONDS
         # Window updates, pings/pongs, ACKs and RSTs may overtake queued data (a window update
         # stuck behind megabytes of our own data would stall the remote's sender). SYN and FIN
@@ -649,6 +651,15 @@ class YamuxSession:
     def queued_bytes(self) -> int:
         """Bytes waiting for the writer task (bounded: data senders wait above 1 MiB)."""
         return self._out_bytes
+
+    @property
+    def last_sent(self) -> float:
+        """When a write toward the peer last went through (trio time): the secure channel's
+        own writes where it tells (a batch over a slow link is many of them), else the
+        writer's batches. A send that waits while this moves waits for a full uplink, not
+        for a peer that stopped reading."""
+        below = getattr(self.conn, "last_write", None)
+        return max(self._last_write, below) if isinstance(below, float) else self._last_write
 
     async def open_stream(self) -> YamuxStream:
         """Open an outbound stream. Data may be sent immediately (before the remote's ACK)."""
@@ -831,6 +842,7 @@ class YamuxSession:
                     urgent.clear()
                     if not first and not out:
                         await self.conn.send_all(frames)
+                        self._last_write = trio.current_time()
                         self._out_bytes -= len(frames)
                         self._space_lot.unpark_all()
                         continue
@@ -849,7 +861,8 @@ class YamuxSession:
                     await self._write_pieces([bytes(p) if id(p) in borrowed else p for p in batch])
                 else:
                     await self._write_pieces(batch)
-                self._tune_batch(size, trio.current_time() - began, max_batch)
+                self._last_write = trio.current_time()
+                self._tune_batch(size, self._last_write - began, max_batch)
                 if self._borrowed:
                     self._release_borrowed(batch)
                 self._out_bytes -= size

@@ -1,9 +1,13 @@
 """The reducing side of one part: collect chunk k from every sender, aggregate, publish result k.
 
 Chunks are finalized strictly in order. Chunk k is finalized once every sender that is still
-active has contributed it, or when ``sender_timeout`` has passed since chunk k became the next
-one to finalize; senders still missing then are marked failed for the rest of the part
-(per-chunk semantics: a failed sender stays in the chunks it completed before failing).
+active has contributed it, or when the senders still missing have been silent for
+``sender_timeout``: nothing of chunk k since it became the next one to finalize, and (where
+the transport tells, ``heard_from``) no bytes on their connection either. Those are marked
+failed for the rest of the part (per-chunk semantics: a failed sender stays in the chunks it
+completed before failing). A sender whose bytes keep arriving is slow, not stalled: on a full
+home uplink a chunk can take longer than any fixed limit, and leaving the sender out cost the
+whole group that part of its average; the round's own deadline still bounds the wait.
 A sender may be at most ``window`` chunks ahead of the results it has been sent, so memory is
 bounded by ``window x senders`` chunks whatever the peers do.
 
@@ -90,8 +94,11 @@ class PartReducer:
         window: int,
         local: int | None,
         max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
+        heard_from: Callable[[int], float | None] | None = None,
     ) -> None:
         self.chunks = chunks
+        # sender -> trio time bytes last arrived from it (None: unknown, no connection)
+        self._heard_from = heard_from
         self.aggregator = aggregator
         self._finalize_fn = finalize
         self._run_cpu = run_cpu
@@ -262,12 +269,26 @@ class PartReducer:
 
     # ---- the finalizing loop (runs in the round's nursery) ----
 
+    async def _wait_for_chunk(self, k: int) -> None:
+        """Until every active sender contributed chunk ``k``, or those missing have been
+        silent for ``sender_timeout`` (module doc)."""
+        since = trio.current_time()
+        while True:
+            with trio.move_on_at(since + self.sender_timeout):
+                while not self.active <= self._contributed[k]:
+                    await self._changed.wait()
+                return
+            missing = self.active - self._contributed[k]
+            heard = [self._heard_from(s) for s in missing] if self._heard_from else []
+            latest = max((t for t in heard if t is not None), default=None)
+            if latest is None or latest + self.sender_timeout <= trio.current_time():
+                return
+            since = latest
+
     async def run(self) -> None:
         """Finalize every chunk in order; returns when all are finalized."""
         for k in range(len(self.chunks)):
-            with trio.move_on_after(self.sender_timeout):
-                while not self.active <= self._contributed[k]:
-                    await self._changed.wait()
+            await self._wait_for_chunk(k)
             async with self._lock:  # nobody adds to chunk k while we decide who is in it
                 for s in sorted(self.active - self._contributed[k]):
                     logger.info(

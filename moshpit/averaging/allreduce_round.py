@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import trio
@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT = 2.0  # best-effort goodbye (error message / EOF) to a peer
 
+T = TypeVar("T")
+
 
 async def first_error(*fns: Callable[[], Awaitable[None]]) -> Exception | None:
     """Run ``fns`` concurrently; on the first Exception cancel the others and return it."""
@@ -83,6 +85,40 @@ async def first_error(*fns: Callable[[], Awaitable[None]]) -> Exception | None:
         for fn in fns:
             nursery.start_soon(guarded, fn)
     return error
+
+
+async def unless_silent(
+    fn: Callable[[], Awaitable[T]], last_progress: Callable[[], float | None], limit: float
+) -> T:
+    """Run ``fn``; ``trio.TooSlowError`` once ``limit`` s pass with ``fn`` unfinished and no
+    progress on its link (``last_progress``: trio time of the latest, None: unknown). Over a
+    full home uplink a message can take longer than any fixed limit while bytes keep moving:
+    that peer is slow, and waited for (the round's own deadline still bounds it); one that
+    stopped reading or sending is not."""
+    finished = trio.Event()
+    returned: list[T] = []
+
+    async def run() -> None:
+        try:
+            returned.append(await fn())
+        finally:
+            finished.set()
+
+    async def watch() -> None:
+        since = trio.current_time()
+        while True:
+            with trio.move_on_at(since + limit):
+                await finished.wait()
+                return
+            latest = last_progress()
+            if latest is None or latest + limit <= trio.current_time():
+                raise trio.TooSlowError
+            since = latest
+
+    error = await first_error(run, watch)
+    if error is not None:
+        raise error
+    return returned[0]
 
 
 async def _until_left_out(fn: Callable[[], Awaitable[None]]) -> None:
@@ -178,6 +214,7 @@ class AllReduceRound:
                 window=service.window,
                 local=me if self.is_sender else None,
                 max_weight_ratio=max_weight_ratio,
+                heard_from=lambda s: service.host.last_heard_from(group.members[s]),
             )
         self.pacer = self._plan_pacing(uplink_rate)
 
@@ -307,7 +344,10 @@ class AllReduceRound:
                 )
                 if error is not None and not isinstance(error, SenderFailed):
                     if isinstance(error, trio.TooSlowError):
-                        reason = f"not reading results for {self.sender_timeout:.3g}s"
+                        reason = (
+                            f"not reading results ({self.sender_timeout:.3g}s without a "
+                            "write to it completing)"
+                        )
                     else:
                         reason = f"{type(error).__name__}: {error}"
                     reducer.fail(s, reason, excluded=is_violation(error))
@@ -343,8 +383,11 @@ class AllReduceRound:
         assert self.reducer is not None
         for _ in self.chunks[self.me]:
             k, msg = await self.reducer.next_result(s)
-            with trio.fail_after(self.sender_timeout):
-                await send_with_payload(stream, msg)
+            await unless_silent(
+                functools.partial(send_with_payload, stream, msg),
+                functools.partial(self.service.host.last_sent_to, stream.remote_peer),
+                self.sender_timeout,
+            )
             lo, hi = self.chunks[self.me][k]
             if self.pacer is not None:
                 self.pacer.sent(stream.remote_peer, "results", hi - lo)

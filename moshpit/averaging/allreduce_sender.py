@@ -10,6 +10,7 @@ the reducing side of the round is there too.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,13 @@ from moshpit.averaging.allreduce_protocol import (
     receive_with_payload,
     send_with_payload,
 )
-from moshpit.averaging.allreduce_round import CLOSE_TIMEOUT, first_error, is_violation, quietly
+from moshpit.averaging.allreduce_round import (
+    CLOSE_TIMEOUT,
+    first_error,
+    is_violation,
+    quietly,
+    unless_silent,
+)
 from moshpit.averaging.partition import gather, gather_copies, single_view
 
 if TYPE_CHECKING:
@@ -120,8 +127,11 @@ class PartExchange:
             if gather_copies(tensors, layout, a, b):
                 cost += b - a
             ct = await r.service.run_cpu(compress, numel=cost)
-            with trio.fail_after(r.reducer_timeout):
-                await send_with_payload(stream, chunk_msg(k, ct))
+            await unless_silent(
+                functools.partial(send_with_payload, stream, chunk_msg(k, ct)),
+                functools.partial(r.service.host.last_sent_to, stream.remote_peer),
+                r.reducer_timeout,
+            )
             if r.pacer is not None:
                 r.pacer.sent(stream.remote_peer, "chunks", b - a)
             r.bytes_sent += ct.nbytes
@@ -136,10 +146,16 @@ class PartExchange:
             # that leaves garbage there, which ``finish`` replaces with the local values, as
             # for every part that did not complete.
             target = single_view(r.outputs, r.layout, a, b)
-            with trio.fail_after(r.reducer_timeout):
-                msg = await receive_with_payload(
-                    stream, max_chunk_message(b - a), raw_float32_destination(b - a, target)
-                )
+            msg = await unless_silent(
+                functools.partial(
+                    receive_with_payload,
+                    stream,
+                    max_chunk_message(b - a),
+                    raw_float32_destination(b - a, target),
+                ),
+                functools.partial(r.service.host.last_heard_from, stream.remote_peer),
+                r.reducer_timeout,
+            )
             res: Result = parse_result(msg, k, b - a, r.group.size)
             if res.ct is None:
                 r.write((a, b), None)
@@ -167,7 +183,7 @@ class PartExchange:
         if isinstance(error, _RoundEnded):
             reason = "round ended before the part was complete"
         elif isinstance(error, trio.TooSlowError):
-            reason = f"stalled: nothing for {r.reducer_timeout:.3g}s"
+            reason = f"stalled: nothing to or from it for {r.reducer_timeout:.3g}s"
         elif isinstance(error, RemoteAbort):
             reason = f"reducer ended the exchange: {error}"
         else:

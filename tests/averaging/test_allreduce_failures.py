@@ -553,3 +553,91 @@ async def test_a_hello_slower_than_accept_timeout_is_served_while_its_round_runs
         want = (ours[a:b].double() + theirs[a:b].double()) / 2
         assert torch.allclose(result.averaged[0][a:b].double(), want, atol=1e-6)
         assert replies and replies[0]["t"] == "result"
+
+
+# ---------------------------------------------------------------- slow is not stalled
+
+
+async def test_a_wait_gives_up_only_once_its_link_stops_moving(autojump_clock):
+    """``unless_silent``: a message still moving after its limit is waited for (a full
+    uplink), one whose link went quiet gives up ``limit`` s after the last progress."""
+    from moshpit.averaging.allreduce_round import unless_silent
+
+    start = trio.current_time()
+    progress = [start]
+
+    async def trickle(until: float) -> str:
+        while trio.current_time() < start + until:  # bytes keep moving, every 1 s
+            await trio.sleep(1.0)
+            progress.append(trio.current_time())
+        return "sent"
+
+    # 10 s to send, 2-s limit, progress every second: waited for
+    assert await unless_silent(lambda: trickle(10.0), lambda: progress[-1], 2.0) == "sent"
+    assert trio.current_time() - start == pytest.approx(10.0)
+
+    async def goes_quiet() -> None:
+        await trickle(3.0)  # moves for 3 s, then hangs
+        await trio.sleep_forever()
+
+    start = trio.current_time()
+    progress.append(start)
+    with pytest.raises(trio.TooSlowError):
+        await unless_silent(goes_quiet, lambda: progress[-1], 2.0)
+    assert trio.current_time() - start == pytest.approx(5.0)  # 3 s of progress + the limit
+    start = trio.current_time()
+    with pytest.raises(trio.TooSlowError):  # no connection to tell: the plain limit
+        await unless_silent(trio.sleep_forever, lambda: None, 2.0)
+    assert trio.current_time() - start == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="bad"):  # fn's own errors come through as they are
+
+        async def fails() -> None:
+            raise ValueError("bad")
+
+        await unless_silent(fails, lambda: None, 2.0)
+
+
+async def test_a_sender_heard_from_is_waited_for_and_a_silent_one_left_out(autojump_clock):
+    """The reducer leaves out a sender missing chunk k only once it has been silent for
+    ``sender_timeout``: a sender whose connection keeps delivering bytes (its chunk is on
+    its way over a full uplink) stays in the part."""
+    from moshpit.averaging.aggregation import WeightedMean
+    from moshpit.averaging.allreduce_reducer import PartReducer
+
+    start = trio.current_time()
+    heard = {0: start, 1: start, 2: start}
+    finalized: list[tuple[int, tuple[int, ...]]] = []
+
+    async def finalize(k, values, dev, n, missing):
+        finalized.append((k, missing))
+        return {"k": k, "n": n}, values
+
+    async def run_cpu(fn, *args, numel=0):
+        return fn(*args)
+
+    reducer = PartReducer(
+        [0, 1, 2], [(0, 4), (4, 8)], WeightedMean(), finalize, run_cpu,
+        sender_timeout=2.0, window=2, local=None, heard_from=heard.get,
+    )  # fmt: skip
+    for s in (0, 1, 2):
+        reducer.declare(s, 1.0)
+
+    async def sender_0() -> None:
+        for k in (0, 1):
+            await reducer.contribute(0, k, torch.ones(4))
+
+    async def slow_sender_1() -> None:  # its chunks take 7 s each, its bytes keep coming
+        for k in (0, 1):
+            for _ in range(7):
+                await trio.sleep(1.0)
+                heard[1] = trio.current_time()
+            await reducer.contribute(1, k, torch.ones(4))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender_0)
+        nursery.start_soon(slow_sender_1)  # sender 2 never sends, its link is quiet
+        await reducer.run()
+    assert reducer.active == {0, 1}
+    assert "stalled: chunk 0" in reducer.failed[2]
+    assert finalized == [(0, (2,)), (1, (2,))]
+    assert trio.current_time() - start == pytest.approx(14.0)

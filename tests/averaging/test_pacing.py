@@ -283,3 +283,30 @@ def test_a_round_longer_than_allreduce_timeout_on_stated_slow_links_still_succee
     for r in results:
         assert r.succeeded and r.averaged_fraction == 1.0, r.reason
         assert r.allreduce_seconds > options["allreduce_timeout"], r.allreduce_seconds
+
+
+def test_a_sender_whose_bytes_keep_arriving_is_slow_not_stalled(two_dhts):  # noqa: F811
+    """A full uplink delivers a chunk later than ``sender_timeout`` while its bytes keep
+    coming: the reducer waits for it (the round's own deadline still bounds it) instead of
+    leaving the sender out of the rest of the part, which cost a 1-Mbit/s race a quarter of
+    a round and split θ. Here 400 kB/s uplinks (paced): chunks of 150 kB that share the
+    link with results take up to ~0.75 s, and the stall limit is 0.5 s."""
+    rate, numel = 400e3, 600_000
+    options = {**FAST, "allreduce_timeout": 30.0, "sender_timeout": 0.5, "reducer_timeout": 20.0}
+    common = dict(target_group_size=2, initial_group_bits="", bandwidth=rate, **options)
+    avs = [
+        Averager([torch.full((numel,), float(i))], dht, "busy-links", **common)
+        for i, dht in enumerate(two_dhts)
+    ]
+    try:
+        futures = [av.step(wait=False) for av in avs]
+        results = [f.result(timeout=60) for f in futures]
+        for av in avs:
+            with av.get_tensors() as (tensor,):
+                assert torch.all(tensor == 0.5)
+    finally:
+        for av in avs:
+            av.shutdown()
+    for r in results:
+        assert r.succeeded and r.averaged_fraction == 1.0 and not r.failed, r.reason
+        assert r.allreduce_seconds > 1.0, r.allreduce_seconds  # the link really was slow
