@@ -1139,8 +1139,19 @@ class YamuxSession:
             try:
                 await self.ping(timeout=self.keepalive_timeout)
             except P2PTimeoutError:
+                quiet = trio.current_time() - self.last_received
+                if quiet < self.keepalive_timeout:
+                    # a late pong but bytes keep arriving: a full link (a home uplink behind
+                    # an all-reduce), not a half-open connection; closing it failed rounds
+                    logger.debug(
+                        "yamux %s: keepalive pong late, bytes arrived %.1fs ago; keeping it",
+                        self.name,
+                        quiet,
+                    )
+                    continue
                 logger.warning(
-                    "yamux %s: keepalive ping unanswered for %.1fs; closing half-open connection",
+                    "yamux %s: keepalive ping unanswered for %.1fs and nothing received; "
+                    "closing half-open connection",
                     self.name,
                     self.keepalive_timeout,
                 )
