@@ -293,9 +293,11 @@ class SecureSession(trio.abc.HalfCloseableStream):
         self._error: Exception | None = None
         self._sending = False
         self._receiving = False
-        # when a write to the raw stream last went through (trio time): a send that waits
-        # while these keep coming waits for a full uplink, not for a peer that stopped reading
+        # when a write to the raw stream last went through, and when raw bytes last arrived
+        # (trio time): on a slow link a 64-KiB frame takes seconds, and a wait that sees
+        # these move waits for a full link, not for a peer that stopped reading or sending
         self.last_write = trio.current_time()
+        self.last_read = trio.current_time()
         self._plain_borrowed = False  # ``_plain`` lies in the reused bulk buffer
         self._cbuf: bytearray | None = None  # bulk mode: reused ciphertext buffer
         self._cview = memoryview(b"")
@@ -617,6 +619,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
                     continue
                 data = await self.raw.receive_some(RECEIVE_CHUNK)
                 if data:
+                    self.last_read = trio.current_time()
                     self._ingest(data)
                     if len(data) >= _BULK_READ and isinstance(self.raw, trio.SocketStream):
                         self._enter_bulk_mode()
@@ -665,6 +668,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
         if not got:
             self._eof = True
             return
+        self.last_read = trio.current_time()
         n = self._cfill + got
         pos = 0
         o = 0

@@ -530,9 +530,8 @@ class YamuxSession:
         self._first: deque[bytes | memoryview] = deque()
         self._first_bytes = 0
         self._out: deque[bytes | memoryview] = deque()
-        # when bytes last arrived (trio time): a peer whose request timed out while its
-        # connection kept delivering is busy, not gone (the DHT keeps such contacts)
-        self.last_received = trio.current_time()
+        # when the reader last got bytes (see last_received)
+        self._last_read = trio.current_time()
         # when our last write to the connection completed (see last_sent)
         self._last_write = trio.current_time()
         self._batch_limit = _OUT_LIMIT  # see _BATCH_SECONDS
@@ -651,6 +650,15 @@ class YamuxSession:
     def queued_bytes(self) -> int:
         """Bytes waiting for the writer task (bounded: data senders wait above 1 MiB)."""
         return self._out_bytes
+
+    @property
+    def last_received(self) -> float:
+        """When bytes last arrived from the peer (trio time): the secure channel's raw reads
+        where it tells (over a slow link one 64-KiB frame takes seconds), else the reader's.
+        A peer whose request timed out while this moved is busy, not gone (the DHT keeps
+        such contacts; the all-reduce waits for its chunks; the keepalive keeps it)."""
+        below = getattr(self.conn, "last_read", None)
+        return max(self._last_read, below) if isinstance(below, float) else self._last_read
 
     @property
     def last_sent(self) -> float:
@@ -950,7 +958,7 @@ class YamuxSession:
             if not data:
                 self._shutdown("remote closed the connection")
                 return
-            self.last_received = trio.current_time()
+            self._last_read = trio.current_time()
             borrowed = isinstance(data, memoryview)
             n = len(data)
             off = 0

@@ -412,6 +412,42 @@ async def test_frames_split_across_many_small_reads():
         assert await _receive_exactly(sb, len(payload)) == payload
 
 
+class _SlowLink(_Trickle):
+    """Sends what it is given 1 KiB per second (a very full uplink)."""
+
+    slow = False
+
+    async def send_all(self, data):
+        if not self.slow:
+            await self.inner.send_all(data)
+            return
+        view = memoryview(bytes(data))
+        for i in range(0, len(view), 1024):
+            await self.inner.send_all(view[i : i + 1024])
+            await trio.sleep(1.0)
+
+
+async def test_bytes_of_a_frame_still_arriving_count_as_heard_and_writes_as_sent(autojump_clock):
+    """Over a slow link one 64-KiB frame takes a minute to arrive: ``last_read`` moves with
+    every piece (waits in the all-reduce and the keepalive see a busy peer, not a silent
+    one). ``last_write`` moves with every write that went through (on a TCP socket each
+    ``os.write``; on another stream, as here, each whole send)."""
+    a, b = trio.testing.memory_stream_pair()
+    slow = _SlowLink(a)
+    sa, sb = await _handshake_pair(slow, b, Identity.generate(), Identity.generate())
+    slow.slow = True
+    payload = os.urandom(MAX_PLAINTEXT)
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sa.send_all, payload)
+        nursery.start_soon(_receive_exactly, sb, len(payload))
+        await trio.sleep(30.5)  # half the frame is in: nothing decrypted yet
+        assert sb.last_read >= trio.current_time() - 1.0
+        assert sb.last_read > started + 29
+    assert trio.current_time() - started > 60  # the frame took a minute
+    assert sa.last_write > started + 60
+
+
 class _HoldMessage3(trio.abc.HalfCloseableStream):
     """Holds back the 2nd write (Noise message 3) and sends it together with the 3rd."""
 
