@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import trio
 
 import moshpit
 from compression import GraVAC, TopK, TwoWayCompression
@@ -184,6 +185,41 @@ def test_three_peers_take_identical_steps_equal_to_one_process(make_dhts):
         expected = _replay(peers, epochs)
         for got, want in zip(peers[0].model.parameters(), expected, strict=True):
             torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    finally:
+        for p in peers:
+            p.opt.shutdown()
+
+
+def test_the_last_member_of_a_round_finishes_it_though_the_first_moved_on(make_dhts, monkeypatch):
+    """One member takes its result 3 s after the others (a slow link): the others step and
+    report the next epoch meanwhile, which the slow one's view shows as the swarm having
+    moved on. It finishes the round it is in instead of abandoning it and loading state."""
+    from moshpit.averaging.averager import Averager
+
+    dhts = make_dhts(3)
+    slow_node = dhts[2].peer_id
+    real_write = Averager._write
+
+    async def late_write(self, averaged):
+        if self._host.peer_id == slow_node:
+            await trio.sleep(3.0)
+        await real_write(self, averaged)
+
+    monkeypatch.setattr(Averager, "_write", late_write)
+    models = [_model() for _ in dhts]
+    patient = dict(FAST, min_matchmaking_time=10.0)
+    peers = [
+        Peer(i, m, _opt(d, m, averager_options=patient))
+        for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+    ]
+    try:
+        _train_all(peers, 2, lockstep=True)
+        for p in peers:
+            mode = p.opt.mode
+            assert (mode.rounds_succeeded, mode.rounds_failed) == (2, 0), p.index
+            assert mode.solo_steps == mode.state_loads == 0
+        for epoch in (1, 2):
+            assert all(_same(peers[0].params_at[epoch], p.params_at[epoch]) for p in peers[1:])
     finally:
         for p in peers:
             p.opt.shutdown()
