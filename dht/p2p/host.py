@@ -505,12 +505,17 @@ class Host:
         times = [c.session.last_received for c in self._conns.get(peer_id, ())]
         return max(times) if times else None
 
-    def last_sent_to(self, peer_id: PeerID) -> float | None:
-        """When our last write to ``peer_id`` completed on any live connection (trio time), or
-        None without one: a send that waits while writes keep completing waits for a full
-        uplink, not for a peer that stopped reading."""
-        times = [c.session.last_sent for c in self._conns.get(peer_id, ())]
-        return max(times) if times else None
+    def bytes_moved(self, peer_id: PeerID) -> tuple[int, int] | None:
+        """(bytes received from, bytes sent to) ``peer_id`` over its live connections so
+        far, or None without one. A wait that sees these grow waits for a full link, not for
+        a peer that stopped reading or sending (what a round's stall limits must tell
+        apart); pings and small RPCs move them by a few bytes only."""
+        conns = self._conns.get(peer_id, ())
+        if not conns:
+            return None
+        return sum(c.session.bytes_received for c in conns), sum(
+            c.session.bytes_sent for c in conns
+        )
 
     def connection_counts(self) -> dict[str, int]:
         """Live connections by kind: ``{"direct": n, "relayed": m}`` (for monitoring).

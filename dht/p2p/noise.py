@@ -293,10 +293,11 @@ class SecureSession(trio.abc.HalfCloseableStream):
         self._error: Exception | None = None
         self._sending = False
         self._receiving = False
-        # when a write to the raw stream last went through, and when raw bytes last arrived
-        # (trio time): on a slow link a 64-KiB frame takes seconds, and a wait that sees
-        # these move waits for a full link, not for a peer that stopped reading or sending
-        self.last_write = trio.current_time()
+        # raw bytes moved each way, and when they last arrived (trio time): on a slow link one
+        # 64-KiB frame takes seconds, and a wait that sees these move waits for a full link,
+        # not for a peer that stopped reading or sending
+        self.bytes_written = 0
+        self.bytes_read = 0
         self.last_read = trio.current_time()
         self._plain_borrowed = False  # ``_plain`` lies in the reused bulk buffer
         self._cbuf: bytearray | None = None  # bulk mode: reused ciphertext buffer
@@ -415,7 +416,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
         raw = self.raw
         if type(raw) is not trio.SocketStream or not _FD_WRITES:
             await raw.send_all(data)
-            self.last_write = trio.current_time()
+            self.bytes_written += len(data)
             return
         sock = raw.socket
         if sock.did_shutdown_SHUT_WR:
@@ -430,8 +431,9 @@ class SecureSession(trio.abc.HalfCloseableStream):
             if fd < 0:
                 raise trio.ClosedResourceError("the raw socket was closed")
             try:
-                sent += os.write(fd, data[sent:])
-                self.last_write = trio.current_time()
+                n = os.write(fd, data[sent:])
+                sent += n
+                self.bytes_written += n
             except BlockingIOError:
                 await trio.lowlevel.wait_writable(sock)  # type: ignore[arg-type]  # trio-typing's stubs: an int only; trio takes the socket
                 waited = True
@@ -620,6 +622,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
                 data = await self.raw.receive_some(RECEIVE_CHUNK)
                 if data:
                     self.last_read = trio.current_time()
+                    self.bytes_read += len(data)
                     self._ingest(data)
                     if len(data) >= _BULK_READ and isinstance(self.raw, trio.SocketStream):
                         self._enter_bulk_mode()
@@ -669,6 +672,7 @@ class SecureSession(trio.abc.HalfCloseableStream):
             self._eof = True
             return
         self.last_read = trio.current_time()
+        self.bytes_read += got
         n = self._cfill + got
         pos = 0
         o = 0

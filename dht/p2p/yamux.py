@@ -530,10 +530,11 @@ class YamuxSession:
         self._first: deque[bytes | memoryview] = deque()
         self._first_bytes = 0
         self._out: deque[bytes | memoryview] = deque()
-        # when the reader last got bytes (see last_received)
+        # when the reader last got bytes (see last_received), and bytes moved each way (see
+        # bytes_received / bytes_sent)
         self._last_read = trio.current_time()
-        # when our last write to the connection completed (see last_sent)
-        self._last_write = trio.current_time()
+        self._bytes_read = 0
+        self._bytes_written = 0
         self._batch_limit = _OUT_LIMIT  # see _BATCH_SECONDS
         # Window updates, pings/pongs, ACKs and RSTs may overtake queued data (a window update
         # stuck behind megabytes of our own data would stall the remote's sender). SYN and FIN
@@ -661,13 +662,18 @@ class YamuxSession:
         return max(self._last_read, below) if isinstance(below, float) else self._last_read
 
     @property
-    def last_sent(self) -> float:
-        """When a write toward the peer last went through (trio time): the secure channel's
-        own writes where it tells (a batch over a slow link is many of them), else the
-        writer's batches. A send that waits while this moves waits for a full uplink, not
-        for a peer that stopped reading."""
-        below = getattr(self.conn, "last_write", None)
-        return max(self._last_write, below) if isinstance(below, float) else self._last_write
+    def bytes_received(self) -> int:
+        """Bytes received on this connection so far (the secure channel's raw reads where it
+        counts them, as they arrive; else what the reader got)."""
+        below = getattr(self.conn, "bytes_read", None)
+        return below if isinstance(below, int) else self._bytes_read
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes written to this connection so far (the secure channel's socket writes where
+        it counts them, each as it goes through; else the writer's batches)."""
+        below = getattr(self.conn, "bytes_written", None)
+        return below if isinstance(below, int) else self._bytes_written
 
     async def open_stream(self) -> YamuxStream:
         """Open an outbound stream. Data may be sent immediately (before the remote's ACK)."""
@@ -850,7 +856,7 @@ class YamuxSession:
                     urgent.clear()
                     if not first and not out:
                         await self.conn.send_all(frames)
-                        self._last_write = trio.current_time()
+                        self._bytes_written += len(frames)
                         self._out_bytes -= len(frames)
                         self._space_lot.unpark_all()
                         continue
@@ -869,8 +875,8 @@ class YamuxSession:
                     await self._write_pieces([bytes(p) if id(p) in borrowed else p for p in batch])
                 else:
                     await self._write_pieces(batch)
-                self._last_write = trio.current_time()
-                self._tune_batch(size, self._last_write - began, max_batch)
+                self._bytes_written += size
+                self._tune_batch(size, trio.current_time() - began, max_batch)
                 if self._borrowed:
                     self._release_borrowed(batch)
                 self._out_bytes -= size
@@ -959,6 +965,7 @@ class YamuxSession:
                 self._shutdown("remote closed the connection")
                 return
             self._last_read = trio.current_time()
+            self._bytes_read += len(data)
             borrowed = isinstance(data, memoryview)
             n = len(data)
             off = 0

@@ -1,13 +1,15 @@
 """The reducing side of one part: collect chunk k from every sender, aggregate, publish result k.
 
 Chunks are finalized strictly in order. Chunk k is finalized once every sender that is still
-active has contributed it, or when the senders still missing have been silent for
-``sender_timeout``: nothing of chunk k since it became the next one to finalize, and (where
-the transport tells, ``heard_from``) no bytes on their connection either. Those are marked
-failed for the rest of the part (per-chunk semantics: a failed sender stays in the chunks it
-completed before failing). A sender whose bytes keep arriving is slow, not stalled: on a full
-home uplink a chunk can take longer than any fixed limit, and leaving the sender out cost the
-whole group that part of its average; the round's own deadline still bounds the wait.
+active has contributed it, or when ``sender_timeout`` has passed since chunk k became the next
+one to finalize and none of the senders still missing is moving data: a sender from which at
+least ``PROGRESS_BYTES`` arrived in the last ``sender_timeout`` (``moved_from``: bytes
+received from it so far, where the transport counts them) is slow, not stalled, and waited
+for another ``sender_timeout``. On a full home uplink a chunk can take longer than any fixed
+limit, and leaving its sender out cost the whole group that part of its average; the round's
+own deadline still bounds the wait, and keepalive pings or a few DHT RPCs do not count as
+data. Senders left out are marked failed for the rest of the part (per-chunk semantics: a
+failed sender stays in the chunks it completed before failing).
 A sender may be at most ``window`` chunks ahead of the results it has been sent, so memory is
 bounded by ``window x senders`` chunks whatever the peers do.
 
@@ -47,6 +49,10 @@ from moshpit.averaging.allreduce_protocol import all_finite
 from moshpit.averaging.errors import AveragingError
 
 logger = logging.getLogger(__name__)
+
+# bytes a peer must move on its link within a stall limit to count as slow rather than
+# stalled: round data, not the keepalive's pings or a few DHT RPCs (tens to hundreds of bytes)
+PROGRESS_BYTES = 32 * 1024
 
 DEFAULT_MAX_WEIGHT_RATIO = 100.0
 
@@ -94,11 +100,11 @@ class PartReducer:
         window: int,
         local: int | None,
         max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
-        heard_from: Callable[[int], float | None] | None = None,
+        moved_from: Callable[[int], int | None] | None = None,
     ) -> None:
         self.chunks = chunks
-        # sender -> trio time bytes last arrived from it (None: unknown, no connection)
-        self._heard_from = heard_from
+        # sender -> bytes received from it so far (None: unknown, no connection)
+        self._moved_from = moved_from
         self.aggregator = aggregator
         self._finalize_fn = finalize
         self._run_cpu = run_cpu
@@ -270,20 +276,24 @@ class PartReducer:
     # ---- the finalizing loop (runs in the round's nursery) ----
 
     async def _wait_for_chunk(self, k: int) -> None:
-        """Until every active sender contributed chunk ``k``, or those missing have been
-        silent for ``sender_timeout`` (module doc)."""
-        since = trio.current_time()
+        """Until every active sender contributed chunk ``k``, or ``sender_timeout`` passed
+        with none of those missing moving data (module doc)."""
+        moved = self._moved_from or (lambda _s: None)
+        marks = {s: moved(s) for s in self.senders}
+        deadline = trio.current_time() + self.sender_timeout
         while True:
-            with trio.move_on_at(since + self.sender_timeout):
+            with trio.move_on_at(deadline):
                 while not self.active <= self._contributed[k]:
                     await self._changed.wait()
                 return
-            missing = self.active - self._contributed[k]
-            heard = [self._heard_from(s) for s in missing] if self._heard_from else []
-            latest = max((t for t in heard if t is not None), default=None)
-            if latest is None or latest + self.sender_timeout <= trio.current_time():
+            busy = False
+            for s in self.active - self._contributed[k]:
+                now, before = moved(s), marks[s]
+                busy |= now is not None and before is not None and now - before >= PROGRESS_BYTES
+                marks[s] = now
+            if not busy:
                 return
-            since = latest
+            deadline += self.sender_timeout
 
     async def run(self) -> None:
         """Finalize every chunk in order; returns when all are finalized."""

@@ -38,6 +38,7 @@ from moshpit.averaging.allreduce_protocol import (
 )
 from moshpit.averaging.allreduce_reducer import (
     DEFAULT_MAX_WEIGHT_RATIO,
+    PROGRESS_BYTES,
     PartReducer,
     SenderFailed,
 )
@@ -58,7 +59,7 @@ from moshpit.averaging.partition import (
 )
 
 if TYPE_CHECKING:
-    from dht.p2p import P2PStream, PeerID
+    from dht.p2p import Host, P2PStream, PeerID
     from moshpit.averaging.allreduce import AllReduceService
 
 logger = logging.getLogger(__name__)
@@ -87,14 +88,34 @@ async def first_error(*fns: Callable[[], Awaitable[None]]) -> Exception | None:
     return error
 
 
+def bytes_from(host: Host, peer: PeerID) -> Callable[[], int | None]:
+    """Bytes received from ``peer`` so far, as a progress reading for ``unless_silent``."""
+
+    def moved() -> int | None:
+        both = host.bytes_moved(peer)
+        return None if both is None else both[0]
+
+    return moved
+
+
+def bytes_to(host: Host, peer: PeerID) -> Callable[[], int | None]:
+    """Bytes sent to ``peer`` so far, as a progress reading for ``unless_silent``."""
+
+    def moved() -> int | None:
+        both = host.bytes_moved(peer)
+        return None if both is None else both[1]
+
+    return moved
+
+
 async def unless_silent(
-    fn: Callable[[], Awaitable[T]], last_progress: Callable[[], float | None], limit: float
+    fn: Callable[[], Awaitable[T]], moved: Callable[[], int | None], limit: float
 ) -> T:
-    """Run ``fn``; ``trio.TooSlowError`` once ``limit`` s pass with ``fn`` unfinished and no
-    progress on its link (``last_progress``: trio time of the latest, None: unknown). Over a
-    full home uplink a message can take longer than any fixed limit while bytes keep moving:
-    that peer is slow, and waited for (the round's own deadline still bounds it); one that
-    stopped reading or sending is not."""
+    """Run ``fn``; ``trio.TooSlowError`` once a ``limit`` s passes with ``fn`` unfinished and
+    fewer than ``PROGRESS_BYTES`` moved on its link (``moved``: bytes so far, None: unknown).
+    Over a full home uplink a message can take longer than any fixed limit while data keeps
+    moving: that peer is slow, and waited for (the round's own deadline still bounds it); one
+    that stopped reading or sending is not, pings and small RPCs notwithstanding."""
     finished = trio.Event()
     returned: list[T] = []
 
@@ -105,15 +126,15 @@ async def unless_silent(
             finished.set()
 
     async def watch() -> None:
-        since = trio.current_time()
+        mark = moved()
         while True:
-            with trio.move_on_at(since + limit):
+            with trio.move_on_after(limit):
                 await finished.wait()
                 return
-            latest = last_progress()
-            if latest is None or latest + limit <= trio.current_time():
+            now = moved()
+            if now is None or mark is None or now - mark < PROGRESS_BYTES:
                 raise trio.TooSlowError
-            since = latest
+            mark = now
 
     error = await first_error(run, watch)
     if error is not None:
@@ -214,7 +235,7 @@ class AllReduceRound:
                 window=service.window,
                 local=me if self.is_sender else None,
                 max_weight_ratio=max_weight_ratio,
-                heard_from=lambda s: service.host.last_heard_from(group.members[s]),
+                moved_from=lambda s: bytes_from(service.host, group.members[s])(),
             )
         self.pacer = self._plan_pacing(uplink_rate)
 
@@ -345,8 +366,8 @@ class AllReduceRound:
                 if error is not None and not isinstance(error, SenderFailed):
                     if isinstance(error, trio.TooSlowError):
                         reason = (
-                            f"not reading results ({self.sender_timeout:.3g}s without a "
-                            "write to it completing)"
+                            f"not reading results ({self.sender_timeout:.3g}s with next to "
+                            "nothing sent to it)"
                         )
                     else:
                         reason = f"{type(error).__name__}: {error}"
@@ -385,7 +406,7 @@ class AllReduceRound:
             k, msg = await self.reducer.next_result(s)
             await unless_silent(
                 functools.partial(send_with_payload, stream, msg),
-                functools.partial(self.service.host.last_sent_to, stream.remote_peer),
+                bytes_to(self.service.host, stream.remote_peer),
                 self.sender_timeout,
             )
             lo, hi = self.chunks[self.me][k]

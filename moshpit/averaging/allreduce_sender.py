@@ -36,6 +36,8 @@ from moshpit.averaging.allreduce_protocol import (
 )
 from moshpit.averaging.allreduce_round import (
     CLOSE_TIMEOUT,
+    bytes_from,
+    bytes_to,
     first_error,
     is_violation,
     quietly,
@@ -129,7 +131,7 @@ class PartExchange:
             ct = await r.service.run_cpu(compress, numel=cost)
             await unless_silent(
                 functools.partial(send_with_payload, stream, chunk_msg(k, ct)),
-                functools.partial(r.service.host.last_sent_to, stream.remote_peer),
+                bytes_to(r.service.host, stream.remote_peer),
                 r.reducer_timeout,
             )
             if r.pacer is not None:
@@ -153,7 +155,7 @@ class PartExchange:
                     max_chunk_message(b - a),
                     raw_float32_destination(b - a, target),
                 ),
-                functools.partial(r.service.host.last_heard_from, stream.remote_peer),
+                bytes_from(r.service.host, stream.remote_peer),
                 r.reducer_timeout,
             )
             res: Result = parse_result(msg, k, b - a, r.group.size)
@@ -183,7 +185,7 @@ class PartExchange:
         if isinstance(error, _RoundEnded):
             reason = "round ended before the part was complete"
         elif isinstance(error, trio.TooSlowError):
-            reason = f"stalled: nothing to or from it for {r.reducer_timeout:.3g}s"
+            reason = f"stalled: next to nothing to or from it for {r.reducer_timeout:.3g}s"
         elif isinstance(error, RemoteAbort):
             reason = f"reducer ended the exchange: {error}"
         else:

@@ -558,37 +558,42 @@ async def test_a_hello_slower_than_accept_timeout_is_served_while_its_round_runs
 # ---------------------------------------------------------------- slow is not stalled
 
 
-async def test_a_wait_gives_up_only_once_its_link_stops_moving(autojump_clock):
-    """``unless_silent``: a message still moving after its limit is waited for (a full
-    uplink), one whose link went quiet gives up ``limit`` s after the last progress."""
+async def test_a_wait_gives_up_only_once_its_link_stops_moving_data(autojump_clock):
+    """``unless_silent``: a message whose link keeps moving data past the limit is waited
+    for (a full uplink); once the data stops, or only pings trickle, it gives up at the
+    next look (every ``limit`` s)."""
     from moshpit.averaging.allreduce_round import unless_silent
 
-    start = trio.current_time()
-    progress = [start]
+    moved = [0]
 
-    async def trickle(until: float) -> str:
-        while trio.current_time() < start + until:  # bytes keep moving, every 1 s
+    async def trickle(seconds: float, per_second: int) -> str:
+        for _ in range(int(seconds)):
             await trio.sleep(1.0)
-            progress.append(trio.current_time())
+            moved[0] += per_second
         return "sent"
 
-    # 10 s to send, 2-s limit, progress every second: waited for
-    assert await unless_silent(lambda: trickle(10.0), lambda: progress[-1], 2.0) == "sent"
+    start = trio.current_time()  # 10 s to send at 40 kB/s, a 2-s limit: waited for
+    assert await unless_silent(lambda: trickle(10, 40_000), lambda: moved[0], 2.0) == "sent"
     assert trio.current_time() - start == pytest.approx(10.0)
 
     async def goes_quiet() -> None:
-        await trickle(3.0)  # moves for 3 s, then hangs
+        await trickle(3, 40_000)  # data for 3 s, then nothing
         await trio.sleep_forever()
 
     start = trio.current_time()
-    progress.append(start)
     with pytest.raises(trio.TooSlowError):
-        await unless_silent(goes_quiet, lambda: progress[-1], 2.0)
-    assert trio.current_time() - start == pytest.approx(5.0)  # 3 s of progress + the limit
+        await unless_silent(goes_quiet, lambda: moved[0], 2.0)
+    assert trio.current_time() - start == pytest.approx(6.0)  # looks at 2 and 4 s saw data
+
+    async def pings_only() -> None:
+        await trickle(100, 100)  # a keepalive and a few RPCs: not round data
+
     start = trio.current_time()
+    with pytest.raises(trio.TooSlowError):
+        await unless_silent(pings_only, lambda: moved[0], 2.0)
+    assert trio.current_time() - start == pytest.approx(2.0)
     with pytest.raises(trio.TooSlowError):  # no connection to tell: the plain limit
         await unless_silent(trio.sleep_forever, lambda: None, 2.0)
-    assert trio.current_time() - start == pytest.approx(2.0)
     with pytest.raises(ValueError, match="bad"):  # fn's own errors come through as they are
 
         async def fails() -> None:
@@ -597,15 +602,15 @@ async def test_a_wait_gives_up_only_once_its_link_stops_moving(autojump_clock):
         await unless_silent(fails, lambda: None, 2.0)
 
 
-async def test_a_sender_heard_from_is_waited_for_and_a_silent_one_left_out(autojump_clock):
-    """The reducer leaves out a sender missing chunk k only once it has been silent for
-    ``sender_timeout``: a sender whose connection keeps delivering bytes (its chunk is on
-    its way over a full uplink) stays in the part."""
+async def test_a_sender_moving_data_is_waited_for_and_a_silent_one_left_out(autojump_clock):
+    """The reducer leaves out a sender missing chunk k once ``sender_timeout`` passed with
+    no data from it: a sender whose connection keeps delivering data (its chunk is on its
+    way over a full uplink) stays in the part."""
     from moshpit.averaging.aggregation import WeightedMean
     from moshpit.averaging.allreduce_reducer import PartReducer
 
     start = trio.current_time()
-    heard = {0: start, 1: start, 2: start}
+    moved = {0: 0, 1: 0, 2: 0}
     finalized: list[tuple[int, tuple[int, ...]]] = []
 
     async def finalize(k, values, dev, n, missing):
@@ -617,7 +622,7 @@ async def test_a_sender_heard_from_is_waited_for_and_a_silent_one_left_out(autoj
 
     reducer = PartReducer(
         [0, 1, 2], [(0, 4), (4, 8)], WeightedMean(), finalize, run_cpu,
-        sender_timeout=2.0, window=2, local=None, heard_from=heard.get,
+        sender_timeout=2.0, window=2, local=None, moved_from=moved.get,
     )  # fmt: skip
     for s in (0, 1, 2):
         reducer.declare(s, 1.0)
@@ -626,18 +631,40 @@ async def test_a_sender_heard_from_is_waited_for_and_a_silent_one_left_out(autoj
         for k in (0, 1):
             await reducer.contribute(0, k, torch.ones(4))
 
-    async def slow_sender_1() -> None:  # its chunks take 7 s each, its bytes keep coming
+    async def slow_sender_1() -> None:  # its chunks take 7 s each, its data keeps coming
         for k in (0, 1):
             for _ in range(7):
                 await trio.sleep(1.0)
-                heard[1] = trio.current_time()
+                moved[1] += 40_000
             await reducer.contribute(1, k, torch.ones(4))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sender_0)
-        nursery.start_soon(slow_sender_1)  # sender 2 never sends, its link is quiet
+        nursery.start_soon(slow_sender_1)  # sender 2 never sends: only pings arrive
+        for _ in range(3):
+            moved[2] += 12
         await reducer.run()
     assert reducer.active == {0, 1}
     assert "stalled: chunk 0" in reducer.failed[2]
     assert finalized == [(0, (2,)), (1, (2,))]
     assert trio.current_time() - start == pytest.approx(14.0)
+
+
+async def test_a_round_over_links_slower_than_its_stall_limits_completes(autojump_clock):
+    """Three members on 100 kB/s links (the in-memory network times every byte) and a 1-s
+    ``sender_timeout``: each 100-kB chunk shares its link with results and takes ~2 s, so
+    fixed per-message limits left senders out of parts they were still sending. Every wait
+    now looks at the data its link moved, and the round completes for everyone."""
+    net = MemoryNetwork(latency=0.01, bandwidth=100_000)
+    async with swarm(3, net=net, chunk_numel=25_000) as services:
+        group = make_group(services)
+        tensors = [[torch.randn(300_000)] for _ in range(3)]
+        start = trio.current_time()
+        results = await run_all(
+            services, group, tensors, timeout=120, sender_timeout=1.0, reducer_timeout=1.5
+        )
+        assert trio.current_time() - start > 5  # the links, not the limits, set the pace
+    want = weighted_mean(tensors, [1.0] * 3, [0, 1, 2])[0]
+    for r in results:
+        assert not r.failed_senders and not r.failed_reducers and not r.timed_out, r
+        assert torch.allclose(r.averaged[0].double(), want, atol=1e-5)

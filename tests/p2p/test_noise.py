@@ -427,25 +427,27 @@ class _SlowLink(_Trickle):
             await trio.sleep(1.0)
 
 
-async def test_bytes_of_a_frame_still_arriving_count_as_heard_and_writes_as_sent(autojump_clock):
-    """Over a slow link one 64-KiB frame takes a minute to arrive: ``last_read`` moves with
-    every piece (waits in the all-reduce and the keepalive see a busy peer, not a silent
-    one). ``last_write`` moves with every write that went through (on a TCP socket each
-    ``os.write``; on another stream, as here, each whole send)."""
+async def test_bytes_of_a_frame_still_arriving_count_as_read_and_writes_as_sent(autojump_clock):
+    """Over a slow link one 64-KiB frame takes a minute to arrive: ``last_read`` and
+    ``bytes_read`` move with every piece (the keepalive, the DHT and the all-reduce's stall
+    limits see a busy peer, not a silent one). ``bytes_written`` counts every write that went
+    through (on a TCP socket each ``os.write``; on another stream, as here, each send)."""
     a, b = trio.testing.memory_stream_pair()
     slow = _SlowLink(a)
     sa, sb = await _handshake_pair(slow, b, Identity.generate(), Identity.generate())
     slow.slow = True
     payload = os.urandom(MAX_PLAINTEXT)
     started = trio.current_time()
+    read_before, written_before = sb.bytes_read, sa.bytes_written
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sa.send_all, payload)
         nursery.start_soon(_receive_exactly, sb, len(payload))
         await trio.sleep(30.5)  # half the frame is in: nothing decrypted yet
         assert sb.last_read >= trio.current_time() - 1.0
         assert sb.last_read > started + 29
+        assert 29 * 1024 <= sb.bytes_read - read_before <= 32 * 1024
     assert trio.current_time() - started > 60  # the frame took a minute
-    assert sa.last_write > started + 60
+    assert sa.bytes_written - written_before == len(payload) + 18  # length prefix + tag
 
 
 class _HoldMessage3(trio.abc.HalfCloseableStream):
