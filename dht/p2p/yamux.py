@@ -74,6 +74,9 @@ WINDOW_TUNING_MIN_EPOCH = 0.02
 MAX_FRAME_PAYLOAD = 256 * 1024  # we never send a Data frame larger than this
 _RECV_CHUNK = 256 * 1024
 _OUT_LIMIT = 1024 * 1024  # queued outgoing bytes before data senders wait
+# a keepalive ping may go unanswered while at least this much arrives meanwhile: its pong is
+# queued behind data on a full link (pings and small frames alone do not count)
+KEEPALIVE_BUSY_BYTES = 32 * 1024
 _OUT_HARD_LIMIT = (
     4 * _OUT_LIMIT
 )  # control frames (pongs, RSTs, ...) beyond this: remote not reading
@@ -1151,24 +1154,26 @@ class YamuxSession:
         assert self.keepalive_interval is not None
         while not self.closed:
             await trio.sleep(self.keepalive_interval)
+            received = self.bytes_received
             try:
                 await self.ping(timeout=self.keepalive_timeout)
             except P2PTimeoutError:
-                quiet = trio.current_time() - self.last_received
-                if quiet < self.keepalive_timeout:
-                    # a late pong but bytes keep arriving: a full link (a home uplink behind
+                moved = self.bytes_received - received
+                if moved >= KEEPALIVE_BUSY_BYTES:
+                    # a late pong while data keeps arriving: a full link (a home uplink behind
                     # an all-reduce), not a half-open connection; closing it failed rounds
                     logger.debug(
-                        "yamux %s: keepalive pong late, bytes arrived %.1fs ago; keeping it",
+                        "yamux %s: keepalive pong late, %d bytes arrived meanwhile; keeping it",
                         self.name,
-                        quiet,
+                        moved,
                     )
                     continue
                 logger.warning(
-                    "yamux %s: keepalive ping unanswered for %.1fs and nothing received; "
-                    "closing half-open connection",
+                    "yamux %s: keepalive ping unanswered for %.1fs (%d bytes received "
+                    "meanwhile); closing half-open connection",
                     self.name,
                     self.keepalive_timeout,
+                    moved,
                 )
                 self._shutdown("keepalive timeout")
                 return

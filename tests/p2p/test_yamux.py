@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import struct
@@ -336,25 +337,40 @@ async def test_keepalive_detects_a_silent_peer(autojump_clock, caplog):
     del server_raw
 
 
-async def test_keepalive_keeps_a_connection_whose_bytes_keep_arriving(autojump_clock):
-    """A pong stuck behind a full link is late, but a peer whose bytes keep arriving is not
-    half-open: the connection stays (it was closed mid-round on a 200-kbit/s race). Once
-    the bytes stop too, the keepalive closes it."""
-    client_raw, server_raw = trio.testing.memory_stream_pair()
-    client = YamuxSession(client_raw, is_client=True, keepalive_interval=5, keepalive_timeout=5)
-    unsolicited_pong = struct.pack(">BBHII", 0, 2, 0x2, 0, 999_999)  # answers no ping of ours
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(client.run)
-        for _ in range(60):  # a minute of bytes, never a pong to the keepalive's pings
-            await server_raw.send_all(unsolicited_pong)
-            await trio.sleep(1.0)
-        assert not client.closed
-        quiet_since = trio.current_time()
-        with trio.fail_after(60):
-            await client.wait_closed()
-        assert client.close_reason == "keepalive timeout"
-        assert trio.current_time() - quiet_since <= 5 + 5 + 1  # a ping's interval + timeout
-        nursery.cancel_scope.cancel()
+async def test_keepalive_keeps_a_connection_whose_data_keeps_arriving(autojump_clock, monkeypatch):
+    """A pong stuck behind a full link is late, but a peer whose data keeps arriving is not
+    half-open: the connection stays (it was closed mid-round on a 200-kbit/s race). Pings
+    alone do not count, and once the data stops the keepalive closes it."""
+    a, b = trio.testing.memory_stream_pair()
+    async with yamux_pair(a, b, keepalive_interval=5, keepalive_timeout=5) as (client, server):
+        real = server._enqueue_control
+
+        def no_pongs(ftype, flags, stream_id, length):
+            if ftype == 2 and flags & 0x2:  # the server never answers the client's pings
+                return
+            real(ftype, flags, stream_id, length)
+
+        monkeypatch.setattr(server, "_enqueue_control", no_pongs)
+        outbound = await server.open_stream()
+        inbound = await client.accept_stream()
+
+        async def drain() -> None:
+            with contextlib.suppress(StreamResetError):  # until the keepalive closes it
+                while await inbound.receive_some():
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            for _ in range(60):  # a minute of 10 kB/s, never a pong
+                await outbound.send_all(b"x" * 10_000)
+                await trio.sleep(1.0)
+            assert not client.closed
+            quiet_since = trio.current_time()
+            with trio.fail_after(60):
+                await client.wait_closed()
+            assert client.close_reason == "keepalive timeout"
+            assert trio.current_time() - quiet_since <= 5 + 5 + 5  # two pings at most
+            nursery.cancel_scope.cancel()
 
 
 async def test_rst_flag_on_data_frame():
