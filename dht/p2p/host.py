@@ -513,9 +513,8 @@ class Host:
         conns = self._conns.get(peer_id, ())
         if not conns:
             return None
-        return sum(c.session.bytes_received for c in conns), sum(
-            c.session.bytes_sent for c in conns
-        )
+        received = sum(c.session.bytes_received for c in conns)
+        return received, sum(c.session.bytes_sent for c in conns)
 
     def connection_counts(self) -> dict[str, int]:
         """Live connections by kind: ``{"direct": n, "relayed": m}`` (for monitoring).

@@ -74,12 +74,12 @@ WINDOW_TUNING_MIN_EPOCH = 0.02
 MAX_FRAME_PAYLOAD = 256 * 1024  # we never send a Data frame larger than this
 _RECV_CHUNK = 256 * 1024
 _OUT_LIMIT = 1024 * 1024  # queued outgoing bytes before data senders wait
-# a keepalive ping may go unanswered while at least this much arrives meanwhile: its pong is
-# queued behind data on a full link (pings and small frames alone do not count)
-KEEPALIVE_BUSY_BYTES = 32 * 1024
 _OUT_HARD_LIMIT = (
     4 * _OUT_LIMIT
 )  # control frames (pongs, RSTs, ...) beyond this: remote not reading
+# a keepalive ping may go unanswered while at least this much arrives meanwhile: its pong is
+# queued behind data on a full link (pings and small frames alone do not count)
+KEEPALIVE_BUSY_BYTES = 32 * 1024
 _COALESCE_LIMIT = 64 * 1024  # senders yield to the writer once this much is queued
 # A stream that has sent no more than this is light (a request, a reply, a handshake, the
 # first message of a transfer): its frames are written before those of heavier streams. On a
@@ -660,7 +660,7 @@ class YamuxSession:
         """When bytes last arrived from the peer (trio time): the secure channel's raw reads
         where it tells (over a slow link one 64-KiB frame takes seconds), else the reader's.
         A peer whose request timed out while this moved is busy, not gone (the DHT keeps
-        such contacts; the all-reduce waits for its chunks; the keepalive keeps it)."""
+        such contacts)."""
         below = getattr(self.conn, "last_read", None)
         return max(self._last_read, below) if isinstance(below, float) else self._last_read
 
