@@ -267,7 +267,8 @@ class SyncMode(TrainingMode):
         self._collect_delayed(wait=True)
 
     def _wait_for(self, round_: GradientRound) -> Any:
-        """The round's result; a round whose epoch the swarm left meanwhile is abandoned."""
+        """The round's result; a round whose epoch the swarm left before it found its group is
+        abandoned."""
         averager = round_.averager
         if not wait_unless_left_behind(
             round_.future, round_.epoch, self.refresh_period, self._view, lambda: averager.in_group
