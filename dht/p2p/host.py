@@ -505,16 +505,19 @@ class Host:
         times = [c.session.last_received for c in self._conns.get(peer_id, ())]
         return max(times) if times else None
 
-    def bytes_moved(self, peer_id: PeerID) -> tuple[int, int] | None:
-        """(bytes received from, bytes sent to) ``peer_id`` over its live connections so
-        far, or None without one. A wait that sees these grow waits for a full link, not for
-        a peer that stopped reading or sending (what a round's stall limits must tell
-        apart); pings and small RPCs move them by a few bytes only."""
+    def bytes_received_from(self, peer_id: PeerID) -> int | None:
+        """Bytes received from ``peer_id`` so far over its live connections (None without
+        one). A wait that sees this grow waits for a full link, not for a peer that stopped
+        sending (what a round's stall limits must tell apart); pings and small RPCs move it
+        by a few bytes only."""
         conns = self._conns.get(peer_id, ())
-        if not conns:
-            return None
-        received = sum(c.session.bytes_received for c in conns)
-        return received, sum(c.session.bytes_sent for c in conns)
+        return sum(c.session.bytes_received for c in conns) if conns else None
+
+    def bytes_sent_to(self, peer_id: PeerID) -> int | None:
+        """Bytes sent to ``peer_id`` so far over its live connections (None without one):
+        the other direction of :meth:`bytes_received_from`."""
+        conns = self._conns.get(peer_id, ())
+        return sum(c.session.bytes_sent for c in conns) if conns else None
 
     def connection_counts(self) -> dict[str, int]:
         """Live connections by kind: ``{"direct": n, "relayed": m}`` (for monitoring).

@@ -59,7 +59,7 @@ from moshpit.averaging.partition import (
 )
 
 if TYPE_CHECKING:
-    from dht.p2p import Host, P2PStream, PeerID
+    from dht.p2p import P2PStream, PeerID
     from moshpit.averaging.allreduce import AllReduceService
 
 logger = logging.getLogger(__name__)
@@ -86,26 +86,6 @@ async def first_error(*fns: Callable[[], Awaitable[None]]) -> Exception | None:
         for fn in fns:
             nursery.start_soon(guarded, fn)
     return error
-
-
-def bytes_from(host: Host, peer: PeerID) -> Callable[[], int | None]:
-    """Bytes received from ``peer`` so far, as a progress reading for ``unless_silent``."""
-
-    def moved() -> int | None:
-        both = host.bytes_moved(peer)
-        return None if both is None else both[0]
-
-    return moved
-
-
-def bytes_to(host: Host, peer: PeerID) -> Callable[[], int | None]:
-    """Bytes sent to ``peer`` so far, as a progress reading for ``unless_silent``."""
-
-    def moved() -> int | None:
-        both = host.bytes_moved(peer)
-        return None if both is None else both[1]
-
-    return moved
 
 
 async def unless_silent(
@@ -235,7 +215,7 @@ class AllReduceRound:
                 window=service.window,
                 local=me if self.is_sender else None,
                 max_weight_ratio=max_weight_ratio,
-                moved_from=lambda s: bytes_from(service.host, group.members[s])(),
+                moved_from=lambda s: service.host.bytes_received_from(group.members[s]),
             )
         self.pacer = self._plan_pacing(uplink_rate)
 
@@ -406,7 +386,7 @@ class AllReduceRound:
             k, msg = await self.reducer.next_result(s)
             await unless_silent(
                 functools.partial(send_with_payload, stream, msg),
-                bytes_to(self.service.host, stream.remote_peer),
+                functools.partial(self.service.host.bytes_sent_to, stream.remote_peer),
                 self.sender_timeout,
             )
             lo, hi = self.chunks[self.me][k]

@@ -36,8 +36,6 @@ from moshpit.averaging.allreduce_protocol import (
 )
 from moshpit.averaging.allreduce_round import (
     CLOSE_TIMEOUT,
-    bytes_from,
-    bytes_to,
     first_error,
     is_violation,
     quietly,
@@ -131,7 +129,7 @@ class PartExchange:
             ct = await r.service.run_cpu(compress, numel=cost)
             await unless_silent(
                 functools.partial(send_with_payload, stream, chunk_msg(k, ct)),
-                bytes_to(r.service.host, stream.remote_peer),
+                functools.partial(r.service.host.bytes_sent_to, stream.remote_peer),
                 r.reducer_timeout,
             )
             if r.pacer is not None:
@@ -155,7 +153,7 @@ class PartExchange:
                     max_chunk_message(b - a),
                     raw_float32_destination(b - a, target),
                 ),
-                bytes_from(r.service.host, stream.remote_peer),
+                functools.partial(r.service.host.bytes_received_from, stream.remote_peer),
                 r.reducer_timeout,
             )
             res: Result = parse_result(msg, k, b - a, r.group.size)

@@ -258,13 +258,18 @@ async def test_rounds_bound_by_cpu_are_not_paced(density, paced):
         assert (sum(s.pacer.capped for s in services) > 0) is paced
 
 
-def _paced_pair_round(dhts, prefix: str, rate: float, numel: int, **options) -> list:
-    """One round of two averagers (values 0 and 1) over uplinks paced at ``rate`` B/s;
-    both must end with the mean. Returns their StepResults."""
-    common = dict(target_group_size=2, initial_group_bits="", bandwidth=rate, **FAST)
+def test_a_round_longer_than_allreduce_timeout_on_stated_slow_links_still_succeeds(two_dhts):  # noqa: F811
+    """Both peers state a 500 kB/s uplink (paced, so the link really is that slow) and a
+    2-s all-reduce timeout, for a round whose bytes take ~4.8 s at that rate. The budget
+    adds twice the stated links' time (the first round assumes float32 on the wire, its
+    codec's density being unknown yet), so the round completes; a fixed allreduce_timeout
+    failed it every time, however well the links were stated."""
+    rate, numel = 500e3, 600_000
+    options = {**FAST, "allreduce_timeout": 2.0}
+    common = dict(target_group_size=2, initial_group_bits="", bandwidth=rate, **options)
     avs = [
-        Averager([torch.full((numel,), float(i))], dht, prefix, **{**common, **options})
-        for i, dht in enumerate(dhts)
+        Averager([torch.full((numel,), float(i))], dht, "slow-links", **common)
+        for i, dht in enumerate(two_dhts)
     ]
     try:
         futures = [av.step(wait=False) for av in avs]
@@ -275,16 +280,6 @@ def _paced_pair_round(dhts, prefix: str, rate: float, numel: int, **options) -> 
     finally:
         for av in avs:
             av.shutdown()
-    return results
-
-
-def test_a_round_longer_than_allreduce_timeout_on_stated_slow_links_still_succeeds(two_dhts):  # noqa: F811
-    """Both peers state a 500 kB/s uplink (paced, so the link really is that slow) and a
-    2-s all-reduce timeout, for a round whose bytes take ~4.8 s at that rate. The budget
-    adds twice the stated links' time (the first round assumes float32 on the wire, its
-    codec's density being unknown yet), so the round completes; a fixed allreduce_timeout
-    failed it every time, however well the links were stated."""
-    results = _paced_pair_round(two_dhts, "slow-links", 500e3, 600_000, allreduce_timeout=2.0)
     for r in results:
         assert r.succeeded and r.averaged_fraction == 1.0, r.reason
-        assert r.allreduce_seconds > 2.0, r.allreduce_seconds
+        assert r.allreduce_seconds > options["allreduce_timeout"], r.allreduce_seconds
