@@ -11,6 +11,7 @@ download is a warning, not the end (the next round tries again); the pace can be
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -72,7 +73,9 @@ def run_volunteer_loop(
     and at the end, ``warn`` one line per recoverable problem. ``progress`` (filled in as it
     goes) lets a caller read the counts after the loop ended by raising (a preemption)."""
     progress = LoopProgress() if progress is None else progress
-    last_report = 0.0
+    # -inf, not 0: monotonic time starts near 0 at boot, and on a machine up for less than
+    # report_every seconds the first step's report was skipped
+    last_report = -math.inf
     stop = threading.Event() if stop is None else stop
     while not stop.is_set():
         x, y = next(batches)
