@@ -106,6 +106,10 @@ class Optimizer:
       restarted peer given the same directory resumes from its newest intact checkpoint.
     :param checkpoint_every_seconds: also write a checkpoint this often (None: at the mode's
       epochs only, see ``checkpoint_every_epochs`` below).
+    :param serve_from_memory: without a ``checkpoint_dir``, serve the state of those epochs
+      from memory (one CPU copy of it), so that a peer that fell behind can load it from the
+      others; False: a peer without a ``checkpoint_dir`` serves nothing (a laggard then waits
+      ``load_state_timeout`` and steps alone).
     :param extra_tensors: more state to keep in sync (e.g. ``model.buffers()``).
     :param target_group_size: Moshpit group size of every averaging round.
     :param averager_options: more options for the averagers (timeouts, bandwidth, ...): an
@@ -133,6 +137,7 @@ class Optimizer:
         mode: str | ModeOptions | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every_seconds: float | None = None,
+        serve_from_memory: bool = True,
         extra_tensors: Iterable[torch.Tensor] = (),
         target_group_size: int = 16,
         averager_options: AveragerConfig | Mapping[str, Any] | None = None,
@@ -156,6 +161,7 @@ class Optimizer:
         self.mode_options = options
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every_seconds = checkpoint_every_seconds
+        self.serve_from_memory = serve_from_memory
         self.extra_tensors = list(extra_tensors)
         self.target_group_size = target_group_size
         self.averager_config = AveragerConfig.build(averager_options)
@@ -196,6 +202,7 @@ class Optimizer:
         settings: dict[str, Any] = dict(
             checkpoint_dir=self.checkpoint_dir,
             checkpoint_every_seconds=self.checkpoint_every_seconds,
+            serve_from_memory=self.serve_from_memory,
             join_timeout=self.load_state_timeout,
             config=self.averager_config,
             extra_tensors=self.extra_tensors,

@@ -45,6 +45,7 @@ from moshpit.training.errors import (
 )
 from moshpit.training.health import NonFiniteStateError, first_non_finite
 from moshpit.training.manifest import Manifest
+from moshpit.training.memory_donor import MemoryChunks
 from moshpit.training.state_options import StateAveragerOptions
 from moshpit.training.state_tensors import StateTensors, both_nonnegative, correct_after_round
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from moshpit.training.dirlock import CheckpointDirLock
     from moshpit.training.sharing import (
         AdvertisedState,
+        ChunkSource,
         DownloadResult,
         StateSharing,
     )
@@ -182,6 +184,12 @@ class TrainingStateAverager:
         self._recovered_at: list[float] = []
         self._sharing: StateSharing | None = None
         self._sharing_service: concurrent.futures.Future[Any] | None = None
+        # without a checkpoint_dir, the state of the last checkpoint-cadence epoch is served
+        # from memory (memory_donor.py): a laggard of a run without disks can still catch up
+        self._memory = (
+            MemoryChunks() if self._store is None and self.options.serve_from_memory else None
+        )
+        self.served_epoch: int | None = None  # of the state served from memory
         try:
             self._start_sharing()
             if self._store is not None and self.options.restore_checkpoint:
@@ -208,7 +216,8 @@ class TrainingStateAverager:
         self._last_checkpoint_time = time.monotonic()
         self._last_checkpoint_epoch = 0
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moshpit-ckpt")
-        self._writing: concurrent.futures.Future[Manifest] | None = None
+        # the checkpoint being written, or the state being hashed to be served from memory
+        self._writing: concurrent.futures.Future[Any] | None = None
         # background checkpoints that failed (disk full, read-only, non-finite state): counted,
         # logged at once (one line per reason and minute), shown by `moshpit status`
         self.checkpoint_failures = 0
@@ -449,6 +458,8 @@ class TrainingStateAverager:
         epoch = self._adopt(result.manifest, result.tensors)
         if self._store is not None:
             self._publish(result.manifest)  # the sink now holds every chunk: serve it too
+        elif self._memory is not None:
+            self.serve_from_memory(wait=False)  # the state just loaded, to the next laggard
         logger.info("loaded the state of epoch %d from %d donor(s)", epoch, len(result.donors_used))
         return epoch
 
@@ -627,8 +638,9 @@ class TrainingStateAverager:
             self.checkpoint_failures += 1  # last: readers see the count once it was logged
 
     def maybe_checkpoint(self) -> None:
-        """Write a checkpoint in the background if one is due (``checkpoint_every_*``)."""
-        if self._store is None:
+        """Write a checkpoint in the background if one is due (``checkpoint_every_*``); without
+        a ``checkpoint_dir``, serve the state from memory instead (``serve_from_memory``)."""
+        if self._store is None and self._memory is None:
             return
         due_time = (
             self.checkpoint_every_seconds is not None
@@ -639,17 +651,62 @@ class TrainingStateAverager:
             and self.epoch - self._last_checkpoint_epoch >= self.checkpoint_every_epochs
         )
         if (due_time or due_epoch) and (self._writing is None or self._writing.done()):
-            self.save_checkpoint(wait=False)
+            if self._store is not None:
+                self.save_checkpoint(wait=False)
+            else:
+                self.serve_from_memory(wait=False)
+
+    def serve_from_memory(self, wait: bool = True) -> concurrent.futures.Future[Manifest | None]:
+        """Serve the current state from memory (a peer without ``checkpoint_dir``).
+
+        Like :meth:`save_checkpoint`, the snapshot is taken now on the calling thread and the
+        manifest is built (hashed) in the background. A non-finite state is not served (the
+        state served before stays). The future's result is None then.
+        """
+        self._check_open()
+        if self._memory is None:
+            raise ValueError(
+                "serving from memory needs serve_from_memory=True and no checkpoint_dir"
+            )
+        named = [(n, t.detach().to("cpu", copy=True)) for n, t in self._named_state()]
+        epoch, metadata = self.epoch, self._metadata()
+        future = self._writer.submit(self._serve_snapshot, named, epoch, metadata)
+        self._writing = future
+        self._last_checkpoint_time = time.monotonic()
+        self._last_checkpoint_epoch = epoch
+        if wait:
+            future.result()
+        return future
+
+    def _serve_snapshot(
+        self, named: list[tuple[str, torch.Tensor]], epoch: int, metadata: dict[str, Any]
+    ) -> Manifest | None:
+        """Runs in the writer thread: hash the snapshot, then serve it instead of the last."""
+        from moshpit.training.manifest import build_manifest
+
+        bad = first_non_finite(named)
+        if bad is not None:
+            logger.warning(
+                "not serving the state of epoch %d: tensor %r holds NaN or Inf "
+                "(the state served before stays)",
+                epoch,
+                bad,
+            )
+            return None
+        manifest, chunks = build_manifest(named, epoch, metadata)
+        self._publish(manifest, chunks)
+        self.served_epoch = epoch
+        return manifest
 
     # ------------------------------------------------------------------ serving
 
     def _start_sharing(self) -> None:
         from moshpit.training.sharing import StateSharing
 
-        store = self._store
+        source: ChunkSource | None = self._store if self._store is not None else self._memory
 
         async def create(_dht: object, node: DHTNode) -> StateSharing:
-            return StateSharing(node, self.prefix, store)
+            return StateSharing(node, self.prefix, source)
 
         self._sharing = self.dht.run_coroutine(create)
         self._sharing_service = self.dht.start_service(self._sharing.run)
@@ -659,12 +716,17 @@ class TrainingStateAverager:
             raise RuntimeError("state sharing is not running yet")
         return self._sharing
 
-    def _publish(self, manifest: Manifest) -> None:
-        sharing = self._sharing
-        if self._store is None or sharing is None or not self.dht.is_alive:
+    def _publish(self, manifest: Manifest, chunks: dict[bytes, memoryview] | None = None) -> None:
+        """Serve ``manifest``: from the store, or with ``chunks`` from memory."""
+        sharing, memory = self._sharing, self._memory
+        if sharing is None or not self.dht.is_alive:
+            return
+        if self._store is None and (memory is None or chunks is None):
             return
 
         async def publish(_dht: object, _node: object) -> None:
+            if memory is not None and chunks is not None:
+                memory.replace(chunks)  # with publish, on the loop: served together
             sharing.publish(manifest)
             # announce before returning: a joiner that looks right after save_checkpoint()
             # must find this state (the service loop would announce it only "soon")

@@ -42,6 +42,11 @@ class StateAveragerOptions:
       damaged newest one falls back to the next.
     - ``restore_checkpoint``: load the newest intact checkpoint of ``checkpoint_dir`` at start
       (a restarted peer resumes where it stopped).
+    - ``serve_from_memory``: without a ``checkpoint_dir``, keep the state of the epochs a
+      checkpoint would be written at (``checkpoint_every_*``) as one CPU copy and serve it to
+      joiners and laggards, so a run without disks can still catch a peer up. It costs one
+      copy of the state in memory and hashing it once per such epoch. False: a peer without
+      a ``checkpoint_dir`` serves nothing.
     """
 
     checkpoint_dir: str | Path | None = None
@@ -54,6 +59,7 @@ class StateAveragerOptions:
     checkpoint_every_epochs: int | None = None
     keep_checkpoints: int = 2
     restore_checkpoint: bool = True
+    serve_from_memory: bool = True
 
     def __post_init__(self) -> None:
         check_seconds("join_timeout", self.join_timeout, positive=False)

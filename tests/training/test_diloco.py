@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -650,7 +651,9 @@ def test_sigterm_leave_checkpoints_and_a_restart_resumes_from_it(make_dhts, tmp_
         opt.shutdown()
 
 
-def test_laggard_without_donors_waits_then_goes_on_alone(make_dhts):
+def _laggard_left_behind(make_dhts, serve_from_memory: bool) -> list[Peer]:
+    """Three peers without a checkpoint_dir average epoch 1 together; two go on to epoch 2
+    without the third, which then tries to follow."""
     dhts = make_dhts(3)
     quick = dict(FAST, min_matchmaking_time=1.0, request_timeout=1.0)
     # the first round must hold all three: were one left out (a slow start on a loaded
@@ -659,7 +662,16 @@ def test_laggard_without_donors_waits_then_goes_on_alone(make_dhts):
     models = [_model() for _ in dhts]
     peers = [
         Peer(
-            i, m, _opt(d, m, averager_options=all_three, target_group_size=3, load_state_timeout=60)
+            i,
+            m,
+            _opt(
+                d,
+                m,
+                averager_options=all_three,
+                target_group_size=3,
+                load_state_timeout=60,
+                serve_from_memory=serve_from_memory,
+            ),
         )
         for i, (d, m) in enumerate(zip(dhts, models, strict=True))
     ]
@@ -667,17 +679,59 @@ def test_laggard_without_donors_waits_then_goes_on_alone(make_dhts):
         _train_all(peers, 1)
         for p in peers:
             assert p.opt.epoch == 1 and p.opt.mode.rounds_succeeded == 1, p.opt.mode.last_result
-        *others, laggard = peers
+        *others, _laggard = peers
         for p in others:  # the other two go on without the laggard
             p.opt.target_group_size = 2
             p.opt.mode.averager_config = moshpit.AveragerConfig(**quick)
         _train_all(others, 2)
         others[0].opt.tracker.refresh(timeout=5)
+    except BaseException:
+        _shutdown(peers)
+        raise
+    return peers
+
+
+def _wait_until_served(peer: Peer, epoch: int) -> None:
+    """The state is hashed and served in the background after the outer step."""
+    deadline = time.monotonic() + 10
+    while peer.opt.state.served_epoch != epoch and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert peer.opt.state.served_epoch == epoch
+
+
+def test_a_laggard_catches_up_from_peers_that_serve_their_state_from_memory(make_dhts):
+    """No peer has a checkpoint_dir (an averager embedded in a training loop, the LM race):
+    the two that stepped serve epoch 2 from memory, and the laggard loads it instead of
+    stepping alone with θ split from theirs for good (the old behaviour: no donor at all)."""
+    peers = []
+    try:
+        peers = _laggard_left_behind(make_dhts, serve_from_memory=True)
+        *others, laggard = peers
+        for p in others:
+            _wait_until_served(p, 2)
+        mode = laggard.opt.mode
+        laggard.train(until_epoch=2, max_steps=laggard.steps + 20)
+        assert laggard.opt.epoch == 2 and mode.state_loads == 1 and mode.solo_steps == 0
+        for p in others:
+            assert _same(p.opt.mode.theta, mode.theta)
+            assert _same(p.momentum_at[2], laggard.momentum_at[2])
+        _wait_until_served(laggard, 2)  # what it loaded it serves in turn
+    finally:
+        _shutdown(peers)
+
+
+def test_laggard_without_donors_waits_then_goes_on_alone(make_dhts):
+    peers = []
+    try:
+        peers = _laggard_left_behind(make_dhts, serve_from_memory=False)
+        laggard = peers[-1]
         mode = laggard.opt.mode
         laggard.train(until_epoch=2, max_steps=laggard.steps + 3)
-        # nobody serves epoch 2 (no checkpoint_dir): no stale outer step, it keeps training
+        # nobody serves epoch 2 (no checkpoint_dir, nothing served from memory): no stale
+        # outer step, it keeps training
         assert laggard.opt.epoch == 1 and mode.outer_steps == 1 and mode._behind_since is not None
         assert mode.local_steps == 3  # (its first look may try a round: the view can be stale)
+        assert laggard.opt.state.served_epoch is None
         laggard.opt.load_state_timeout = 0.0  # the wait for a donor is over
         mode._next_catch_up = -float("inf")
         laggard.train(until_epoch=2, max_steps=laggard.steps + 1)

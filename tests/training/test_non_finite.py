@@ -154,7 +154,8 @@ def test_a_joiner_refuses_a_non_finite_state_and_bans_its_donor(dhts, tmp_path):
 
 def test_a_joiner_with_only_a_poisoned_donor_loads_nothing(dhts, tmp_path):
     _, bad = _state(dhts[0], 1.0, checkpoint_dir=tmp_path / "bad", sync_on_start=False)
-    _, probe = _state(dhts[2], 3.0, sync_on_start=False)
+    # the probe would serve what it loaded from memory, a second donor: it serves nothing
+    _, probe = _state(dhts[2], 3.0, sync_on_start=False, serve_from_memory=False)
     joiner_model, joiner = _state(dhts[1], 7.0, sync_on_start=False)
     try:
         # how long finding and loading this donor's state takes on this machine right now (a

@@ -319,23 +319,33 @@ def test_nan_gradients_publish_nothing(make_dhts):
         opt.shutdown()
 
 
-def test_late_joiner_and_laggard_load_state_instead_of_stepping(make_dhts, tmp_path):
+@pytest.mark.parametrize("donors", ["checkpoint_dir", "memory"])
+def test_late_joiner_and_laggard_load_state_instead_of_stepping(make_dhts, tmp_path, donors):
+    """With ``memory``, no peer has a checkpoint_dir: they serve their state from memory."""
     dhts = make_dhts(3)
     models = [_model() for _ in dhts]
     fast = dict(FAST, min_matchmaking_time=1.5)
+    directory = tmp_path if donors == "checkpoint_dir" else None
+
+    def serve(p: Peer) -> None:  # what donors serve: their newest epoch
+        if directory is None:
+            p.opt.state.serve_from_memory(wait=True)
+        else:
+            p.opt.state.save_checkpoint(wait=True)
+
     peers = [
-        Peer(i, m, _opt(d, m, tmp_path, name=f"p{i}", averager_options=fast))
+        Peer(i, m, _opt(d, m, directory, name=f"p{i}", averager_options=fast))
         for i, (d, m) in enumerate(zip(dhts[:2], models[:2], strict=True))
     ]
     late = None
     try:
         _train_all(peers, 2)
-        for p in peers:  # what donors serve: their newest epoch
-            p.opt.state.save_checkpoint(wait=True)
+        for p in peers:
+            serve(p)
         # a newcomer with other weights: its first step loads the swarm's state, not ours
         with torch.no_grad():
             models[2].weight.fill_(7.0)
-        late = Peer(2, models[2], _opt(dhts[2], models[2], tmp_path, "p2", averager_options=fast))
+        late = Peer(2, models[2], _opt(dhts[2], models[2], directory, "p2", averager_options=fast))
         _loss(models[2], late.batch()).backward()
         late.opt.step()
         late.opt.zero_grad()
@@ -348,7 +358,7 @@ def test_late_joiner_and_laggard_load_state_instead_of_stepping(make_dhts, tmp_p
         # the late peer pauses while the other two go on: two peers are past it
         _train_all(peers, 6)
         for p in peers:  # a checkpoint skipped while the previous one was written: write it
-            p.opt.state.save_checkpoint(wait=True)
+            serve(p)
         before = late.opt.mode.global_steps
         late.train(until_epoch=6, max_steps=200)
         assert late.opt.mode.state_loads >= 1
@@ -544,18 +554,13 @@ def test_nan_gradients_from_the_network_move_nobody(make_dhts, monkeypatch):
 def test_a_round_missing_peers_its_members_know_is_not_applied(make_dhts):
     """Two groups formed under one key would each apply their own mean: a group smaller than
     what any member sees at the epoch (capped at the group size) is rejected, by every member
-    alike (the declarations are shared); and without a checkpoint_dir the state is still
-    served (from a temporary directory, removed at shutdown) so a laggard can come back."""
-    from pathlib import Path
-
+    alike (the declarations are shared)."""
     from moshpit.averaging.averager import StepResult
 
     (dht,) = make_dhts(1)
     model = _model()
     opt = _opt(dht, model, target_group_size=3)
-    serve_dir = Path(opt.mode._serve_dir)
     try:
-        assert serve_dir.is_dir()
 
         def result(size: int, *claims: object) -> StepResult:
             members = tuple(range(size))
@@ -570,7 +575,6 @@ def test_a_round_missing_peers_its_members_know_is_not_applied(make_dhts):
         assert opt.mode.rounds.complete(result(2, {"peers": "many"}, None))  # junk claims count 0
     finally:
         opt.shutdown()
-    assert not serve_dir.exists()
 
 
 def test_a_peer_training_another_model_is_neither_waited_for_nor_counted(make_dhts):

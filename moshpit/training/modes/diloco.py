@@ -23,10 +23,10 @@ One outer round, after ``inner_steps`` local steps:
 When a round does not go as planned:
 
 - someone is past our epoch (we missed rounds, or joined late): load ``θ`` + momentum from the
-  donors (peers with a ``checkpoint_dir`` serve theirs after every outer step) and restart the
-  inner loop from it, instead of applying a stale pseudo-gradient; while no donor serves the
-  newer epoch, keep training and look again, and only after ``load_state_timeout`` apply our
-  own ``Δ`` alone;
+  donors (every peer serves its state after every outer step, from its ``checkpoint_dir`` or
+  else from memory) and restart the inner loop from it, instead of applying a stale
+  pseudo-gradient; while no donor serves the newer epoch, keep training and look again, and
+  only after ``load_state_timeout`` apply our own ``Δ`` alone;
 - nobody else trains at our epoch (a lone peer): after a round that found nobody, apply our own
   ``Δ`` and go on alone;
 - others are at our epoch but no group formed in time: keep training and retry the round at
@@ -246,7 +246,10 @@ class DiLoCoMode(TrainingMode):
         )
         state_options: dict[str, Any] = {"average_optimizer_statistics": False}
         every = options.checkpoint_every_epochs
-        if optimizer.checkpoint_dir is not None and every is not None:
+        # served from a checkpoint, or without a checkpoint_dir from memory
+        if every is not None and (
+            optimizer.checkpoint_dir is not None or optimizer.serve_from_memory
+        ):
             state_options["checkpoint_every_epochs"] = every
         # checkpoints, serves and loads θ + momentum; its own averaging is never used (the
         # pseudo-gradient is averaged by the per-epoch averager below)
@@ -793,11 +796,12 @@ class DiLoCoMode(TrainingMode):
             self._next_catch_up = now + self.refresh_period
             self.waiting(f"the swarm moved on ({why}) and no donor served its newer state yet")
             return
-        # nobody serves a newer state (no checkpoint_dir anywhere?): do not stall forever
+        # nobody serves a newer state (serve_from_memory off everywhere?): do not stall forever
         self._behind_since = None
         logger.warning(
             "no donor served the swarm's newer state within %.0f s: applying our own "
-            "pseudo-gradient alone; give peers a checkpoint_dir so that laggards can catch up",
+            "pseudo-gradient alone; leave serve_from_memory on (or give peers a "
+            "checkpoint_dir) so that laggards can catch up",
             self.opt.load_state_timeout,
         )
         if self.streaming:

@@ -89,7 +89,10 @@ class LocalMode(TrainingMode):
         if codec is not None:
             state_options["compression"] = codec
         every = options.checkpoint_every_epochs
-        if optimizer.checkpoint_dir is not None and every is not None:
+        # served from a checkpoint, or without a checkpoint_dir from memory
+        if every is not None and (
+            optimizer.checkpoint_dir is not None or optimizer.serve_from_memory
+        ):
             state_options["checkpoint_every_epochs"] = every
         self.state = optimizer.make_state_averager(optimizer.inner, **state_options)
         self.local_steps = 0  # since the last round started

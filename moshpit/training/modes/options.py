@@ -21,9 +21,10 @@ __all__ = ["DiLoCoOptions", "LocalOptions", "ModeOptions", "SyncOptions", "optio
 
 @dataclasses.dataclass(frozen=True)
 class ModeOptions:
-    """What every mode takes. ``checkpoint_every_epochs``: with a ``checkpoint_dir``, write
-    a checkpoint every this many epochs (what donors serve to joiners and laggards); None:
-    only the Optimizer's ``checkpoint_every_seconds``."""
+    """What every mode takes. ``checkpoint_every_epochs``: every this many epochs, write a
+    checkpoint into the ``checkpoint_dir``, or without one serve the state from memory (what
+    donors serve to joiners and laggards); None: only the Optimizer's
+    ``checkpoint_every_seconds``."""
 
     mode: ClassVar[str] = ""
     checkpoint_every_epochs: int | None = 1
@@ -43,8 +44,8 @@ class SyncOptions(ModeOptions):
     default: the tracker's ``min_refresh_period``), ``round_timeout`` (s; default: the
     averager's own timeouts), ``compression`` (a codec), ``dgc`` with ``dgc_options`` (DGC then
     chooses the compression), ``delay_averaging`` (each round overlaps the next batch),
-    ``serve_state`` (keep a temporary store to serve a peer that missed a round, when there
-    is no ``checkpoint_dir``)."""
+    ``serve_state`` (False: without a ``checkpoint_dir``, serve nothing, even with the
+    Optimizer's ``serve_from_memory``; a peer that missed a round then has no donor)."""
 
     mode: ClassVar[str] = "sync"
     refresh_period: float | None = None

@@ -41,8 +41,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import shutil
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -102,23 +100,15 @@ class SyncMode(TrainingMode):
                             "it a momentum-free optimizer, e.g. torch.optim.SGD(params, lr=...), "
                             "and set dgc_options={'momentum': ...}"
                         )
-        state_options: dict[str, Any] = {}
-        self._serve_dir: str | None = None
-        if optimizer.checkpoint_dir is None and options.serve_state:
-            # a peer that missed one round can only come back by loading state from a donor,
-            # and only peers with a store serve: keep one in a temporary directory
-            self._serve_dir = tempfile.mkdtemp(prefix="moshpit-sync-state-")
-            state_options["checkpoint_dir"] = self._serve_dir
-            state_options["keep_checkpoints"] = 1
+        # a peer that missed one round can only come back by loading state from a donor:
+        # without a checkpoint_dir, every peer serves its state from memory
+        serve = optimizer.serve_from_memory and options.serve_state
+        state_options: dict[str, Any] = {"serve_from_memory": serve}
         every = options.checkpoint_every_epochs
-        if every is not None and (optimizer.checkpoint_dir is not None or self._serve_dir):
+        if every is not None and (optimizer.checkpoint_dir is not None or serve):
             state_options["checkpoint_every_epochs"] = every
         # the state averager only checkpoints, serves and loads: gradients keep peers in sync
-        try:
-            self.state = optimizer.make_state_averager(optimizer.inner, **state_options)
-        except BaseException:
-            self._remove_serve_dir()
-            raise
+        self.state = optimizer.make_state_averager(optimizer.inner, **state_options)
         self.grads = GradientAverager(
             params_of(optimizer.inner),
             dht=optimizer.dht,
@@ -475,15 +465,7 @@ class SyncMode(TrainingMode):
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None
-        try:
-            super().shutdown()
-        finally:
-            self._remove_serve_dir()
-
-    def _remove_serve_dir(self) -> None:
-        if self._serve_dir is not None:
-            shutil.rmtree(self._serve_dir, ignore_errors=True)
-            self._serve_dir = None
+        super().shutdown()
 
 
 MODE = SyncMode
