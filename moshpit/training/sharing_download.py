@@ -197,8 +197,8 @@ class DownloadRun:
                 raise NoDonorError(
                     f"no peer announced a state under {sharing.key!r} in time"
                     + (f" (ignoring {banned} banned donor(s))" if banned else "")
-                    + ": is the prefix right, and does some peer in the run have a checkpoint "
-                    "to serve?"
+                    + ": is the prefix right, and does some peer of the run serve its state "
+                    "(a checkpoint_dir, or serve_from_memory) and has it stepped yet?"
                 )
             await trio.sleep(wait)
             wait = min(wait * 2, 5.0)
