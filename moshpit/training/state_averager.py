@@ -587,9 +587,18 @@ class TrainingStateAverager:
         self._check_open()
         if self._store is None:
             raise ValueError("no checkpoint_dir was given to TrainingStateAverager")
+        return self._snapshot_then(self._write_checkpoint, wait)
+
+    def _snapshot_then(
+        self,
+        job: Callable[[list[tuple[str, torch.Tensor]], int, dict[str, Any]], T],
+        wait: bool,
+    ) -> concurrent.futures.Future[T]:
+        """Copy the state now (training thread), then run ``job`` on the copy in the writer
+        thread: a checkpoint, or the state served from memory."""
         named = [(n, t.detach().to("cpu", copy=True)) for n, t in self._named_state()]
         epoch, metadata = self.epoch, self._metadata()
-        future = self._writer.submit(self._write_checkpoint, named, epoch, metadata)
+        future = self._writer.submit(job, named, epoch, metadata)
         self._writing = future
         self._last_checkpoint_time = time.monotonic()
         self._last_checkpoint_epoch = epoch
@@ -620,7 +629,7 @@ class TrainingStateAverager:
         logger.info("checkpoint of epoch %d written (%d bytes)", epoch, manifest.total_bytes)
         return manifest
 
-    def _checkpoint_done(self, future: concurrent.futures.Future[Manifest]) -> None:
+    def _checkpoint_done(self, future: concurrent.futures.Future[Any]) -> None:
         """A background checkpoint ended: count and log a failure at once (rate-limited)."""
         if future.cancelled() or future.exception() is None:
             return
@@ -668,15 +677,7 @@ class TrainingStateAverager:
             raise ValueError(
                 "serving from memory needs serve_from_memory=True and no checkpoint_dir"
             )
-        named = [(n, t.detach().to("cpu", copy=True)) for n, t in self._named_state()]
-        epoch, metadata = self.epoch, self._metadata()
-        future = self._writer.submit(self._serve_snapshot, named, epoch, metadata)
-        self._writing = future
-        self._last_checkpoint_time = time.monotonic()
-        self._last_checkpoint_epoch = epoch
-        if wait:
-            future.result()
-        return future
+        return self._snapshot_then(self._serve_snapshot, wait)
 
     def _serve_snapshot(
         self, named: list[tuple[str, torch.Tensor]], epoch: int, metadata: dict[str, Any]
@@ -864,7 +865,7 @@ def _refuse_non_finite(manifest: Manifest, tensors: Sequence[torch.Tensor]) -> s
 
 def _free_space(directory: Path | None) -> str:
     if directory is None:
-        return "no checkpoint directory"
+        return "no checkpoint directory: the state served from memory"
     try:
         return f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free in {directory}"
     except OSError as e:

@@ -98,6 +98,29 @@ def test_a_non_finite_state_is_never_checkpointed(dhts, tmp_path, caplog):
         state.shutdown()
 
 
+def test_a_non_finite_state_is_not_served_from_memory(dhts):
+    """Without a checkpoint_dir the state is served from memory; a non-finite one is not
+    served (the one served before stays, and a joiner loads that)."""
+    model, state = _state(dhts[0], 1.0, sync_on_start=False)
+    _, joiner = _state(dhts[1], 7.0, sync_on_start=False)
+    try:
+        state.epoch = 3
+        assert state.serve_from_memory().result() is not None
+        assert state.served_epoch == 3
+        _poison(model)
+        state.epoch = 4
+        assert state.serve_from_memory().result() is None
+        assert state.served_epoch == 3 and state.checkpoint_failures == 0
+        assert joiner.load_state_from_peers(timeout=30) == 3
+        assert all(
+            torch.equal(p, torch.full_like(p, 1.0))
+            for p in joiner.optimizer.param_groups[0]["params"]
+        )
+    finally:
+        joiner.shutdown()
+        state.shutdown()
+
+
 def test_a_non_finite_state_is_never_averaged(dhts):
     model_a, a = _state(dhts[0], 1.0, sync_on_start=False)
     model_b, b = _state(dhts[1], 3.0, sync_on_start=False)
