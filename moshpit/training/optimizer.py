@@ -217,6 +217,12 @@ class Optimizer:
         )
 
     @property
+    def serves_state(self) -> bool:
+        """Whether this peer serves its state to joiners and laggards: from its
+        ``checkpoint_dir``, or without one from memory (``serve_from_memory``)."""
+        return self.checkpoint_dir is not None or self.serve_from_memory
+
+    @property
     def state(self) -> TrainingStateAverager:
         """The mode's TrainingStateAverager (what checkpoints and joiners see)."""
         return self.mode.state

@@ -245,12 +245,8 @@ class DiLoCoMode(TrainingMode):
             nesterov=bool(options.nesterov and options.outer_momentum > 0),
         )
         state_options: dict[str, Any] = {"average_optimizer_statistics": False}
-        every = options.checkpoint_every_epochs
-        # served from a checkpoint, or without a checkpoint_dir from memory
-        if every is not None and (
-            optimizer.checkpoint_dir is not None or optimizer.serve_from_memory
-        ):
-            state_options["checkpoint_every_epochs"] = every
+        if optimizer.serves_state and options.checkpoint_every_epochs is not None:
+            state_options["checkpoint_every_epochs"] = options.checkpoint_every_epochs
         # checkpoints, serves and loads θ + momentum; its own averaging is never used (the
         # pseudo-gradient is averaged by the per-epoch averager below)
         self.state = optimizer.make_state_averager(self.outer, **state_options)

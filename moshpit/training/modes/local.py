@@ -88,12 +88,8 @@ class LocalMode(TrainingMode):
         codec = local_compression(options.compression)
         if codec is not None:
             state_options["compression"] = codec
-        every = options.checkpoint_every_epochs
-        # served from a checkpoint, or without a checkpoint_dir from memory
-        if every is not None and (
-            optimizer.checkpoint_dir is not None or optimizer.serve_from_memory
-        ):
-            state_options["checkpoint_every_epochs"] = every
+        if optimizer.serves_state and options.checkpoint_every_epochs is not None:
+            state_options["checkpoint_every_epochs"] = options.checkpoint_every_epochs
         self.state = optimizer.make_state_averager(optimizer.inner, **state_options)
         self.local_steps = 0  # since the last round started
         self.samples = 0  # since the last round started
