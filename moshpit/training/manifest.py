@@ -351,6 +351,18 @@ def build_manifest(
     return Manifest(int(epoch), tuple(specs), chunk_bytes, meta), chunks
 
 
+def chunk_views(manifest: Manifest, tensors: Sequence[torch.Tensor]) -> dict[bytes, memoryview]:
+    """``digest -> chunk bytes`` of CPU tensors that hold ``manifest``'s state (a verified
+    download): the manifest's own cut, without hashing again. The views alias the tensors."""
+    chunks: dict[bytes, memoryview] = {}
+    for spec, tensor in zip(manifest.tensors, tensors, strict=True):
+        data, offset = tensor_bytes(tensor), 0
+        for ref in spec.chunks:
+            chunks.setdefault(ref.digest, data[offset : offset + ref.size])
+            offset += ref.size
+    return chunks
+
+
 def tensor_from_chunks(spec: TensorSpec, chunks: Sequence[bytes | memoryview]) -> torch.Tensor:
     """Rebuild one tensor from its chunks' bytes (sizes checked; digests are the caller's job)."""
     if len(chunks) != len(spec.chunks):

@@ -33,8 +33,3 @@ class MemoryChunks:
     def read_chunk(self, digest: bytes) -> bytes | None:
         view = self._chunks.get(digest)
         return None if view is None else bytes(view)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held (distinct chunks only)."""
-        return sum(len(v) for v in self._chunks.values())

@@ -44,7 +44,7 @@ from moshpit.training.errors import (
     StateMismatchError,
 )
 from moshpit.training.health import NonFiniteStateError, first_non_finite
-from moshpit.training.manifest import Manifest
+from moshpit.training.manifest import Manifest, build_manifest, chunk_views
 from moshpit.training.memory_donor import MemoryChunks
 from moshpit.training.state_options import StateAveragerOptions
 from moshpit.training.state_tensors import StateTensors, both_nonnegative, correct_after_round
@@ -459,7 +459,11 @@ class TrainingStateAverager:
         if self._store is not None:
             self._publish(result.manifest)  # the sink now holds every chunk: serve it too
         elif self._memory is not None:
-            self.serve_from_memory(wait=False)  # the state just loaded, to the next laggard
+            # the verified download, as it is (the donors' own root; no copy, no hashing),
+            # after any snapshot still being hashed: the writer runs its jobs in order
+            chunks = chunk_views(result.manifest, result.tensors)
+            self._writing = self._writer.submit(self._serve_chunks, result.manifest, chunks)
+            self._writing.add_done_callback(self._checkpoint_done)
         logger.info("loaded the state of epoch %d from %d donor(s)", epoch, len(result.donors_used))
         return epoch
 
@@ -683,8 +687,6 @@ class TrainingStateAverager:
         self, named: list[tuple[str, torch.Tensor]], epoch: int, metadata: dict[str, Any]
     ) -> Manifest | None:
         """Runs in the writer thread: hash the snapshot, then serve it instead of the last."""
-        from moshpit.training.manifest import build_manifest
-
         bad = first_non_finite(named)
         if bad is not None:
             logger.warning(
@@ -694,9 +696,12 @@ class TrainingStateAverager:
                 bad,
             )
             return None
-        manifest, chunks = build_manifest(named, epoch, metadata)
-        self._publish(manifest, chunks)
-        self.served_epoch = epoch
+        return self._serve_chunks(*build_manifest(named, epoch, metadata))
+
+    def _serve_chunks(self, manifest: Manifest, chunks: dict[bytes, memoryview]) -> Manifest:
+        """Runs in the writer thread: serve ``chunks`` from memory in place of the last."""
+        if self._publish(manifest, chunks):
+            self.served_epoch = manifest.epoch
         return manifest
 
     # ------------------------------------------------------------------ serving
@@ -717,13 +722,14 @@ class TrainingStateAverager:
             raise RuntimeError("state sharing is not running yet")
         return self._sharing
 
-    def _publish(self, manifest: Manifest, chunks: dict[bytes, memoryview] | None = None) -> None:
-        """Serve ``manifest``: from the store, or with ``chunks`` from memory."""
+    def _publish(self, manifest: Manifest, chunks: dict[bytes, memoryview] | None = None) -> bool:
+        """Serve ``manifest``: from the store, or with ``chunks`` from memory. False: not
+        served (no sharing, the DHT is down, or nothing to serve it from)."""
         sharing, memory = self._sharing, self._memory
         if sharing is None or not self.dht.is_alive:
-            return
+            return False
         if self._store is None and (memory is None or chunks is None):
-            return
+            return False
 
         async def publish(_dht: object, _node: object) -> None:
             if memory is not None and chunks is not None:
@@ -734,6 +740,7 @@ class TrainingStateAverager:
             await sharing.announce()
 
         self.dht.run_coroutine(publish)
+        return True
 
     def withdraw(self, timeout: float = 5.0) -> None:
         """Stop serving and withdraw this peer's DHT declarations (state, matchmaking) now."""

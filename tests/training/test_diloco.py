@@ -715,7 +715,9 @@ def test_a_laggard_catches_up_from_peers_that_serve_their_state_from_memory(make
         for p in others:
             assert _same(p.opt.mode.theta, mode.theta)
             assert _same(p.momentum_at[2], laggard.momentum_at[2])
-        _wait_until_served(laggard, 2)  # what it loaded it serves in turn
+        _wait_until_served(laggard, 2)  # what it loaded it serves in turn: the same root
+        newest = [st for st in others[0].opt.state._find_states() if st.epoch == 2]
+        assert len(newest) == 1 and laggard.opt.dht.peer_id in newest[0].donors, newest
     finally:
         _shutdown(peers)
 

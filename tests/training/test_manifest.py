@@ -11,6 +11,7 @@ from moshpit.training.manifest import (
     Manifest,
     build_manifest,
     chunk_digest,
+    chunk_views,
     tensor_from_chunks,
 )
 
@@ -128,3 +129,13 @@ def test_rebuild_refuses_wrong_chunk_sizes():
         tensor_from_chunks(spec, [b"abc"])
     with pytest.raises(ManifestError, match="got 2 chunks"):
         tensor_from_chunks(spec, [chunks[spec.chunks[0].digest]] * 2)
+
+
+def test_chunk_views_of_a_loaded_state_are_the_chunks_it_was_built_from():
+    """A verified download is served as it is: the manifest's own cut of the tensors gives
+    the same digests and bytes as building the manifest did, without hashing again."""
+    manifest, built = build_manifest(TENSORS, epoch=3, chunk_bytes=1024)
+    copies = [t.clone() for _, t in TENSORS]  # what a download hands back
+    views = chunk_views(manifest, copies)
+    assert {d: bytes(v) for d, v in views.items()} == {d: bytes(v) for d, v in built.items()}
+    assert all(chunk_digest(v) == d for d, v in views.items())
