@@ -41,6 +41,7 @@ from moshpit.averaging.group_keys import GroupKeyManager
 from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, Matchmaker, SchemaMemory
 from moshpit.averaging.partition import CHUNKS_PER_PEER, empty_like_all, round_link_seconds
 from moshpit.averaging.step_result import StepResult
+from moshpit.averaging.uplink_meter import UplinkMeter
 from moshpit.critical import critical_section
 
 if TYPE_CHECKING:
@@ -198,6 +199,7 @@ class Averager:
         self.compression = config.compression
         self.bandwidth = config.bandwidth
         self.pace_uplink = bool(config.pace_uplink)
+        self.uplink_meter = UplinkMeter()  # read only while no bandwidth is stated
         self.aggregation = make_aggregator(config.aggregation)
         self.mode = (
             MODE_CLIENT if config.client_mode else MODE_AUX if config.auxiliary else MODE_NODE
@@ -592,13 +594,14 @@ class Averager:
 
     def allreduce_budget(self, group: GroupInfo) -> float:
         """Seconds the all-reduce with ``group`` may take: ``allreduce_timeout`` plus
-        ``LINK_TIME_FACTOR`` times the round's time on the slowest link a member stated.
+        ``LINK_TIME_FACTOR`` times the round's time on the slowest link a member stated, or
+        else measured (``uplink_meter.py``).
 
         Every member computes the same from the GroupInfo (bandwidths, codec densities) and
         the shared schema, so they give up together. Before any member reported its codec's
         density, the widest dtype's size counts (an upper bound for every codec).
         """
-        return self.allreduce_timeout + LINK_TIME_FACTOR * self._stated_link_seconds(group)
+        return self.allreduce_timeout + LINK_TIME_FACTOR * self._link_seconds(group)
 
     def _allreduce_end(self, group: GroupInfo, end: float, hard_scope: trio.CancelScope) -> float:
         """When the all-reduce with ``group`` must end (trio time): its budget from now, within
@@ -612,19 +615,23 @@ class Averager:
 
     def _stall_limits(self, group: GroupInfo) -> tuple[float, float]:
         """(sender_timeout, reducer_timeout): as configured, or 1/3 and 2/3 of
-        ``allreduce_timeout`` plus twice a chunk's time on the slowest stated link (a round
-        has at least ``CHUNKS_PER_PEER`` per sender pair). Not shares of the whole budget:
-        a member that stopped sending would then hold a slow-link round for most of it."""
-        chunk = LINK_TIME_FACTOR * self._stated_link_seconds(group) / CHUNKS_PER_PEER
+        ``allreduce_timeout`` plus twice a chunk's time on the slowest stated (or measured)
+        link (a round has at least ``CHUNKS_PER_PEER`` per sender pair). Not shares of the
+        whole budget: a member that stopped sending would then hold a slow-link round for
+        most of it."""
+        chunk = LINK_TIME_FACTOR * self._link_seconds(group) / CHUNKS_PER_PEER
         return (
             self.sender_timeout or self.allreduce_timeout / 3 + chunk,
             self.reducer_timeout or 2 * self.allreduce_timeout / 3 + chunk,
         )
 
-    def _stated_link_seconds(self, group: GroupInfo) -> float:
-        """``round_link_seconds`` for our tensors (0 where no member stated a bandwidth)."""
+    def _link_seconds(self, group: GroupInfo) -> float:
+        """``round_link_seconds`` for our tensors over the stated or measured rates (0 where
+        no member stated or measured one)."""
         widest = max((t.element_size() for t in self._tensors), default=4)
-        link = round_link_seconds(group, self._numel, unknown_bytes_per_value=float(widest))
+        link = round_link_seconds(
+            group, self._numel, unknown_bytes_per_value=float(widest), measured=True
+        )
         return link if link is not None else 0.0
 
     def _attached(self) -> tuple[Matchmaker, _CountingBackend, AllReduceService, Host]:
@@ -770,8 +777,9 @@ class Averager:
     async def _run_allreduce(self, group: GroupInfo, weight: float, end: float) -> AllReduceResult:
         """All-reduce with ``group`` until ``end`` and write the average into our tensors
         (the caller holds the tensor lock)."""
-        matchmaker, _, allreduce, _ = self._attached()
+        matchmaker, _, allreduce, host = self._attached()
         sender_timeout, reducer_timeout = self._stall_limits(group)
+        sent_before = _bytes_sent_to(host, group.members)
         result = await allreduce.run(
             group,
             self._tensors,
@@ -788,6 +796,13 @@ class Averager:
         if result.wire_bytes_per_value is not None:
             # the next groups learn how dense our codec is (it sizes their chunks)
             matchmaker.bytes_per_value = result.wire_bytes_per_value
+        if self.bandwidth is None:  # and how fast our uplink carried it (their allowance)
+            sent_after = _bytes_sent_to(host, group.members)
+            sent = sum(max(0, n - sent_before.get(p, 0)) for p, n in sent_after.items())
+            self.uplink_meter.observe(
+                sent, result.seconds, timed_out=result.timed_out, lost=bool(result.failed_peers)
+            )
+            matchmaker.measured_uplink = self.uplink_meter.rate
         if result.averaged is not None:
             await self._write(result.averaged)
         return result
@@ -851,3 +866,10 @@ def _in_trio() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _bytes_sent_to(host: Host, peers: Iterable[PeerID]) -> dict[PeerID, int]:
+    """Bytes sent so far over our live connections to each of ``peers`` (the uplink meter's
+    reading: what a round moved, whole messages or not)."""
+    counts = {peer: host.bytes_sent_to(peer) for peer in peers}
+    return {peer: n for peer, n in counts.items() if n is not None}

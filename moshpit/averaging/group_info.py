@@ -29,6 +29,16 @@ MAX_ADDR_CHARS = 256
 MAX_BYTES_PER_VALUE = 16.0  # float64 with framing to spare; anything above is nonsense
 
 
+def valid_rate(value: object) -> bool:
+    """A finite positive number of bytes/s (not a bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def valid_bytes_per_value(value: object) -> bool:
     """A finite number in (0, MAX_BYTES_PER_VALUE] (not a bool)."""
     return (
@@ -57,6 +67,9 @@ class GroupInfo:
     ``bytes_per_value[i]`` is what member i's codec put on the wire per value in its last
     round (``None`` = not known yet; empty = nobody said); with the bandwidths it tells every
     member alike how long a round's transfers take, which decides the chunk size.
+    ``measured_uplinks[i]`` is the send rate (bytes/s) member i reached in its recent rounds,
+    shared by members that stated no bandwidth (``None`` = not known; empty = nobody said):
+    a lower bound of its uplink that sizes the round's time allowance only, never its parts.
     """
 
     group_id: bytes
@@ -66,6 +79,7 @@ class GroupInfo:
     gathered: tuple[Any, ...] = ()
     addrs: tuple[tuple[str, ...], ...] = ()
     bytes_per_value: tuple[float | None, ...] = ()
+    measured_uplinks: tuple[float | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_id, bytes) or not 0 < len(self.group_id) <= MAX_GROUP_ID_BYTES:
@@ -98,16 +112,19 @@ class GroupInfo:
                         f"bytes_per_value must be None or a number in (0, "
                         f"{MAX_BYTES_PER_VALUE}], got {bpv!r}"
                     )
+        if self.measured_uplinks:
+            if len(self.measured_uplinks) != n:
+                raise GroupInfoError("measured_uplinks must be empty or have one entry per member")
+            for rate in self.measured_uplinks:
+                if rate is not None and not valid_rate(rate):
+                    raise GroupInfoError(
+                        f"a measured uplink must be None or a finite positive number, got {rate!r}"
+                    )
         for mode in self.modes:
             if mode not in MODES:
                 raise GroupInfoError(f"unknown member mode {mode!r}; expected one of {MODES}")
         for bw in self.bandwidths:
-            if bw is not None and (
-                isinstance(bw, bool)
-                or not isinstance(bw, (int, float))
-                or not math.isfinite(bw)
-                or bw <= 0
-            ):
+            if bw is not None and not valid_rate(bw):
                 raise GroupInfoError(
                     f"bandwidth must be None or a finite positive number, got {bw!r}"
                 )
@@ -145,6 +162,7 @@ class GroupInfo:
             "gathered": list(self.gathered),
             "addrs": [list(a) for a in self.addrs],
             "bpv": [None if b is None else float(b) for b in self.bytes_per_value],
+            "mbw": [None if b is None else float(b) for b in self.measured_uplinks],
         }
 
     @classmethod
@@ -157,7 +175,7 @@ class GroupInfo:
         try:
             members_raw, modes, bws = msg["members"], msg["modes"], msg["bw"]
             gid, gathered, addrs = msg["gid"], msg.get("gathered", []), msg.get("addrs", [])
-            bpvs = msg.get("bpv", [])
+            bpvs, measured = msg.get("bpv", []), msg.get("mbw", [])
         except KeyError as e:
             raise GroupInfoError(f"group info lacks field {e.args[0]!r}") from None
         for name, value in (
@@ -165,6 +183,7 @@ class GroupInfo:
             ("modes", modes),
             ("bw", bws),
             ("bpv", bpvs),
+            ("mbw", measured),
         ):
             if not isinstance(value, (list, tuple)) or len(value) > MAX_GROUP_SIZE:
                 raise GroupInfoError(
@@ -194,4 +213,5 @@ class GroupInfo:
             gathered=tuple(gathered),
             addrs=tuple(tuple(a) for a in addrs),
             bytes_per_value=tuple(bpvs),
+            measured_uplinks=tuple(measured),
         )

@@ -172,6 +172,9 @@ class Matchmaker(LeaderSide):
         # what our codec put on the wire per value in the last round (the Averager sets it;
         # with the bandwidths it sizes the group's chunks)
         self.bytes_per_value: float | None = None
+        # the send rate our recent rounds reached (the Averager sets it while no bandwidth is
+        # stated; it sizes the group's time allowance)
+        self.measured_uplink: float | None = None
         self.is_banned = is_banned
         # peers with another (or no) schema hash are never grouped with us (None: no check)
         self.schema = check_schema(schema) if schema is not None else None
@@ -251,6 +254,7 @@ class Matchmaker(LeaderSide):
                     deadline,
                     tuple(self.backend.own_addrs()[:MAX_ADDRS]),
                     self.bytes_per_value,
+                    self.measured_uplink,
                 ),
             )
             self._round = rnd
@@ -542,6 +546,7 @@ class Matchmaker(LeaderSide):
             schema=self.schema,
             bytes_per_value=rnd.me.bytes_per_value,
             heartbeats=True,
+            measured_uplink=rnd.me.measured_uplink,
         )
 
     def _note_schema_refusal(self, rnd: MatchmakingRound, peer: PeerID, reply: Any) -> None:

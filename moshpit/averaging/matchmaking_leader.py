@@ -105,6 +105,7 @@ class LeaderSide:
             trio.current_time() + request.seconds_left,
             request.addrs,
             request.bytes_per_value,
+            request.measured_uplink,
         )
         rnd.lead.followers[peer] = member
         rnd.joins += 1
@@ -274,6 +275,7 @@ class LeaderSide:
             gathered=tuple(m.gathered for m in members),
             addrs=tuple(m.addrs for m in members),
             bytes_per_value=tuple(m.bytes_per_value for m in members),
+            measured_uplinks=_measured_uplinks(members),
         )
         logger.debug(
             "leading group %s under %s: %d members", group.group_id.hex()[:8], rnd.key, group.size
@@ -281,3 +283,9 @@ class LeaderSide:
         rnd.finished = True
         rnd.lead.conclude({"t": "group", "group": group.to_msg()})
         return group
+
+
+def _measured_uplinks(members: list[Member]) -> tuple[float | None, ...]:
+    """The members' measured uplinks for the GroupInfo; empty while nobody measured one."""
+    rates = tuple(m.measured_uplink for m in members)
+    return rates if any(r is not None for r in rates) else ()

@@ -23,6 +23,7 @@ from moshpit.averaging.group_info import (
     MODES,
     GroupInfo,
     valid_bytes_per_value,
+    valid_rate,
 )
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ class JoinRequest:
     schema: bytes | None = None
     bytes_per_value: float | None = None
     heartbeats: bool = False  # the joiner understands "wait" messages while it follows
+    measured_uplink: float | None = None  # bytes/s its recent rounds sent (no stated bandwidth)
 
     def to_msg(self, prefix: str) -> dict[str, Any]:
         msg = {
@@ -148,6 +150,8 @@ class JoinRequest:
             msg["bpv"] = self.bytes_per_value
         if self.heartbeats:
             msg["hb"] = True
+        if self.measured_uplink is not None:
+            msg["mbw"] = self.measured_uplink
         return msg
 
     @classmethod
@@ -176,6 +180,9 @@ class JoinRequest:
         heartbeats = msg.get("hb", False)
         if not isinstance(heartbeats, bool):
             raise MatchmakingError("'hb' must be a bool")
+        measured = msg.get("mbw")
+        if measured is not None and not valid_rate(measured):
+            raise MatchmakingError("a measured uplink must be a finite positive number of bytes/s")
         return cls(
             key,
             order,
@@ -188,6 +195,7 @@ class JoinRequest:
             check_schema(msg.get("s")),
             None if bpv is None else float(bpv),
             heartbeats,
+            None if measured is None else float(measured),
         )
 
 

@@ -95,6 +95,7 @@ class Member:
     deadline: float  # trio time by which this member stops waiting
     addrs: tuple[str, ...] = ()  # where the other members can dial it
     bytes_per_value: float | None = None  # its codec's wire bytes per value, last round
+    measured_uplink: float | None = None  # bytes/s its recent rounds sent (GroupInfo)
 
 
 @dataclass

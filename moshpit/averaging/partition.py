@@ -218,7 +218,11 @@ def chunk_numel_for(
 
 
 def round_link_seconds(
-    group: GroupInfo, total: int, *, unknown_bytes_per_value: float | None = None
+    group: GroupInfo,
+    total: int,
+    *,
+    unknown_bytes_per_value: float | None = None,
+    measured: bool = False,
 ) -> float | None:
     """About how long a round of ``total`` values keeps the group's slowest stated link busy.
 
@@ -226,9 +230,14 @@ def round_link_seconds(
     senders, at the densest codec any member reported (``bytes_per_value``) over the smallest
     bandwidth any member stated. None where nobody stated a bandwidth, or nobody reported a
     density and ``unknown_bytes_per_value`` (what to assume then) is None: the caller then
-    assumes nothing about the links.
+    assumes nothing about the links. With ``measured``, a member that stated no bandwidth
+    counts with the rate its recent rounds reached (``GroupInfo.measured_uplinks``): a
+    lower bound, right for a time allowance, but not for chunk sizes or pacing, where the
+    CPU-bound rate of a fast link would pass for a slow link.
     """
-    rates = [float(b) for b in group.bandwidths if b is not None]
+    seen = group.measured_uplinks if measured and group.measured_uplinks else group.bandwidths
+    known = (b if b is not None else m for b, m in zip(group.bandwidths, seen, strict=True))
+    rates = [float(rate) for rate in known if rate is not None]
     densities = [float(b) for b in group.bytes_per_value if b is not None]
     if not densities and unknown_bytes_per_value is not None:
         densities = [unknown_bytes_per_value]

@@ -289,6 +289,7 @@ def _group(gathered: bool = True) -> GroupInfo:
         gathered=({"epoch": 3}, None, [1, 2]) if gathered else (),
         addrs=tuple((str(a),) for a in SEED_ADDRS[:3]),
         bytes_per_value=(4.0, None, 2.0),
+        measured_uplinks=(None, 2.5e4, None),
     )
 
 
@@ -323,6 +324,7 @@ JOIN = JoinRequest(
     addrs=(str(SEED_ADDRS[0]),),
     schema=b"s" * 16,
     bytes_per_value=4.0,
+    measured_uplink=2.5e4,
 )
 
 
