@@ -183,3 +183,15 @@ def test_demo_peers_keep_one_thread_and_their_rate_cap(
     # 4 peers on a laptop: one torch thread each (in every thread: OMP_NUM_THREADS), 800/s
     assert peer.threads == 1 and proc.env["OMP_NUM_THREADS"] == "1"
     assert peer.max_rate == 800.0
+
+
+def test_the_first_plain_progress_line_shows_even_just_after_boot(monkeypatch):
+    """``time.monotonic()`` starts near 0 at boot: a reporter that started its 5-s timer at
+    0.0 skipped the first line on a machine up for less than 5 s (a fresh CI VM)."""
+    monkeypatch.setattr(train_cmd.time, "monotonic", lambda: 2.0)
+    reporter = train_cmd._Reporter(json_lines=False)
+    reporter.console.file = out = io.StringIO()
+    row = dict(epoch=1, samples=32, loss=2.5, accuracy=0.1, samples_per_s=100.0, peers=1)
+    reporter._progress(row)
+    reporter._progress({**row, "epoch": 2})  # within 5 s of the first: not shown
+    assert out.getvalue().count("epoch ") == 1 and "epoch 1 " in out.getvalue()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -286,7 +287,7 @@ class _Reporter:
         self.json_lines = json_lines
         self.console = Console()
         self.live: Any = None
-        self.last_plain = 0.0
+        self.last_plain = -math.inf  # the first line at once, even just after boot
         # events also come from the DHT's thread (the reachability line): one line at a time
         self._lock = threading.Lock()
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import queue
 import random
@@ -445,7 +446,7 @@ def _drive(
         else None
     )
     record.live_used = live is not None
-    last_line = 0.0
+    last_line = -math.inf  # the first line at once, even just after boot
 
     def say(text: str) -> None:
         (live.console if live else console).print(text, soft_wrap=True, highlight=False)
