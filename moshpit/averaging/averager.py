@@ -122,6 +122,9 @@ class Averager:
       group with us again while they declare the same schema, and their conflict is logged
       once. Averagers that take turns under one run (the training modes' per-epoch rounds)
       share one; default: a fresh one.
+    :param uplink_meter: the send rates of this peer's recent rounds (an
+      ``moshpit.averaging.uplink_meter.UplinkMeter``), shared with its groups while no
+      ``bandwidth`` is stated; share one between averagers that take turns, as above.
 
     Options (fields of ``config``, or keyword arguments):
 
@@ -178,6 +181,7 @@ class Averager:
         config: AveragerConfig | None = None,
         start: bool = True,
         schema_memory: SchemaMemory | None = None,
+        uplink_meter: UplinkMeter | None = None,
         **options: Any,
     ):
         self._tensors = list(tensors)
@@ -199,7 +203,8 @@ class Averager:
         self.compression = config.compression
         self.bandwidth = config.bandwidth
         self.pace_uplink = bool(config.pace_uplink)
-        self.uplink_meter = UplinkMeter()  # read only while no bandwidth is stated
+        # read only while no bandwidth is stated
+        self.uplink_meter = uplink_meter if uplink_meter is not None else UplinkMeter()
         self.aggregation = make_aggregator(config.aggregation)
         self.mode = (
             MODE_CLIENT if config.client_mode else MODE_AUX if config.auxiliary else MODE_NODE
@@ -296,6 +301,8 @@ class Averager:
             start_when_all_joined=self.keys.num_bits == 0,
             schema_memory=self._schema_memory,
         )
+        if self.bandwidth is None:  # what the rounds before this averager measured
+            self.matchmaker.measured_uplink = self.uplink_meter.rate
         self._allreduce = _allreduce_services.acquire(self._host)
         self._started = True
 

@@ -27,6 +27,7 @@ from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.averager import Averager, StepResult
 from moshpit.averaging.config import AveragerConfig
 from moshpit.averaging.matchmaking import SchemaMemory
+from moshpit.averaging.uplink_meter import UplinkMeter
 
 if TYPE_CHECKING:
     from dht.facade import DHT
@@ -116,6 +117,7 @@ class GradientAverager:
         self._banned_until: dict[Any, float] = {}
         # likewise the peers of another tensor schema: not asked again, warned about once
         self.schema_memory = SchemaMemory()
+        self.uplink_meter = UplinkMeter()  # every epoch's averager reads and adds to it
 
     def accumulate(self, batch_size: int) -> None:
         """Add ``grad * batch_size`` of every parameter (a missing grad counts as zero)."""
@@ -173,6 +175,7 @@ class GradientAverager:
             prefix=grads_prefix(self.run_id, epoch),
             target_group_size=self.target_group_size,
             schema_memory=self.schema_memory,
+            uplink_meter=self.uplink_meter,
             config=dataclasses.replace(config, **options),
         )
         averager._failures = self._failures

@@ -153,6 +153,18 @@ async def test_a_round_slower_than_the_timeout_on_unstated_links_succeeds_once_m
             for av in averagers:
                 with av.get_tensors() as (t,):
                     assert torch.allclose(t, torch.full((NUMEL,), 1.0))
+            # the training modes make an averager per epoch and hand the meter on: the next
+            # one's first round already has the reading (a stated bandwidth needs none)
+            meter = averagers[0].uplink_meter
+            for options, shared in ((dict(), meter.rate), (dict(bandwidth=1e6), None)):
+                successor = Averager(
+                    [torch.zeros(NUMEL)], dht=dht_swarm.nodes[0], prefix="next-epoch",
+                    target_group_size=3, uplink_meter=meter, **options,
+                )  # fmt: skip
+                try:
+                    assert successor.matchmaker.measured_uplink == shared
+                finally:
+                    await successor.aclose()
         finally:
             for av in averagers:
                 await av.aclose()

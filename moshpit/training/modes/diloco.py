@@ -60,6 +60,7 @@ from compression import (
 from moshpit.averaging.allreduce_protocol import MAX_WEIGHT
 from moshpit.averaging.averager import Averager, StepResult
 from moshpit.averaging.matchmaking import SchemaMemory
+from moshpit.averaging.uplink_meter import UplinkMeter
 from moshpit.training.errors import NoDonorError, StateDownloadError
 from moshpit.training.health import first_non_finite
 from moshpit.training.modes.base import TrainingMode, params_of
@@ -258,6 +259,7 @@ class DiLoCoMode(TrainingMode):
         # averager: its GroupInfo then tells every member how long the links need (chunk
         # sizes, the all-reduce's time on stated links) instead of assuming float32
         self.codec_density: float | None = None
+        self.uplink_meter = UplinkMeter()  # every epoch's averager reads and adds to it
         if self.compression is None:
             self.compression = optimizer.averager_config.compression
         self.deltas = [torch.zeros_like(t) for t in self.theta]
@@ -505,6 +507,7 @@ class DiLoCoMode(TrainingMode):
             prefix=outer_prefix(self.opt.run_id, epoch),
             target_group_size=self.opt.target_group_size,
             schema_memory=self.schema_memory,
+            uplink_meter=self.uplink_meter,
             config=dataclasses.replace(config, **options),
         )
         if averager.matchmaker is not None and self.codec_density is not None:
