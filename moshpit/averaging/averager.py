@@ -58,6 +58,10 @@ HARD_STEP_SLACK = 30.0  # s past a step's bound before it is abandoned (a safety
 # take longer than it on a home uplink (100M values at 4 bits in a group of 4 on 10 Mbit/s:
 # ~67 s against the 60-s default), however well the links were stated.
 LINK_TIME_FACTOR = 2.0
+# ... but the link time counts for at most this many allreduce_timeouts: the rates come from
+# the members (stated or measured), and one that claims a few bytes/s must not hold every
+# round it joins for hours (a round that needs more: raise allreduce_timeout)
+MAX_LINK_TIMEOUTS = 16.0
 
 __all__ = ["Averager", "AveragerLockError", "StepResult", "tensor_schema"]
 
@@ -634,12 +638,12 @@ class Averager:
 
     def _link_seconds(self, group: GroupInfo) -> float:
         """``round_link_seconds`` for our tensors over the stated or measured rates (0 where
-        no member stated or measured one)."""
+        no member stated or measured one), at most ``MAX_LINK_TIMEOUTS`` timeouts."""
         widest = max((t.element_size() for t in self._tensors), default=4)
         link = round_link_seconds(
             group, self._numel, unknown_bytes_per_value=float(widest), measured=True
         )
-        return link if link is not None else 0.0
+        return min(link, MAX_LINK_TIMEOUTS * self.allreduce_timeout) if link is not None else 0.0
 
     def _attached(self) -> tuple[Matchmaker, _CountingBackend, AllReduceService, Host]:
         """The parts :meth:`start` attached (a step before it is a bug in the caller)."""

@@ -18,7 +18,7 @@ import trio
 from dht.kademlia.clock import dht_clock, trio_clock
 from dht.kademlia.simulation import open_swarm
 from dht.p2p import MemoryNetwork
-from moshpit.averaging.averager import Averager
+from moshpit.averaging.averager import LINK_TIME_FACTOR, MAX_LINK_TIMEOUTS, Averager
 from moshpit.averaging.group_info import GroupInfo, GroupInfoError
 from moshpit.averaging.matchmaking_messages import JoinRequest, MatchmakingError
 from moshpit.averaging.partition import round_link_seconds
@@ -79,6 +79,26 @@ async def test_measured_rates_size_only_the_time_allowance(autojump_clock):
     ) == pytest.approx(slow)
     back = GroupInfo.from_msg(measured.to_msg())
     assert back == measured and GroupInfo.from_msg(group.to_msg()).measured_uplinks == ()
+
+
+async def test_a_member_that_claims_a_crawling_link_stretches_a_round_only_so_far(
+    autojump_clock,
+):
+    """Rates come from the members: one that claims 1 byte/s (stated or measured) would
+    otherwise make every round it joins wait for weeks before it may be given up."""
+    async with swarm(3) as services:
+        group = make_group(services)
+    av = Averager(
+        [torch.zeros(NUMEL)], dht=object(), prefix="p", target_group_size=3, start=False,
+        allreduce_timeout=10.0,
+    )  # fmt: skip
+    honest = dataclasses.replace(group, measured_uplinks=(LINK, LINK, None))
+    # float32 before any codec reported: 2 * 2/3 of the values, 4 bytes each, at 100 kB/s
+    link = 2 * NUMEL * 2 / 3 * 4 / LINK
+    assert av.allreduce_budget(honest) == pytest.approx(10.0 + LINK_TIME_FACTOR * link)
+    for claim in (dict(measured_uplinks=(LINK, 1.0, None)), dict(bandwidths=(None, 1.0, None))):
+        crawling = dataclasses.replace(honest, **claim)
+        assert av.allreduce_budget(crawling) == 10.0 + LINK_TIME_FACTOR * MAX_LINK_TIMEOUTS * 10
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "fast"])
