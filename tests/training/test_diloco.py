@@ -8,6 +8,7 @@ process.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import importlib.util
 import threading
 import time
@@ -824,5 +825,50 @@ def test_a_member_still_finishing_its_round_is_not_left_behind_by_the_members_do
             assert mode.solo_steps == mode.state_loads == mode.theta_mismatches == 0
         for epoch in (1, 2):
             assert all(_same(peers[0].theta_at[epoch], p.theta_at[epoch]) for p in peers[1:])
+    finally:
+        _shutdown(peers)
+
+
+def test_a_round_that_ran_out_of_time_is_retried_even_when_the_view_comes_back_empty(
+    make_dhts, monkeypatch
+):
+    """Over a saturated home uplink the first outer round runs out of time (nobody knew the
+    link), and the DHT read after it times out too: the view lists nobody at our epoch. The
+    round's own group says otherwise (its members were under this epoch's key a moment ago).
+    Before, every member of the 200 kbit/s race then went on alone, each on its own θ, and
+    never shared one model again; now they retry, and the retry averages."""
+    from moshpit.averaging.allreduce import AllReduceService
+
+    real_run = AllReduceService.run
+    ran_out: set = set()
+
+    async def first_round_runs_out(self, group, *args, **kwargs):
+        me = self.host.peer_id
+        if me not in ran_out:  # this peer's first round: the link cannot carry it in time
+            ran_out.add(me)
+            kwargs["timeout"] = 1e-3
+        return await real_run(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(AllReduceService, "run", first_round_runs_out)
+    dhts = make_dhts(2)
+    models = [_model() for _ in dhts]
+    peers = [Peer(i, m, _opt(d, m)) for i, (d, m) in enumerate(zip(dhts, models, strict=True))]
+    for p in peers:  # the read after a failed round comes back empty (timed out, or partial)
+        mode, real_view = p.opt.mode, p.opt.mode._view
+
+        def view(force=False, mode=mode, real_view=real_view):
+            seen = real_view(force)
+            return dataclasses.replace(seen, peers=[]) if force else seen
+
+        monkeypatch.setattr(mode, "_view", view)
+    try:
+        _train_all(peers, 2)
+        for p in peers:
+            mode = p.opt.mode
+            assert mode.rounds_failed >= 1 and mode.rounds_succeeded == 2
+            assert mode.solo_steps == mode.state_loads == mode.theta_mismatches == 0
+        assert ran_out == {d.peer_id for d in dhts}
+        for epoch in (1, 2):
+            assert _same(peers[0].theta_at[epoch], peers[1].theta_at[epoch])
     finally:
         _shutdown(peers)

@@ -8,6 +8,7 @@ process training on the same global batches.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import re
 import threading
@@ -876,3 +877,49 @@ def test_a_checkpoint_skipped_while_the_last_one_was_written_is_written_at_the_n
         assert state.newest_checkpoint_epoch == 2
     finally:
         peer.opt.shutdown()
+
+
+def test_a_round_that_ran_out_of_time_is_retried_even_when_the_view_comes_back_empty(
+    make_dhts, monkeypatch
+):
+    """Sync mode's side of tests/training/test_diloco.py's test of the same name: the first
+    gradient round runs out of time and the DHT read after it lists nobody; the round's own
+    group shows the others were at the epoch, so the peers retry instead of stepping alone."""
+    from moshpit.averaging.allreduce import AllReduceService
+
+    real_run = AllReduceService.run
+    ran_out: set = set()
+
+    async def first_round_runs_out(self, group, *args, **kwargs):
+        me = self.host.peer_id
+        if me not in ran_out:
+            ran_out.add(me)
+            kwargs["timeout"] = 1e-3
+        return await real_run(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(AllReduceService, "run", first_round_runs_out)
+    dhts = make_dhts(2)
+    models = [_model() for _ in dhts]
+    peers = [
+        Peer(i, m, _opt(d, m, target_group_size=2, target_batch_size=2 * BATCH))
+        for i, (d, m) in enumerate(zip(dhts, models, strict=True))
+    ]
+    for p in peers:
+        mode, real_view = p.opt.mode, p.opt.mode._view
+
+        def view(force=False, mode=mode, real_view=real_view):
+            seen = real_view(force)
+            return dataclasses.replace(seen, peers=[]) if force else seen
+
+        monkeypatch.setattr(mode, "_view", view)
+    try:
+        _train_all(peers, 2, lockstep=True)
+        for p in peers:
+            mode = p.opt.mode
+            assert mode.rounds_failed >= 1 and mode.solo_steps == mode.state_loads == 0
+        assert ran_out == {d.peer_id for d in dhts}
+        for epoch in (1, 2):
+            assert _same(peers[0].params_at[epoch], peers[1].params_at[epoch])
+    finally:
+        for p in peers:
+            p.opt.shutdown()

@@ -421,7 +421,7 @@ class DiLoCoMode(TrainingMode):
         self.rounds.forget_unseen(view)
         if ahead:
             self._catch_up(f"no round at epoch {epoch} ({result.reason}); others moved on")
-        elif not same and not self.rounds.with_us_last_round(view):
+        elif not same and not self.rounds.with_us(view, result):
             logger.info("no other peer at outer epoch %d: training alone", epoch)
             self._alone = True
             self._apply(solo=True)
@@ -711,7 +711,7 @@ class DiLoCoMode(TrainingMode):
         self.rounds.forget_unseen(view)
         if ahead:
             self._catch_up(f"no round at epoch {rnd.epoch} ({result.reason}); others moved on")
-        elif not same and not self.rounds.with_us_last_round(view):
+        elif not same and not self.rounds.with_us(view, result):
             logger.info("no other peer at outer epoch %d: training alone", rnd.epoch)
             self._alone = True
             self._apply_fragment(rnd.epoch, rnd.indices, rnd.start_local, solo=True)

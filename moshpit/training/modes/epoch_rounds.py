@@ -173,6 +173,15 @@ class EpochRounds:
         not have reached the view yet: it is not gone, we are not alone)?"""
         return any(p.peer_id in self.last_members for p in view.peers)
 
+    def with_us(self, view: Any, failed: Any) -> bool:
+        """After the round ``failed`` (a StepResult): are we not alone at this epoch? Yes if
+        the view lists a member of our last round, or if ``failed`` itself held another
+        member: its key is this epoch's, so they were here a moment ago. Over a saturated
+        home uplink the view's DHT reads time out and come back empty, and a round that ran
+        out of time (the link is slow, nobody left) sent all four peers of the 200 kbit/s
+        race off alone, each on its own θ, before the next round could have fit."""
+        return self.with_us_last_round(view) or any(str(m) != self.me for m in failed.members)
+
     # ------------------------------------------------------------------ after a round
 
     def complete(self, result: Any) -> bool:

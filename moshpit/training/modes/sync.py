@@ -298,7 +298,7 @@ class SyncMode(TrainingMode):
         self.rounds.forget_unseen(view)
         if ahead:
             self._catch_up(f"no round at epoch {round_.epoch} ({result.reason}); others moved on")
-        elif not same and not self.rounds.with_us_last_round(view):
+        elif not same and not self.rounds.with_us(view, result):
             logger.info("no other peer at epoch %d: training alone", round_.epoch)
             self._alone = True
             self._apply(solo=True)
