@@ -188,13 +188,7 @@ class Averager:
         uplink_meter: UplinkMeter | None = None,
         **options: Any,
     ):
-        self._tensors = list(tensors)
-        if not self._tensors:
-            raise ValueError("Averager needs at least one tensor")
-        if any(not isinstance(t, torch.Tensor) for t in self._tensors):
-            raise TypeError("tensors must be torch.Tensor objects")
-        if any(not t.is_floating_point() for t in self._tensors):
-            raise TypeError("only floating-point tensors can be averaged")
+        self._tensors = _checked_tensors(tensors)
         # the knobs (the keyword arguments above), checked in one place
         self.config = config = AveragerConfig.build(config, **options)
         self.prefix = prefix
@@ -207,8 +201,7 @@ class Averager:
         self.compression = config.compression
         self.bandwidth = config.bandwidth
         self.pace_uplink = bool(config.pace_uplink)
-        # read only while no bandwidth is stated
-        self.uplink_meter = uplink_meter if uplink_meter is not None else UplinkMeter()
+        self.uplink_meter = uplink_meter or UplinkMeter()  # read while no bandwidth is stated
         self.aggregation = make_aggregator(config.aggregation)
         self.mode = (
             MODE_CLIENT if config.client_mode else MODE_AUX if config.auxiliary else MODE_NODE
@@ -877,6 +870,18 @@ def _in_trio() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _checked_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors to average, as a list; a clear error for what cannot be averaged."""
+    checked = list(tensors)
+    if not checked:
+        raise ValueError("Averager needs at least one tensor")
+    if any(not isinstance(t, torch.Tensor) for t in checked):
+        raise TypeError("tensors must be torch.Tensor objects")
+    if any(not t.is_floating_point() for t in checked):
+        raise TypeError("only floating-point tensors can be averaged")
+    return checked
 
 
 def _bytes_sent_to(host: Host, peers: Iterable[PeerID]) -> dict[PeerID, int]:

@@ -252,12 +252,10 @@ class DiLoCoMode(TrainingMode):
         # pseudo-gradient is averaged by the per-epoch averager below)
         self.state = optimizer.make_state_averager(self.outer, **state_options)
         self.averager_config = dataclasses.replace(optimizer.averager_config, compression=None)
-        # peers of another tensor schema, shared by the per-epoch averagers (asked once,
-        # warned about once)
+        # peers of another tensor schema, shared by the per-epoch averagers (asked once)
         self.schema_memory = SchemaMemory()
-        # wire bytes per value our codec sent in the last round, handed to the next epoch's
-        # averager: its GroupInfo then tells every member how long the links need (chunk
-        # sizes, the all-reduce's time on stated links) instead of assuming float32
+        # our codec's wire bytes per value in the last round, for the next epoch's averager:
+        # its GroupInfo then says how long the links need instead of assuming float32
         self.codec_density: float | None = None
         self.uplink_meter = UplinkMeter()  # every epoch's averager reads and adds to it
         if self.compression is None:
@@ -266,7 +264,8 @@ class DiLoCoMode(TrainingMode):
         self.local_steps = 0  # inner steps since the round's θ
         self.samples = 0
         self._alone = False
-        self.rounds = EpochRounds(str(optimizer.tracker.peer_id), optimizer.target_group_size)
+        peer, timeout = str(optimizer.tracker.peer_id), self.averager_config.allreduce_timeout
+        self.rounds = EpochRounds(peer, optimizer.target_group_size, timeout)
         self._last_refresh = -float("inf")
         self._behind_since: float | None = None  # no donor served the newer state yet
         self._next_catch_up = -float("inf")
