@@ -264,8 +264,7 @@ class DiLoCoMode(TrainingMode):
         self.local_steps = 0  # inner steps since the round's θ
         self.samples = 0
         self._alone = False
-        peer, timeout = str(optimizer.tracker.peer_id), self.averager_config.allreduce_timeout
-        self.rounds = EpochRounds(peer, optimizer.target_group_size, timeout)
+        self.rounds = EpochRounds(str(optimizer.tracker.peer_id), optimizer.target_group_size)
         self._last_refresh = -float("inf")
         self._behind_since: float | None = None  # no donor served the newer state yet
         self._next_catch_up = -float("inf")

@@ -139,8 +139,7 @@ class SyncMode(TrainingMode):
         self.bytes_sent = 0  # gradient payload bytes this peer sent, over all rounds
         # (epoch, samples the global step of that epoch held), for the most recent steps
         self.step_samples: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
-        peer, timeout = str(optimizer.tracker.peer_id), optimizer.averager_config.allreduce_timeout
-        self.rounds = EpochRounds(peer, optimizer.target_group_size, timeout)
+        self.rounds = EpochRounds(str(optimizer.tracker.peer_id), optimizer.target_group_size)
 
     # ------------------------------------------------------------------ the loop
 
