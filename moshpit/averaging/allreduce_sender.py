@@ -194,9 +194,13 @@ class PartExchange:
         else:
             r.failed_reducers[j] = reason
         logger.info("part %d (reducer %s) failed: %s", j, r.group.members[j], reason)
+        if not is_violation(error):
+            # nothing of this part is wanted any more: a reset drops our chunks still queued,
+            # which a close would send first (on a slow uplink, the next round's time)
+            stream.reset()
+            return
+        r.bad_reducers[j] = reason
         with trio.move_on_after(CLOSE_TIMEOUT) as cs:
             cs.shield = True
-            if is_violation(error):
-                r.bad_reducers[j] = reason
-                await quietly(stream.send_msg(error_msg(reason)))
+            await quietly(stream.send_msg(error_msg(reason)))
             await quietly(stream.aclose())

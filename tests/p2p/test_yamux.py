@@ -699,3 +699,53 @@ async def test_streams_crossing_the_light_limit_keep_their_bytes_in_order(autoju
             for _ in payloads:
                 nursery.start_soon(serve_one, await server.accept_stream())
     assert sorted(received.values()) == sorted(payloads)
+
+
+@pytest.mark.parametrize("who", ["local", "remote"])
+async def test_a_reset_streams_queued_data_is_never_sent(autojump_clock, who):
+    """Four bulk streams fill the queue of a 1 MB/s uplink (a window each, 1 MiB), then are
+    reset (by us, or by the remote: their round was abandoned). Their queued frames are
+    dropped, not sent: the remote would drop them anyway, and a transfer started right
+    after gets the link once the frame on the wire is through, instead of after the dead
+    megabyte (at 200 kbit/s an abandoned all-reduce round's data kept the link busy ~40 s)."""
+    client_raw, server_raw = trio.testing.memory_stream_pair()
+    async with yamux_pair(_SlowLink(client_raw, 1e6), server_raw) as (client, server):
+        took: list[float] = []
+
+        async def drain(stream) -> None:
+            with contextlib.suppress(StreamResetError):
+                while await stream.receive_some():
+                    pass
+
+        async def push(stream) -> None:
+            with contextlib.suppress(StreamResetError, trio.ClosedResourceError):
+                for _ in range(16):
+                    await stream.send_all(b"x" * (256 * 1024))
+
+        async with trio.open_nursery() as nursery:
+            bulks, served = [], []
+            for _ in range(4):
+                bulks.append(await client.open_stream())
+                nursery.start_soon(push, bulks[-1])
+                served.append(await server.accept_stream())
+                nursery.start_soon(drain, served[-1])
+            await trio.sleep(0.3)
+            queued = client.queued_bytes
+            assert queued > 900 * 1024, queued
+            for bulk, remote in zip(bulks, served, strict=True):
+                (bulk if who == "local" else remote).reset()
+            await trio.testing.wait_all_tasks_blocked()  # a remote RST has arrived by now
+            assert all(bulk._reset for bulk in bulks)
+            # what is left: the one frame (at most 256 KiB) the writer is sending
+            assert client.queued_bytes <= 256 * 1024 + 64, client.queued_bytes
+            started = trio.current_time()
+            second = await client.open_stream()
+            await second.send_all(b"y" * 200_000)
+            await second.send_eof()
+            got = await read_all(await server.accept_stream())
+            took.append(trio.current_time() - started)
+            nursery.cancel_scope.cancel()
+        assert got == b"y" * 200_000
+        # its own 0.2 s at 1 MB/s after the frame on the wire (<= 0.26 s), not also 0.75 s
+        # of dead data
+        assert took[0] < 0.6, (took, queued)
