@@ -8,7 +8,6 @@ process.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import importlib.util
 import threading
 import time
@@ -22,6 +21,7 @@ import moshpit
 from compression import Float16, GraVAC, TopK, TopK2Bit, TwoWayCompression
 from compression import decompress as moshpit_decompress
 from moshpit.training.modes.diloco import _RegroupingFeedback, make_compression, outer_prefix
+from tests.training.saturated_uplink import first_rounds_run_out, forced_views_come_back_empty
 
 _spec = importlib.util.spec_from_file_location(
     "bench_modes", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_modes.py"
@@ -837,30 +837,11 @@ def test_a_round_that_ran_out_of_time_is_retried_even_when_the_view_comes_back_e
     round's own group says otherwise (its members were under this epoch's key a moment ago).
     Before, every member of the 200 kbit/s race then went on alone, each on its own θ, and
     never shared one model again; now they retry, and the retry averages."""
-    from moshpit.averaging.allreduce import AllReduceService
-
-    real_run = AllReduceService.run
-    ran_out: set = set()
-
-    async def first_round_runs_out(self, group, *args, **kwargs):
-        me = self.host.peer_id
-        if me not in ran_out:  # this peer's first round: the link cannot carry it in time
-            ran_out.add(me)
-            kwargs["timeout"] = 1e-3
-        return await real_run(self, group, *args, **kwargs)
-
-    monkeypatch.setattr(AllReduceService, "run", first_round_runs_out)
+    ran_out = first_rounds_run_out(monkeypatch)
     dhts = make_dhts(2)
     models = [_model() for _ in dhts]
     peers = [Peer(i, m, _opt(d, m)) for i, (d, m) in enumerate(zip(dhts, models, strict=True))]
-    for p in peers:  # the read after a failed round comes back empty (timed out, or partial)
-        mode, real_view = p.opt.mode, p.opt.mode._view
-
-        def view(force=False, mode=mode, real_view=real_view):
-            seen = real_view(force)
-            return dataclasses.replace(seen, peers=[]) if force else seen
-
-        monkeypatch.setattr(mode, "_view", view)
+    forced_views_come_back_empty(monkeypatch, [p.opt.mode for p in peers])
     try:
         _train_all(peers, 2)
         for p in peers:

@@ -8,7 +8,6 @@ process training on the same global batches.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import re
 import threading
@@ -22,6 +21,7 @@ import trio
 import moshpit
 from compression import GraVAC, TopK, TwoWayCompression
 from moshpit.training.grad_averager import grads_prefix
+from tests.training.saturated_uplink import first_rounds_run_out, forced_views_come_back_empty
 
 # a full group proceeds at once; min_matchmaking_time only bounds how long a leader waits for
 # a peer that noticed the target late (generous: the machine is shared)
@@ -885,33 +885,14 @@ def test_a_round_that_ran_out_of_time_is_retried_even_when_the_view_comes_back_e
     """Sync mode's side of tests/training/test_diloco.py's test of the same name: the first
     gradient round runs out of time and the DHT read after it lists nobody; the round's own
     group shows the others were at the epoch, so the peers retry instead of stepping alone."""
-    from moshpit.averaging.allreduce import AllReduceService
-
-    real_run = AllReduceService.run
-    ran_out: set = set()
-
-    async def first_round_runs_out(self, group, *args, **kwargs):
-        me = self.host.peer_id
-        if me not in ran_out:
-            ran_out.add(me)
-            kwargs["timeout"] = 1e-3
-        return await real_run(self, group, *args, **kwargs)
-
-    monkeypatch.setattr(AllReduceService, "run", first_round_runs_out)
+    ran_out = first_rounds_run_out(monkeypatch)
     dhts = make_dhts(2)
     models = [_model() for _ in dhts]
     peers = [
         Peer(i, m, _opt(d, m, target_group_size=2, target_batch_size=2 * BATCH))
         for i, (d, m) in enumerate(zip(dhts, models, strict=True))
     ]
-    for p in peers:
-        mode, real_view = p.opt.mode, p.opt.mode._view
-
-        def view(force=False, mode=mode, real_view=real_view):
-            seen = real_view(force)
-            return dataclasses.replace(seen, peers=[]) if force else seen
-
-        monkeypatch.setattr(mode, "_view", view)
+    forced_views_come_back_empty(monkeypatch, [p.opt.mode for p in peers])
     try:
         _train_all(peers, 2, lockstep=True)
         for p in peers:
