@@ -853,3 +853,48 @@ def test_a_round_that_ran_out_of_time_is_retried_even_when_the_view_comes_back_e
             assert _same(peers[0].theta_at[epoch], peers[1].theta_at[epoch])
     finally:
         _shutdown(peers)
+
+
+def test_a_round_that_averaged_only_part_of_the_pseudo_gradient_is_retried(make_dhts, monkeypatch):
+    """Each peer's first round averages only the second half of Δ: the first half's reducer
+    failed, and that half keeps each member's own values. Applied, it left every member on
+    its own θ for good (the 200 kbit/s race: one member stepped with 17% averaged while the
+    others retried). It is retried instead, as sync mode retries a partial gradient round,
+    and every outer step after it is bit-identical."""
+    from moshpit.averaging.allreduce import AllReduceService
+
+    real_run = AllReduceService.run
+    partial: set = set()
+
+    async def first_round_half_averaged(self, group, tensors, *args, **kwargs):
+        result = await real_run(self, group, tensors, *args, **kwargs)
+        me = self.host.peer_id
+        if me not in partial and result.averaged is not None:
+            partial.add(me)
+            flat_out = torch.cat([t.reshape(-1) for t in result.averaged])
+            flat_own = torch.cat([t.reshape(-1) for t in tensors])
+            half = flat_out.numel() // 2
+            flat_out[:half] = flat_own[:half]  # the failed part kept our own values
+            offset = 0
+            for t in result.averaged:
+                t.copy_(flat_out[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+            result.averaged_numel = result.numel - half
+            result.complete_numel = min(result.complete_numel, result.averaged_numel)
+        return result
+
+    monkeypatch.setattr(AllReduceService, "run", first_round_half_averaged)
+    dhts = make_dhts(2)
+    models = [_model() for _ in dhts]
+    peers = [Peer(i, m, _opt(d, m)) for i, (d, m) in enumerate(zip(dhts, models, strict=True))]
+    try:
+        _train_all(peers, 2)
+        for p in peers:
+            mode = p.opt.mode
+            assert mode.rounds_failed >= 1 and mode.rounds_succeeded == 2
+            assert mode.solo_steps == mode.state_loads == mode.theta_mismatches == 0
+        assert partial == {d.peer_id for d in dhts}
+        for epoch in (1, 2):
+            assert _same(peers[0].theta_at[epoch], peers[1].theta_at[epoch])
+    finally:
+        _shutdown(peers)
