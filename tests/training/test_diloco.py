@@ -838,21 +838,32 @@ def test_a_round_that_ran_out_of_time_is_retried_even_when_the_view_comes_back_e
     Before, every member of the 200 kbit/s race then went on alone, each on its own θ, and
     never shared one model again; now they retry, and the retry averages."""
     ran_out = first_rounds_run_out(monkeypatch)
+    dhts = _two_peers_retry_then_agree(
+        make_dhts, lambda peers: forced_views_come_back_empty(monkeypatch, peers)
+    )
+    assert ran_out == {d.peer_id for d in dhts}
+
+
+def _two_peers_retry_then_agree(make_dhts, stage=None) -> list:
+    """Two peers train two outer steps after a first round that went wrong (``stage`` gets
+    their modes first): at least one round failed, both outer steps averaged, nobody stepped
+    alone or loaded state, and θ is bit-identical after each. Returns the DHTs."""
     dhts = make_dhts(2)
     models = [_model() for _ in dhts]
     peers = [Peer(i, m, _opt(d, m)) for i, (d, m) in enumerate(zip(dhts, models, strict=True))]
-    forced_views_come_back_empty(monkeypatch, [p.opt.mode for p in peers])
+    if stage is not None:
+        stage([p.opt.mode for p in peers])
     try:
         _train_all(peers, 2)
         for p in peers:
             mode = p.opt.mode
             assert mode.rounds_failed >= 1 and mode.rounds_succeeded == 2
             assert mode.solo_steps == mode.state_loads == mode.theta_mismatches == 0
-        assert ran_out == {d.peer_id for d in dhts}
         for epoch in (1, 2):
             assert _same(peers[0].theta_at[epoch], peers[1].theta_at[epoch])
     finally:
         _shutdown(peers)
+    return dhts
 
 
 def test_a_round_that_averaged_only_part_of_the_pseudo_gradient_is_retried(make_dhts, monkeypatch):
@@ -884,17 +895,5 @@ def test_a_round_that_averaged_only_part_of_the_pseudo_gradient_is_retried(make_
         return result
 
     monkeypatch.setattr(AllReduceService, "run", first_round_half_averaged)
-    dhts = make_dhts(2)
-    models = [_model() for _ in dhts]
-    peers = [Peer(i, m, _opt(d, m)) for i, (d, m) in enumerate(zip(dhts, models, strict=True))]
-    try:
-        _train_all(peers, 2)
-        for p in peers:
-            mode = p.opt.mode
-            assert mode.rounds_failed >= 1 and mode.rounds_succeeded == 2
-            assert mode.solo_steps == mode.state_loads == mode.theta_mismatches == 0
-        assert partial == {d.peer_id for d in dhts}
-        for epoch in (1, 2):
-            assert _same(peers[0].theta_at[epoch], peers[1].theta_at[epoch])
-    finally:
-        _shutdown(peers)
+    dhts = _two_peers_retry_then_agree(make_dhts)
+    assert partial == {d.peer_id for d in dhts}
