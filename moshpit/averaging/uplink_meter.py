@@ -4,10 +4,11 @@ A round's time allowance grows with the bytes its slowest member has to send
 (``Averager.allreduce_budget``), but only members that state a ``bandwidth`` say how slow
 they are. A volunteer at home rarely does: at 200 kbit/s a 4-bit round of 2.2M values needs
 ~75 s, and with the benchmark's 30-s allreduce timeout every round failed, for good. So each
-averager that states nothing reports what it saw: the payload bytes a round sent over the
-round's seconds (``Host`` counters, whole messages or not). That is a lower bound of its uplink (a round also waits for others, and
-for the codecs), so it sizes only the time allowance, never parts, chunks or pacing; the
-largest of the last few readings is the tightest bound. A round cut by the allowance still
+averager that states nothing reports what it saw: the bytes its connections to the group
+carried during a round (the ``Host``'s counters, whole messages or not) over the round's
+seconds. That is a lower bound of its uplink (a round also waits for others, and for the
+codecs), so it sizes only the time allowance, never parts, chunks or pacing; the largest of
+the last few readings is the tightest bound. A round cut by the allowance still
 counts: what it sent by then is the rate, and the next round gets time for its bytes. A round
 that left a member out before its time was up does not: it mostly waited for that member
 (a dead one is cut by the stall limits, which a low reading would stretch).
