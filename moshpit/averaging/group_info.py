@@ -8,7 +8,7 @@ members must hold the *same* value, because the partition of the flattened tenso
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,20 @@ def valid_bytes_per_value(value: object) -> bool:
 
 class GroupInfoError(AveragingError, ValueError):
     """A GroupInfo (built locally or received from the network) is inconsistent."""
+
+
+def _check_per_member(
+    name: str, values: tuple[Any, ...], n: int, valid: Callable[[object], bool], rule: str
+) -> None:
+    """An optional per-member field: empty (nobody said), or one entry per member, each
+    None (not known) or ``valid``."""
+    if not values:
+        return
+    if len(values) != n:
+        raise GroupInfoError(f"{name} must be empty or have one entry per member")
+    for value in values:
+        if value is not None and not valid(value):
+            raise GroupInfoError(f"{rule}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -103,23 +117,14 @@ class GroupInfo:
                     )
                 if not all(isinstance(a, str) and len(a) <= MAX_ADDR_CHARS for a in member_addrs):
                     raise GroupInfoError(f"addrs must be strings of <= {MAX_ADDR_CHARS} chars")
-        if self.bytes_per_value:
-            if len(self.bytes_per_value) != n:
-                raise GroupInfoError("bytes_per_value must be empty or have one entry per member")
-            for bpv in self.bytes_per_value:
-                if bpv is not None and not valid_bytes_per_value(bpv):
-                    raise GroupInfoError(
-                        f"bytes_per_value must be None or a number in (0, "
-                        f"{MAX_BYTES_PER_VALUE}], got {bpv!r}"
-                    )
-        if self.measured_uplinks:
-            if len(self.measured_uplinks) != n:
-                raise GroupInfoError("measured_uplinks must be empty or have one entry per member")
-            for rate in self.measured_uplinks:
-                if rate is not None and not valid_rate(rate):
-                    raise GroupInfoError(
-                        f"a measured uplink must be None or a finite positive number, got {rate!r}"
-                    )
+        _check_per_member(
+            "bytes_per_value", self.bytes_per_value, n, valid_bytes_per_value,
+            f"bytes_per_value must be None or a number in (0, {MAX_BYTES_PER_VALUE}]",
+        )  # fmt: skip
+        _check_per_member(
+            "measured_uplinks", self.measured_uplinks, n, valid_rate,
+            "a measured uplink must be None or a finite positive number",
+        )  # fmt: skip
         for mode in self.modes:
             if mode not in MODES:
                 raise GroupInfoError(f"unknown member mode {mode!r}; expected one of {MODES}")
