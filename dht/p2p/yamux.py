@@ -77,8 +77,9 @@ _OUT_LIMIT = 1024 * 1024  # queued outgoing bytes before data senders wait
 _OUT_HARD_LIMIT = (
     4 * _OUT_LIMIT
 )  # control frames (pongs, RSTs, ...) beyond this: remote not reading
-# a keepalive ping may go unanswered while at least this much arrives meanwhile: its pong is
-# queued behind data on a full link (pings and small frames alone do not count)
+# a keepalive ping may go unanswered while at least this much arrives meanwhile, or while the
+# remote grants window for data we sent (it reads us): its pong is queued behind data on a
+# full link. Pings and small frames alone do not count.
 KEEPALIVE_BUSY_BYTES = 32 * 1024
 _COALESCE_LIMIT = 64 * 1024  # senders yield to the writer once this much is queued
 # A stream that has sent no more than this is light (a request, a reply, a handshake, the
@@ -538,6 +539,7 @@ class YamuxSession:
         # when the reader last got bytes (see last_received), and bytes moved each way (see
         # bytes_received / bytes_sent)
         self._last_read = trio.current_time()
+        self._window_grants = 0  # window updates for our data: the remote's reader is alive
         self._bytes_read = 0
         self._bytes_written = 0
         self._batch_limit = _OUT_LIMIT  # see _BATCH_SECONDS
@@ -1076,6 +1078,8 @@ class YamuxSession:
             stream = self._stream_for_frame(sid, flags)
             if ftype == TYPE_WINDOW_UPDATE:
                 if stream is not None:
+                    if length and not flags & FLAG_SYN:
+                        self._window_grants += 1  # the remote read data of ours
                     stream._on_window_update(length)
                     self._apply_flags(stream, flags)
                 return None
@@ -1191,18 +1195,21 @@ class YamuxSession:
         assert self.keepalive_interval is not None
         while not self.closed:
             await trio.sleep(self.keepalive_interval)
-            received = self.bytes_received
+            received, grants = self.bytes_received, self._window_grants
             try:
                 await self.ping(timeout=self.keepalive_timeout)
             except P2PTimeoutError:
                 moved = self.bytes_received - received
-                if moved >= KEEPALIVE_BUSY_BYTES:
-                    # a late pong while data keeps arriving: a full link (a home uplink behind
-                    # an all-reduce), not a half-open connection; closing it failed rounds
+                if moved >= KEEPALIVE_BUSY_BYTES or self._window_grants > grants:
+                    # a late pong while data keeps arriving or the remote keeps reading ours:
+                    # a full link (a home uplink behind an all-reduce), not a half-open
+                    # connection; closing it failed rounds
                     logger.debug(
-                        "yamux %s: keepalive pong late, %d bytes arrived meanwhile; keeping it",
+                        "yamux %s: keepalive pong late, %d bytes and %d window grants arrived "
+                        "meanwhile; keeping it",
                         self.name,
                         moved,
+                        self._window_grants - grants,
                     )
                     continue
                 logger.warning(

@@ -373,6 +373,51 @@ async def test_keepalive_keeps_a_connection_whose_data_keeps_arriving(autojump_c
             nursery.cancel_scope.cancel()
 
 
+async def test_keepalive_keeps_a_connection_whose_peer_keeps_reading_our_data(
+    autojump_clock, monkeypatch
+):
+    """On a saturated home uplink the remote's pong and its little data can take longer than
+    the keepalive's timeout, while the remote keeps granting window for the data we send it:
+    it reads, so the connection is not half-open (7 KB in 20 s closed live connections in the
+    200-kbit/s race). Once it stops granting, the keepalive closes it."""
+    a, b = trio.testing.memory_stream_pair()
+    async with yamux_pair(a, b, keepalive_interval=5, keepalive_timeout=5) as (client, server):
+        real = server._enqueue_control
+
+        def no_pongs(ftype, flags, stream_id, length):
+            if ftype == 2 and flags & 0x2:  # the server never answers the client's pings
+                return
+            real(ftype, flags, stream_id, length)
+
+        monkeypatch.setattr(server, "_enqueue_control", no_pongs)
+        outbound = await client.open_stream()
+        inbound = await server.accept_stream()
+        reading = trio.Event()
+
+        async def drain() -> None:
+            with contextlib.suppress(StreamResetError):
+                while await inbound.receive_some():
+                    if reading.is_set():
+                        return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            received_at_start = client.bytes_received
+            for _ in range(60):  # a minute of 20 kB/s upward, read by the server
+                await outbound.send_all(b"x" * 20_000)
+                await trio.sleep(1.0)
+            # the server sent only window updates: far less than a busy link's worth
+            assert client.bytes_received - received_at_start < 2_000
+            assert not client.closed
+            reading.set()  # the server stops reading: no more window
+            quiet_since = trio.current_time()
+            with trio.fail_after(60):
+                await client.wait_closed()
+            assert client.close_reason == "keepalive timeout"
+            assert trio.current_time() - quiet_since <= 5 + 5 + 5 + 5
+            nursery.cancel_scope.cancel()
+
+
 async def test_rst_flag_on_data_frame():
     client_raw, server_raw = socket_stream_pair()
     client = YamuxSession(client_raw, is_client=True)
