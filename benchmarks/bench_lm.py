@@ -173,6 +173,12 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
         options["local_error_feedback"] = True
     if mode == "diloco" and args.outer_momentum is not None:
         options["outer_momentum"] = args.outer_momentum
+    if mode == "diloco" and args.outer_lr is not None:
+        options["outer_lr"] = args.outer_lr
+    if mode == "diloco" and args.no_nesterov:
+        options["nesterov"] = False
+    if mode == "diloco" and args.error_feedback_decay is not None:
+        options["error_feedback_decay"] = args.error_feedback_decay
     opt = moshpit.Optimizer(
         optimizer=inner,
         dht=dht,
@@ -371,6 +377,12 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
             argv += ["--outer-momentum", str(args.outer_momentum)]
         if args.reducer_density is not None:
             argv += ["--reducer-density", str(args.reducer_density)]
+        if args.outer_lr is not None:
+            argv += ["--outer-lr", str(args.outer_lr)]
+        if args.no_nesterov:
+            argv.append("--no-nesterov")
+        if args.error_feedback_decay is not None:
+            argv += ["--error-feedback-decay", str(args.error_feedback_decay)]
         rate = link_bits_per_second(link)
         if args.state_link and rate is not None:
             argv += ["--link-bps", str(rate)]
@@ -402,6 +414,9 @@ def run_method(args: argparse.Namespace, method: str, link: str, tb: Any | None)
         "local_error_feedback": args.local_error_feedback,
         "outer_momentum": args.outer_momentum,
         "reducer_density": args.reducer_density,
+        "outer_lr": args.outer_lr,
+        "nesterov": not args.no_nesterov,
+        "error_feedback_decay": args.error_feedback_decay,
         "stated_link": args.state_link,
         "local_steps_all": [r["steps"] for r in results],
         "optimizer_steps_worker0": first["epochs"],
@@ -622,6 +637,12 @@ def main() -> int:
     parser.add_argument(
         "--outer-momentum", type=float, default=None, help="diloco methods (default 0.9)"
     )
+    parser.add_argument("--outer-lr", type=float, default=None, help="diloco (default 0.7)")
+    parser.add_argument("--no-nesterov", action="store_true", help="diloco: plain momentum")
+    parser.add_argument(
+        "--error-feedback-decay", type=float, default=None,
+        help="diloco: each member's residual x this a round (SparseLoCo's beta; default 1)",
+    )  # fmt: skip
     parser.add_argument(
         "--local-error-feedback",
         action="store_true",

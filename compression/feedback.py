@@ -8,7 +8,10 @@ next tensor sent under that key::
     residual[key] = corrected - sent
 
 so that over any number of steps ``sum(sent) + residual == sum(tensors)`` (up to float32
-rounding). Residuals are float32 whatever the input dtype, live on the tensor's device, and
+rounding). With a ``decay`` below 1 the residual is multiplied by it before it meets the next
+tensor (``corrected = tensor + decay * residual``), as SparseLoCo does: the residual then acts
+as a momentum of what was not sent, and old mass fades instead of landing late; the sum above
+then holds only with ``decay == 1``. Residuals are float32 whatever the input dtype, live on the tensor's device, and
 are explicit state: :meth:`ErrorFeedback.state_dict` / :meth:`load_state_dict` for
 checkpoints, :meth:`reset` after a failed round or a model change.
 """
@@ -27,13 +30,16 @@ from .errors import CompressionError
 class ErrorFeedback:
     """Wraps any codec (lossy or not) with a per-key residual."""
 
-    def __init__(self, codec: Codec, max_keys: int = 1_000_000):
+    def __init__(self, codec: Codec, max_keys: int = 1_000_000, decay: float = 1.0):
+        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0 <= decay <= 1:
+            raise ValueError(f"error-feedback decay must be in [0, 1], got {decay!r}")
         self.codec = codec
         self.max_keys = max_keys
+        self.decay = float(decay)
         self._residuals: dict[Hashable, torch.Tensor] = {}
 
     def compress(self, tensor: torch.Tensor, key: Hashable, **kwargs: Any) -> CompressedTensor:
-        """Compress ``tensor + residual[key]`` and keep the new residual.
+        """Compress ``tensor + decay * residual[key]`` and keep the new residual.
 
         Extra keyword arguments go to the codec (e.g. ``seed=`` for RandomK).
         """
@@ -53,7 +59,10 @@ class ErrorFeedback:
                     f"{residual.device}, now {tuple(corrected.shape)} on {corrected.device}; "
                     "call reset(key) when a tensor changes"
                 )
-            corrected += residual
+            if self.decay == 1.0:
+                corrected += residual
+            else:  # the stored residual stays as it was: a snapshot may still hold it
+                corrected.add_(residual, alpha=self.decay)
         elif len(self._residuals) >= self.max_keys:
             raise CompressionError(f"more than max_keys={self.max_keys} error-feedback keys")
         ct, decoded = self.codec.roundtrip(corrected, **kwargs)

@@ -57,6 +57,36 @@ def test_error_feedback_resends_what_topk_dropped():
     assert torch.count_nonzero(ef.residual("k")) == 0
 
 
+def test_a_decaying_residual_is_the_decayed_sum_of_what_was_not_sent():
+    """decay=β (SparseLoCo): e <- β e + x; sent = C(e); e <- e - sent. Over steps the
+    residual is then sum over t of β^(T-t) (x_t - sent_t): what was dropped fades by β a
+    round instead of landing in full, however late. A snapshot keeps the residual it saw."""
+    beta = 0.5
+    ef = ErrorFeedback(TopK(0.25, exact=True, value_dtype=torch.float32), decay=beta)
+    inputs = stream(12, (64,), seed=3)
+    expected = torch.zeros(64, dtype=torch.float64)
+    for x in inputs:
+        snapshot = ef.snapshot()
+        kept = {k: v.clone() for k, v in snapshot.items()}
+        sent = decompress(ef.compress(x, "w")).double()
+        expected = beta * expected + x.double() - sent
+        assert all(torch.equal(snapshot[k], v) for k, v in kept.items())  # not in place
+    assert torch.allclose(ef.residual("w").double(), expected, atol=1e-5)
+    # with β = 1 the same stream leaves the plain sum of what was dropped
+    plain = ErrorFeedback(TopK(0.25, exact=True, value_dtype=torch.float32))
+    sent_total = sum(decompress(plain.compress(x, "w")).double() for x in inputs)
+    assert torch.allclose(
+        plain.residual("w").double(), sum(x.double() for x in inputs) - sent_total, atol=1e-5
+    )
+    assert not torch.allclose(ef.residual("w"), plain.residual("w"), atol=1e-2)
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.5, float("nan"), True, "0.9"])
+def test_a_decay_outside_zero_to_one_is_refused(decay):
+    with pytest.raises(ValueError, match="decay must be in"):
+        ErrorFeedback(TopK(0.5), decay=decay)
+
+
 def test_keys_are_independent_and_shape_change_is_an_error():
     ef = ErrorFeedback(TopK(0.25, exact=True))
     ef.compress(torch.randn(8), (0, 0))

@@ -139,7 +139,7 @@ def _regrouping_sides(spec: TwoWayCompression) -> None:
     for side in ("sender", "reducer"):
         feedback = getattr(spec, side)
         if type(feedback) is ErrorFeedback:
-            scoped = _RegroupingFeedback(feedback.codec, feedback.max_keys)
+            scoped = _RegroupingFeedback(feedback.codec, feedback.max_keys, feedback.decay)
             # the same tensors, on their devices, under scope 0 (no copy through the CPU)
             scoped.restore({_scoped(k): r for k, r in feedback.snapshot().items()})
             setattr(spec, side, scoped)
@@ -153,10 +153,29 @@ def _two_way(sender: Codec, reducer: Codec) -> TwoWayCompression:
 
 
 def make_compression(
-    compression: Any, topk_density: float, reducer_density: float | None = None
+    compression: Any,
+    topk_density: float,
+    reducer_density: float | None = None,
+    error_decay: float = 1.0,
 ) -> tuple[Any, GraVAC | None]:
     """(what the averager gets, the GraVAC controller if any) for the ``compression=`` knob;
-    the sparse codecs' reducers keep ``reducer_density`` (default ``topk_density``)."""
+    the sparse codecs' reducers keep ``reducer_density`` (default ``topk_density``), and the
+    members' own error feedback decays by ``error_decay`` a round (SparseLoCo's beta)."""
+    spec, gravac = _compression(compression, topk_density, reducer_density)
+    if error_decay != 1.0:
+        if not isinstance(spec, TwoWayCompression):
+            raise ValueError(
+                f"error_feedback_decay={error_decay!r} needs a compression with error "
+                f"feedback ('8bit', '4bit', 'topk', 'sparse2bit', a TwoWayCompression or a "
+                f"GraVAC), not {compression!r}"
+            )
+        spec.sender.decay = float(error_decay)
+    return spec, gravac
+
+
+def _compression(
+    compression: Any, topk_density: float, reducer_density: float | None
+) -> tuple[Any, GraVAC | None]:
     if compression is None or compression == "none":
         return None, None
     if isinstance(compression, str):
@@ -221,7 +240,10 @@ class DiLoCoMode(TrainingMode):
             else optimizer.tracker.min_refresh_period
         )
         self.compression, self.gravac = make_compression(
-            options.compression, options.topk_density, options.reducer_density
+            options.compression,
+            options.topk_density,
+            options.reducer_density,
+            options.error_feedback_decay,
         )
         self.local_error_feedback = options.local_error_feedback
         self.params = params_of(optimizer.inner)

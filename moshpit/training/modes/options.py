@@ -104,7 +104,10 @@ class DiLoCoOptions(ModeOptions):
     ``refresh_period`` (s), streaming DiLoCo's ``fragments`` and ``overlap_steps``, and
     ``local_error_feedback``: after each round the inner loop restarts from ``θ`` minus what
     this peer's codec has not sent yet (its sender residual), which then travels in the next
-    Δ instead of the codec's buffer; with top-k, the peer keeps its unsent progress."""
+    Δ instead of the codec's buffer; with top-k, the peer keeps its unsent progress.
+    ``error_feedback_decay`` (β, default 1) multiplies a member's residual each round before
+    it meets the next Δ: SparseLoCo's error feedback, which stands in for the outer momentum
+    (with ``outer_momentum=0``, ``nesterov=False``, ``outer_lr=1``)."""
 
     mode: ClassVar[str] = "diloco"
     inner_steps: int | None = None
@@ -119,6 +122,7 @@ class DiLoCoOptions(ModeOptions):
     fragments: int = 1
     overlap_steps: int = 0
     local_error_feedback: bool = False
+    error_feedback_decay: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -140,6 +144,9 @@ class DiLoCoOptions(ModeOptions):
             )
         check_seconds("round_timeout", self.round_timeout, positive=True, optional=True)
         check_seconds("refresh_period", self.refresh_period, positive=True, optional=True)
+        decay = self.error_feedback_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay <= 1:
+            raise ValueError(f"error_feedback_decay must be in [0, 1], got {decay!r}")
 
 
 def _check_share(name: str, value: object) -> None:
