@@ -239,12 +239,8 @@ class DiLoCoMode(TrainingMode):
             if options.refresh_period is not None
             else optimizer.tracker.min_refresh_period
         )
-        self.compression, self.gravac = make_compression(
-            options.compression,
-            options.topk_density,
-            options.reducer_density,
-            options.error_feedback_decay,
-        )
+        knobs = (options.topk_density, options.reducer_density, options.error_feedback_decay)
+        self.compression, self.gravac = make_compression(options.compression, *knobs)
         self.local_error_feedback = options.local_error_feedback
         self.params = params_of(optimizer.inner)
         self.fragments = split_fragments([p.numel() for p in self.params], options.fragments)

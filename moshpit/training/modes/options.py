@@ -124,6 +124,28 @@ class DiLoCoOptions(ModeOptions):
     local_error_feedback: bool = False
     error_feedback_decay: float = 1.0
 
+    @classmethod
+    def sparseloco(
+        cls, group_size: int, topk_density: float = 0.01, **overrides: Any
+    ) -> DiLoCoOptions:
+        """SparseLoCo's settings (Sarfi et al., 2025) for groups of ``group_size``: the top
+        ``topk_density`` of every 4096 values at 2 bits (``"sparse2bit"``), members' residuals
+        decayed by 0.95 a round in place of the outer momentum, outer lr 1 without momentum,
+        and reducers that send back all that the group's members can sum to (SparseLoCo
+        all-gathers). ``overrides`` go on top (``inner_steps``, ``fragments``, ...)."""
+        check_integer("group_size", group_size, minimum=1)
+        _check_share("topk_density", topk_density)
+        settings: dict[str, Any] = dict(
+            compression="sparse2bit",
+            topk_density=topk_density,
+            reducer_density=min(1.0, group_size * topk_density),
+            error_feedback_decay=0.95,
+            outer_momentum=0.0,
+            nesterov=False,
+            outer_lr=1.0,
+        )
+        return cls(**{**settings, **overrides})
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.inner_steps is not None:
@@ -147,6 +169,11 @@ class DiLoCoOptions(ModeOptions):
         decay = self.error_feedback_decay
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay <= 1:
             raise ValueError(f"error_feedback_decay must be in [0, 1], got {decay!r}")
+        if decay != 1 and self.local_error_feedback:
+            raise ValueError(
+                "error_feedback_decay has nothing to decay with local_error_feedback=True, "
+                "which moves each round's unsent residual into the parameters; choose one"
+            )
 
 
 def _check_share(name: str, value: object) -> None:
