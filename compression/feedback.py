@@ -11,8 +11,8 @@ so that over any number of steps ``sum(sent) + residual == sum(tensors)`` (up to
 rounding). With a ``decay`` below 1 the residual is multiplied by it before it meets the next
 tensor (``corrected = tensor + decay * residual``), as SparseLoCo does: the residual then acts
 as a momentum of what was not sent, and old mass fades instead of landing late; the sum above
-then holds only with ``decay == 1``. Residuals are float32 whatever the input dtype, live on the tensor's device, and
-are explicit state: :meth:`ErrorFeedback.state_dict` / :meth:`load_state_dict` for
+then holds only with ``decay == 1``. Residuals are float32 whatever the input dtype, live on
+the tensor's device, and are explicit state: :meth:`ErrorFeedback.state_dict` / :meth:`load_state_dict` for
 checkpoints, :meth:`reset` after a failed round or a model change.
 """
 
