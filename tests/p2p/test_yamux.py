@@ -337,20 +337,25 @@ async def test_keepalive_detects_a_silent_peer(autojump_clock, caplog):
     del server_raw
 
 
+def _never_answer_pings(session: YamuxSession, monkeypatch) -> None:
+    """``session`` sends no pong: to its peer, every keepalive ping goes unanswered."""
+    real = session._enqueue_control
+
+    def no_pongs(ftype, flags, stream_id, length):
+        if ftype == 2 and flags & 0x2:  # a Ping with ACK: the answer to the other's ping
+            return
+        real(ftype, flags, stream_id, length)
+
+    monkeypatch.setattr(session, "_enqueue_control", no_pongs)
+
+
 async def test_keepalive_keeps_a_connection_whose_data_keeps_arriving(autojump_clock, monkeypatch):
     """A pong stuck behind a full link is late, but a peer whose data keeps arriving is not
     half-open: the connection stays (it was closed mid-round on a 200-kbit/s race). Pings
     alone do not count, and once the data stops the keepalive closes it."""
     a, b = trio.testing.memory_stream_pair()
     async with yamux_pair(a, b, keepalive_interval=5, keepalive_timeout=5) as (client, server):
-        real = server._enqueue_control
-
-        def no_pongs(ftype, flags, stream_id, length):
-            if ftype == 2 and flags & 0x2:  # the server never answers the client's pings
-                return
-            real(ftype, flags, stream_id, length)
-
-        monkeypatch.setattr(server, "_enqueue_control", no_pongs)
+        _never_answer_pings(server, monkeypatch)
         outbound = await server.open_stream()
         inbound = await client.accept_stream()
 
@@ -382,14 +387,7 @@ async def test_keepalive_keeps_a_connection_whose_peer_keeps_reading_our_data(
     200-kbit/s race). Once it stops granting, the keepalive closes it."""
     a, b = trio.testing.memory_stream_pair()
     async with yamux_pair(a, b, keepalive_interval=5, keepalive_timeout=5) as (client, server):
-        real = server._enqueue_control
-
-        def no_pongs(ftype, flags, stream_id, length):
-            if ftype == 2 and flags & 0x2:  # the server never answers the client's pings
-                return
-            real(ftype, flags, stream_id, length)
-
-        monkeypatch.setattr(server, "_enqueue_control", no_pongs)
+        _never_answer_pings(server, monkeypatch)
         outbound = await client.open_stream()
         inbound = await server.accept_stream()
         reading = trio.Event()

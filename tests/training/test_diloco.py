@@ -428,45 +428,59 @@ def _mlp(hidden: int = 3072) -> torch.nn.Module:
     return model
 
 
+def _mlp_peers(dhts, **knobs) -> tuple[list[torch.nn.Module], list[Peer]]:
+    """One ``_mlp`` and Adam-inside DiLoCo peer per DHT, all in one group of three."""
+    models = [_mlp() for _ in dhts]
+    peers = []
+    for i, (d, m) in enumerate(zip(dhts, models, strict=True)):
+        inner = torch.optim.Adam(m.parameters(), lr=0.003)
+        three = dict(FAST, min_group_size=3)
+        opt = _opt(d, m, inner=inner, target_group_size=3, averager_options=three, **knobs)
+        peers.append(Peer(i, m, opt))
+    return models, peers
+
+
+def _loss_at(model: torch.nn.Module, theta: list[torch.Tensor]) -> float:
+    """The whole data set's loss of ``model`` with its parameters set to ``theta``."""
+    names = [name for name, _ in model.named_parameters()]
+    with torch.no_grad():
+        params = dict(zip(names, theta, strict=True))
+        pred = torch.func.functional_call(model, params, (X,)).squeeze(-1)
+        return float(torch.nn.functional.mse_loss(pred, Y))
+
+
+def _every_round_lands_alike(peers: list[Peer], epochs: int) -> float:
+    """Train until ``epochs``: every outer step lands on every peer, none alone, with one θ
+    after each. Returns the loss of peer 0's model before training."""
+    model = peers[0].model
+    start = _loss_at(model, [p.detach().clone() for p in model.parameters()])
+    _train_all(peers, epochs)
+    for p in peers:
+        mode = p.opt.mode
+        assert mode.rounds_succeeded == epochs and mode.theta_mismatches == 0
+        assert mode.solo_steps == mode.state_loads == 0
+    for epoch in range(1, epochs + 1):
+        for p in peers[1:]:
+            assert _same(peers[0].theta_at[epoch], p.theta_at[epoch])
+    return start
+
+
 def test_sparseloco_settings_keep_theta_bit_identical_and_learn(make_dhts):
     """SparseLoCo: sparse2bit with the members' residuals decayed by β = 0.95 a round, no
     outer momentum (the decayed residual stands in for it), outer lr 1, and reducers that send
     back all that three members' top 2% can sum to. Every outer step ends with one θ."""
-    dhts = make_dhts(3)
-    models = [_mlp() for _ in dhts]
     epochs = 10
-    peers = []
+    models, peers = _mlp_peers(
+        make_dhts(3), mode=moshpit.DiLoCoOptions.sparseloco(3, topk_density=0.02)
+    )
     try:
-        for i, (d, m) in enumerate(zip(dhts, models, strict=True)):
-            opt = _opt(
-                d,
-                m,
-                inner=torch.optim.Adam(m.parameters(), lr=0.003),
-                mode=moshpit.DiLoCoOptions.sparseloco(3, topk_density=0.02),
-                target_group_size=3,
-                averager_options=dict(FAST, min_group_size=3),
-            )
-            peers.append(Peer(i, m, opt))
         spec = peers[0].opt.mode.compression
         assert spec.sender.decay == 0.95 and spec.reducer.decay == 1.0
         assert spec.sender.codec.k == 82 and spec.reducer.codec.k == 246  # 2% and 3 x 2%
         assert peers[0].opt.mode_options.inner_steps == 3  # _opt's knobs go on top
-        with torch.no_grad():
-            start = float(torch.nn.functional.mse_loss(models[0](X).squeeze(-1), Y))
-        _train_all(peers, epochs)
-        for p in peers:
-            mode = p.opt.mode
-            assert mode.rounds_succeeded == epochs and mode.theta_mismatches == 0
-            assert mode.solo_steps == mode.state_loads == 0
-        names = [name for name, _ in models[0].named_parameters()]
-        for epoch in range(1, epochs + 1):
-            for p in peers[1:]:
-                assert _same(peers[0].theta_at[epoch], p.theta_at[epoch])
-            assert peers[0].momentum_at[epoch] == []  # no outer momentum kept
-        with torch.no_grad():
-            theta = dict(zip(names, peers[0].theta_at[epochs], strict=True))
-            pred = torch.func.functional_call(models[0], theta, (X,)).squeeze(-1)
-            end = float(torch.nn.functional.mse_loss(pred, Y))
+        start = _every_round_lands_alike(peers, epochs)
+        assert all(peers[0].momentum_at[e] == [] for e in range(1, epochs + 1))  # none kept
+        end = _loss_at(models[0], peers[0].theta_at[epochs])
         # measured: 13.6 -> 0.50-0.56 after 10 steps (defaults with momentum 0.5: 0.71)
         assert end < 0.2 * start, (start, end)
     finally:
@@ -482,50 +496,26 @@ def test_sparse2bit_three_peers_end_every_outer_step_bit_identical_and_learn(mak
     loss fell to ~0.6-1.0 by step 8 and then climbed back to 2-5 by step 20 in every run, as
     the chunks that fell on the output layer held its update back in their residuals and
     released it late. Interleaved, it ends low (11 runs: 0.20-1.11 at step 20)."""
-    dhts = make_dhts(3)
-    models = [_mlp() for _ in dhts]
-    numel = sum(p.numel() for p in models[0].parameters())
-    all_three = dict(FAST, min_group_size=3)
     epochs = 20
-    peers = []
+    # with H = 3 on this toy problem, momentum 0.9 overshoots and oscillates even
+    # uncompressed (measured: dense, 4bit, topk and sparse2bit alike)
+    knobs = dict(compression="sparse2bit", topk_density=0.02, outer_momentum=0.5)
+    models, peers = _mlp_peers(make_dhts(3), **knobs)
+    numel = sum(p.numel() for p in models[0].parameters())
     try:
-        for i, (d, m) in enumerate(zip(dhts, models, strict=True)):
-            opt = _opt(
-                d,
-                m,
-                inner=torch.optim.Adam(m.parameters(), lr=0.003),
-                compression="sparse2bit",
-                topk_density=0.02,
-                target_group_size=3,
-                # with H = 3 on this toy problem, momentum 0.9 overshoots and oscillates even
-                # uncompressed (measured: dense, 4bit, topk and sparse2bit alike)
-                outer_momentum=0.5,
-                averager_options=all_three,
-            )
-            peers.append(Peer(i, m, opt))
         spec = peers[0].opt.mode.compression
         assert isinstance(spec.sender.codec, TopK2Bit) and isinstance(spec.reducer.codec, TopK2Bit)
-        with torch.no_grad():
-            start = float(torch.nn.functional.mse_loss(models[0](X).squeeze(-1), Y))
-        _train_all(peers, epochs)
+        start = _every_round_lands_alike(peers, epochs)
         for p in peers:
-            mode = p.opt.mode
-            assert mode.rounds_succeeded == epochs and mode.theta_mismatches == 0
-            assert mode.solo_steps == mode.state_loads == 0
             # ~0.26 bits per value each way plus framing, against 32 for float32: ~740 bytes
             # a round per peer measured, 100x less than float32 (4bit: ~14x less)
-            assert mode.bytes_sent / epochs < 4 * numel / 40, mode.bytes_sent
+            assert p.opt.mode.bytes_sent / epochs < 4 * numel / 40, p.opt.mode.bytes_sent
         losses = []
         for epoch in range(1, epochs + 1):
             for p in peers[1:]:
-                assert _same(peers[0].theta_at[epoch], p.theta_at[epoch])
                 assert _same(peers[0].momentum_at[epoch], p.momentum_at[epoch])
             assert len(peers[0].momentum_at[epoch]) == 4
-            with torch.no_grad():
-                names = [name for name, _ in models[0].named_parameters()]
-                theta = dict(zip(names, peers[0].theta_at[epoch], strict=True))
-                pred = torch.func.functional_call(models[0], theta, (X,)).squeeze(-1)
-                losses.append(float(torch.nn.functional.mse_loss(pred, Y)))
+            losses.append(_loss_at(models[0], peers[0].theta_at[epoch]))
         # the loss falls (11 runs: 13.6 -> 12.2-13.4 -> ... -> 0.20-1.11 at step 20). A step
         # may push it up: the group's order, hence which reducer's residual a part meets,
         # changes from round to round (one full-suite run went 1.18 -> 2.72 at steps 6-9,
