@@ -431,12 +431,16 @@ def _mlp(hidden: int = 3072) -> torch.nn.Module:
 def _mlp_peers(dhts, **knobs) -> tuple[list[torch.nn.Module], list[Peer]]:
     """One ``_mlp`` and Adam-inside DiLoCo peer per DHT, all in one group of three."""
     models = [_mlp() for _ in dhts]
-    peers = []
-    for i, (d, m) in enumerate(zip(dhts, models, strict=True)):
-        inner = torch.optim.Adam(m.parameters(), lr=0.003)
-        three = dict(FAST, min_group_size=3)
-        opt = _opt(d, m, inner=inner, target_group_size=3, averager_options=three, **knobs)
-        peers.append(Peer(i, m, opt))
+    peers: list[Peer] = []
+    try:
+        for i, (d, m) in enumerate(zip(dhts, models, strict=True)):
+            inner = torch.optim.Adam(m.parameters(), lr=0.003)
+            three = dict(FAST, min_group_size=3)
+            opt = _opt(d, m, inner=inner, target_group_size=3, averager_options=three, **knobs)
+            peers.append(Peer(i, m, opt))
+    except BaseException:
+        _shutdown(peers)  # the ones already made
+        raise
     return models, peers
 
 
