@@ -31,12 +31,21 @@ class ErrorFeedback:
     """Wraps any codec (lossy or not) with a per-key residual."""
 
     def __init__(self, codec: Codec, max_keys: int = 1_000_000, decay: float = 1.0):
-        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0 <= decay <= 1:
-            raise ValueError(f"error-feedback decay must be in [0, 1], got {decay!r}")
         self.codec = codec
         self.max_keys = max_keys
-        self.decay = float(decay)
+        self.decay = decay
         self._residuals: dict[Hashable, torch.Tensor] = {}
+
+    @property
+    def decay(self) -> float:
+        """β: what share of the residual meets the next tensor (1: all of it)."""
+        return self._decay
+
+    @decay.setter
+    def decay(self, decay: float) -> None:
+        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0 <= decay <= 1:
+            raise ValueError(f"error-feedback decay must be in [0, 1], got {decay!r}")
+        self._decay = float(decay)
 
     def compress(self, tensor: torch.Tensor, key: Hashable, **kwargs: Any) -> CompressedTensor:
         """Compress ``tensor + decay * residual[key]`` and keep the new residual.

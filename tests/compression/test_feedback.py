@@ -85,6 +85,10 @@ def test_a_decaying_residual_is_the_decayed_sum_of_what_was_not_sent():
 def test_a_decay_outside_zero_to_one_is_refused(decay):
     with pytest.raises(ValueError, match="decay must be in"):
         ErrorFeedback(TopK(0.5), decay=decay)
+    ef = ErrorFeedback(TopK(0.5), decay=0.9)
+    with pytest.raises(ValueError, match="decay must be in"):
+        ef.decay = decay  # set later (as DiLoCo does on a codec's sender): checked as well
+    assert ef.decay == 0.9
 
 
 def test_keys_are_independent_and_shape_change_is_an_error():

@@ -169,7 +169,7 @@ def make_compression(
                 f"feedback ('8bit', '4bit', 'topk', 'sparse2bit', a TwoWayCompression or a "
                 f"GraVAC), not {compression!r}"
             )
-        spec.sender.decay = float(error_decay)
+        spec.sender.decay = error_decay  # checked there
     return spec, gravac
 
 
