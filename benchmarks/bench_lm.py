@@ -15,8 +15,10 @@ Methods (``--methods``):
 - ``local``: local AdamW steps, parameters averaged in the background (adaptive period).
 - ``diloco`` / ``diloco_8bit`` / ``diloco_4bit``: ``--inner-steps`` AdamW steps, then the outer
   Nesterov step on the averaged pseudo-gradient (raw, 8-bit, 4-bit with error feedback).
-- ``streaming_4bit``: streaming DiLoCo, ``--fragments`` fragments on staggered schedules,
-  each fragment's round overlapped with ``--overlap-steps`` inner steps, 4-bit outer gradients.
+- ``streaming_4bit`` / ``streaming_sparse2bit``: streaming DiLoCo, ``--fragments`` fragments on
+  staggered schedules, each fragment's round overlapped with ``--overlap-steps`` inner steps
+  (``--fragments 1``: the whole model's round in the background), 4-bit or sparse outer
+  gradients.
 - ``streamingswarm_4bit`` / ``streamingswarm_sparse2bit``: streaming on the swarm's shared
   schedule: a fragment's round starts when the swarm's samples reach the fragment's share of
   ``target_batch_size`` (as ``dilocoswarm``), so every peer arrives at the same round.
@@ -102,6 +104,7 @@ METHODS = [
     "diloco_4bit",
     "diloco_sparse2bit",
     "streaming_4bit",
+    "streaming_sparse2bit",
     "dilocoswarm",
     "dilocoswarm_4bit",
     "dilocoswarm_sparse2bit",
@@ -115,6 +118,7 @@ FAST = dict(
     min_matchmaking_time=1.0, request_timeout=2.0, allreduce_timeout=30.0, initial_group_bits=""
 )
 GLOO_PORT_WAN = 29533  # inside the namespaces only
+GLOO_TIMEOUT_S = 120.0  # bench_training.join_gloo's
 CONTEXT = 64
 
 
@@ -150,7 +154,7 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
     elif base in ("dilocoswarm", "streamingswarm"):
         mode = "diloco"
         samples = args.batch * args.world * args.inner_steps  # one lockstep outer step's
-        options = dict(target_batch_size=samples, refresh_period=0.1)
+        options = dict(target_batch_size=samples, refresh_period=max(0.1, args.refresh))
         if codec:
             options["compression"] = codec
         if codec == "sparse2bit":
@@ -160,7 +164,7 @@ def _build(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any, Any]:
             options["fragments"] = args.fragments
     elif base in ("diloco", "streaming"):
         mode = "diloco"
-        options = dict(inner_steps=args.inner_steps, refresh_period=0.1)
+        options = dict(inner_steps=args.inner_steps, refresh_period=max(0.1, args.refresh))
         if codec:
             options["compression"] = codec
         if codec == "sparse2bit":
@@ -483,12 +487,20 @@ def ddp_step_too_slow(args: argparse.Namespace, link: str) -> str | None:
 
     numel = sum(p.numel() for p in make_model(context=CONTEXT).parameters())
     seconds = 2 * (args.peers - 1) / args.peers * 4 * numel * 8 / rate
-    if seconds <= args.budget:
-        return None
-    return (
-        f"one DDP step would take {seconds:.0f} s on {link} (ring all-reduce of "
-        f"{4 * numel / 1e6:.1f} MB), more than the {args.budget:.0f}-s budget"
-    )
+    if seconds > args.budget:
+        return (
+            f"one DDP step would take {seconds:.0f} s on {link} (ring all-reduce of "
+            f"{4 * numel / 1e6:.1f} MB), more than the {args.budget:.0f}-s budget"
+        )
+    # DDP's start: rank 0 sends the weights to every other rank over its own uplink
+    start = (args.peers - 1) * 4 * numel * 8 / rate
+    if start > GLOO_TIMEOUT_S:
+        return (
+            f"DDP's start would take {start:.0f} s on {link} (rank 0 sends the "
+            f"{4 * numel / 1e6:.1f}-MB weights to {args.peers - 1} ranks), more than gloo's "
+            f"{GLOO_TIMEOUT_S:.0f}-s timeout"
+        )
+    return None
 
 
 def time_to(curve: list[list[float]], target: float) -> float | None:

@@ -74,8 +74,13 @@ def test_a_link_without_ddp_still_summarizes_every_method():
     assert "ddp_final_bpb" not in summary
 
 
-def test_ddp_is_skipped_only_where_one_step_outlasts_the_budget():
+def test_ddp_is_skipped_only_where_one_step_or_its_start_outlasts_what_it_has():
     args = argparse.Namespace(peers=4, budget=60.0)
     assert ddp_step_too_slow(args, "loopback") is None
     assert ddp_step_too_slow(args, "10mbit") is None  # ~11 s a step: slow, but it runs
     assert "109 s" in ddp_step_too_slow(args, "1mbit")
+    # a 180-s budget fits one 109-s step, but not the start's broadcast of the weights to 3
+    # ranks over one 1 Mbit/s uplink (217 s; gloo gives up after 120 s)
+    longer = argparse.Namespace(peers=4, budget=180.0)
+    assert "start would take 217 s" in ddp_step_too_slow(longer, "1mbit")
+    assert ddp_step_too_slow(longer, "10mbit") is None
