@@ -449,7 +449,9 @@ def test_ctrl_c_stops_the_dashboard_without_a_traceback(make_dhts, tmp_path: Pat
         doc = wait_json(url, lambda d: d["reads"] >= 1, timeout=30)
         assert doc["num_peers"] == 0 and doc["error"] is None
         dashboard.proc.send_signal(signal.SIGINT)
-        assert dashboard.proc.wait(timeout=20) == 0
+        status = dashboard.proc.wait(timeout=20)
+        # once (2026-11-30, full suite) it exited 1: the stderr says why next time
+        assert status == 0, "".join(dashboard.stderr)[-3000:]
         assert "Traceback" not in "".join(dashboard.stderr)
     finally:
         dashboard.stop()
