@@ -98,31 +98,15 @@ class TrainingMode:
         self.opt.inner.zero_grad(set_to_none=set_to_none)
 
     def _view(self, force: bool = False) -> Any:
-        """The swarm's progress, read from the DHT at most every ``refresh_period`` s, and
-        not while the last view is young beside the time the swarm still needs to the next
-        epoch (a quarter of it, at most the tracker's ``max_refresh_period``): far from the
-        boundary a read changes no decision, and each one moves every peer's record over
-        the uplink (4 peers: ~1.4 KB a read, two reads a second at the defaults, most of a
-        200 kbit/s link's spare bytes once the tracker's own reads are added)."""
+        """The swarm's progress, read from the DHT at most every ``refresh_period`` s."""
         now = time.monotonic()
-        if force or (
-            now - self._last_refresh >= self.refresh_period
-            and not self._young(self.opt.tracker.global_progress)
-        ):
+        if force or now - self._last_refresh >= self.refresh_period:
             self._last_refresh = now
             try:
                 return self.opt.tracker.refresh(timeout=self.opt.tracker.request_timeout * 2)
             except Exception as e:  # noqa: BLE001 - a failed read: use the last view
                 logger.debug("progress refresh failed (%r); using the last view", e)
         return self.opt.tracker.global_progress
-
-    def _young(self, view: Any) -> bool:
-        """``view`` (aggregated at DHT time ``view.time``) needs no new read yet."""
-        eta = view.eta_seconds
-        if eta is None:
-            return False
-        horizon = min(self.opt.tracker.max_refresh_period, eta / 4)
-        return bool(get_dht_time() - view.time < horizon)
 
     def _fresh_view(self, view: Any) -> Any:
         """``view``, read again if older than ``FRESH_VIEW`` s: who an epoch's round must
