@@ -16,14 +16,15 @@ import trio.lowlevel
 from dht.kademlia.protocol import FindResult
 from dht.kademlia.routing import Contact
 
-SendFn = Callable[[Contact, list[int], int], Awaitable[list[FindResult[Contact]] | None]]
+SendFn = Callable[[Contact, list[int], int, bool], Awaitable[list[FindResult[Contact]] | None]]
 
 MAX_KEYS_PER_BATCH = 16  # keeps batched replies far below the message size limit
 
 
 class _Batch:
-    def __init__(self, contact: Contact):
+    def __init__(self, contact: Contact, values: bool):
         self.contact = contact
+        self.values = values  # one flag per RPC: lookups for peers only batch apart
         self.keys: list[int] = []
         self.index: dict[int, int] = {}
         self.count = 0
@@ -41,12 +42,14 @@ class FindBatcher:
         self.keys_sent = 0
 
     async def find(
-        self, nursery: trio.Nursery, contact: Contact, key_id: int, count: int
+        self, nursery: trio.Nursery, contact: Contact, key_id: int, count: int, values: bool = True
     ) -> FindResult[Contact] | None:
-        """Ask ``contact`` about ``key_id``; None if the peer failed to answer."""
-        batch = self._open.get(contact.peer_id)
+        """Ask ``contact`` about ``key_id`` (``values=False``: its nearest peers only); None
+        if the peer failed to answer."""
+        slot = (contact.peer_id, values)
+        batch = self._open.get(slot)
         if batch is None or batch.sealed or len(batch.keys) >= self.max_keys:
-            batch = self._open[contact.peer_id] = _Batch(contact)
+            batch = self._open[slot] = _Batch(contact, values)
             nursery.start_soon(self._flush, batch)  # in the node's nursery: waiters may leave
         if key_id not in batch.index:
             batch.index[key_id] = len(batch.keys)
@@ -61,11 +64,12 @@ class FindBatcher:
                 trio.lowlevel.checkpoint()
             )  # let the lookups scheduled in this tick join the batch
             batch.sealed = True
-            if self._open.get(batch.contact.peer_id) is batch:
-                del self._open[batch.contact.peer_id]
+            slot = (batch.contact.peer_id, batch.values)
+            if self._open.get(slot) is batch:
+                del self._open[slot]
             self.requests_sent += 1
             self.keys_sent += len(batch.keys)
-            batch.results = await self._send(batch.contact, batch.keys, batch.count)
+            batch.results = await self._send(batch.contact, batch.keys, batch.count, batch.values)
         finally:
             batch.sealed = True
             batch.done.set()

@@ -546,9 +546,14 @@ class DHTNode:
         return True
 
     async def _find_rpc(
-        self, contact: Contact, key_ids: list[int], count: int
+        self, contact: Contact, key_ids: list[int], count: int, values: bool = True
     ) -> list[FindResult[Contact]] | None:
-        request = self._request("find", keys=[id_to_bytes(k) for k in key_ids], count=count)
+        """``values=False``: the nearest peers only (a store's lookup, a join); the replies
+        leave out the stored entries, which for a busy dictionary key (every peer's progress
+        record) are most of a reply's bytes. Peers that predate the flag send them anyway."""
+        fields: dict[str, Any] = {} if values else {"values": False}
+        keys = [id_to_bytes(k) for k in key_ids]
+        request = self._request("find", keys=keys, count=count, **fields)
         response = await self._rpc(contact.peer_id, request)
         if response is None:
             return None

@@ -60,6 +60,8 @@ class FindRequest:
     sender: SenderInfo
     key_ids: list[int]
     count: int
+    # False: the asker wants the nearest peers only (a store's lookup), not the stored values
+    values: bool = True
 
 
 Entry = tuple[bytes | None, bytes, float, bytes | None]  # (subkey, value, expiration, signature)
@@ -150,7 +152,9 @@ def parse_request(obj: Any) -> PingRequest | StoreRequest | FindRequest:
             key_ids.append(int.from_bytes(key, "big"))
         count = obj.get("count", 20)
         _expect(isinstance(count, int) and not isinstance(count, bool), "'count' must be an int")
-        return FindRequest(sender, key_ids, max(0, min(count, MAX_PEERS_PER_RESULT)))
+        values = obj.get("values", True)
+        _expect(isinstance(values, bool), "'values' must be a bool")
+        return FindRequest(sender, key_ids, max(0, min(count, MAX_PEERS_PER_RESULT)), values)
     raise DHTProtocolError(f"unknown DHT operation {op!r}")
 
 

@@ -86,13 +86,15 @@ class SharedLookups:
         node = self.node
         stop_when = has_plain_value if mode == "first-value" else None
 
+        values = mode != "nearest"  # a lookup for peers only: replies without the entries
+
         async def find(contact: Contact) -> FindResult[Contact] | None:
             assert node._nursery is not None
             count = max(2 * beam_size, node.alpha)
             if len(self.running) > 1:  # other lookups are running: share RPCs with them
-                return await node._finds.find(node._nursery, contact, target_id, count)
+                return await node._finds.find(node._nursery, contact, target_id, count, values)
             # a lone lookup calls directly: no extra scheduling tick, and cancellable
-            results = await node._find_rpc(contact, [target_id], count)
+            results = await node._find_rpc(contact, [target_id], count, values)
             return results[0] if results else None
 
         initial = node.routing_table.nearest(target_id, max(beam_size, node.bucket_size))

@@ -56,11 +56,13 @@ async def handle_rpc(node: DHTNode, peer_id: Any, raw_request: Any) -> dict[str,
 
 
 def find_results(node: DHTNode, request: FindRequest, peer_id: Any) -> list[list[Any]]:
-    """Per key: the value entries stored here (if any) and the nearest contacts we know."""
+    """Per key: the value entries stored here (if any, and if asked for) and the nearest
+    contacts we know."""
     now = get_dht_time()
     results: list[list[Any]] = []
     for key_id in request.key_ids:
-        stored = None if node.client_mode else node.storage.get(key_id, now)
+        wanted = request.values and not node.client_mode
+        stored = node.storage.get(key_id, now) if wanted else None
         nearest = node.routing_table.nearest(key_id, request.count, exclude=peer_id)
         peers = [[c.peer_id.to_bytes(), list(c.addrs)] for c in nearest]
         budget = MAX_VALUE_RESPONSE_BYTES // len(request.key_ids)

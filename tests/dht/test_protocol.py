@@ -27,6 +27,12 @@ def test_requests_and_responses_are_validated():
     assert parse_request({"op": "find", "keys": [b"\x01" * 32], "count": 10**9}).count == 64
     with pytest.raises(DHTProtocolError, match="bool"):
         parse_request({"op": "ping", "from": {"client": "yes"}})
+    # a find may ask for the nearest peers only; an old peer's request (no flag) wants values
+    assert parse_request({"op": "find", "keys": [b"\x01" * 32], "values": False}).values is False
+    assert parse_request({"op": "find", "keys": [b"\x01" * 32]}).values is True
+    for bad in ("no", 0, None, [False]):
+        with pytest.raises(DHTProtocolError, match="'values' must be a bool"):
+            parse_request({"op": "find", "keys": [b"\x01" * 32], "values": bad})
     with pytest.raises(DHTProtocolError, match="wrong number"):
         parse_find_response({"results": []}, 1, bytes)
     with pytest.raises(DHTProtocolError, match="bad peer ID"):

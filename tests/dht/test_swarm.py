@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from dht.kademlia.clock import get_dht_time
-from dht.kademlia.ids import key_id_of, serialize
+from dht.kademlia.ids import id_to_bytes, key_id_of, serialize
 from dht.kademlia.network import PeerUnreachableError
 from dht.kademlia.records import DHTRecord
 from dht.kademlia.simulation import open_swarm
@@ -370,3 +370,35 @@ async def test_cancelled_callers_do_not_break_shared_lookups(autojump_clock, vir
         assert [r.value for r in results] == [1]
         assert not node._lookups.running  # finished searches are forgotten
         assert (await node.get("c")).value == 1
+
+
+async def test_a_stores_lookup_asks_for_peers_only_and_a_get_for_the_values(
+    autojump_clock, virtual_dht_time
+):
+    """A store's lookup needs the nearest peers, not what they hold: its find requests say
+    ``values: False`` and the replies leave the entries out. For a busy dictionary key (the
+    training progress: every peer's record) the entries were most of a publish's bytes."""
+    async with open_swarm(32, seed=7) as swarm:
+        nodes, now = swarm.nodes, get_dht_time()
+        for i, node in enumerate(nodes[:12]):
+            assert await node.store("progress", "x" * 300, now + 100, subkey=f"peer{i}")
+        writer = nodes[-1]
+        target = id_to_bytes(key_id_of("progress"))
+        sent: list[tuple[bool, bool]] = []  # (asked for values, the reply carried entries)
+        real_call = writer.network.call
+
+        async def call(peer_id, request, time_limit):
+            response = await real_call(peer_id, request, time_limit)
+            if request.get("op") == "find" and target in request["keys"]:
+                index = request["keys"].index(target)
+                entries = response["results"][index][0]
+                sent.append((request.get("values", True), bool(entries)))
+            return response
+
+        writer.network.call = call
+        assert await writer.store("progress", "y" * 300, now + 100, subkey="writer")
+        assert sent and all(pair == (False, False) for pair in sent), sent
+        sent.clear()
+        found = await writer.get("progress", latest=True)
+        assert found is not None and len(found.value) == 13
+        assert sent and all(asked for asked, _ in sent) and any(got for _, got in sent), sent
