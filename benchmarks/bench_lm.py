@@ -81,6 +81,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from bench_training import (  # noqa: E402
+    GLOO_TIMEOUT_S,
     Peer,
     _emit,
     _eth0_tx_bytes,
@@ -118,7 +119,6 @@ FAST = dict(
     min_matchmaking_time=1.0, request_timeout=2.0, allreduce_timeout=30.0, initial_group_bits=""
 )
 GLOO_PORT_WAN = 29533  # inside the namespaces only
-GLOO_TIMEOUT_S = 120.0  # bench_training.join_gloo's
 CONTEXT = 64
 
 

@@ -89,6 +89,9 @@ def _make_model(hidden: int, seed: int = 0) -> Any:
     )
 
 
+GLOO_TIMEOUT_S = 120.0  # DDP's process group: every collective, the start's broadcast too
+
+
 def join_gloo(args: argparse.Namespace) -> None:
     """DDP's process group over the worker's link (reports "dht" so the parent goes on)."""
     import datetime
@@ -101,7 +104,7 @@ def join_gloo(args: argparse.Namespace) -> None:
         init_method=f"tcp://{args.gloo_addr}:{args.gloo_port}",
         rank=args.rank,
         world_size=args.world,
-        timeout=datetime.timedelta(seconds=120),
+        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
     )
 
 
