@@ -12,7 +12,8 @@ Protocol (``/moshpit/matchmaking/1.0.0``, one stream per join attempt, msgpack m
    ranked into blocks of one group each, arrivals within 0.25 s shuffled anew every round: a
    block's earliest arrival leads and asks nobody, the others ask it first
    (``matchmaking_blocks.py``). The request: ``{"prefix", "key", "x": order,
-   "dl": seconds left, "m": mode, "bw", "g": gathered, "n": size, "s": schema}``.
+   "dl": seconds left, "m": mode, "bw", "g": gathered, "n": size, "s": schema,
+   "min": the smallest group it runs in}``.
    The leader answers ``{"t": "accepted"}``, ``{"t": "redirect", "to": PeerID bytes, "a": addrs}``
    (it is itself following someone: ask them) or ``{"t": "reject", "why": reason}`` (another
    schema is refused first, with a reason starting "tensor schema mismatch"); an accepted
@@ -24,7 +25,9 @@ Protocol (``/moshpit/matchmaking/1.0.0``, one stream per join attempt, msgpack m
    peer of its block) follows it, as seen by a complete read of the key made after its
    newest follower joined; or once
    ``min_matchmaking_time`` has passed with at least ``min_group_size`` members; or at the
-   earliest deadline of its members if it has enough by then.
+   earliest deadline of its members if it has enough by then. "Enough" is the largest
+   ``min_group_size`` of any member (up to the target): a follower's minimum binds the group
+   as much as the leader's, and a group that cannot reach it does not run.
 
 Peers of another schema are never asked: a declaration with another schema (or none) is
 skipped when the key is read, and a peer that refused us for our schema is not asked again
@@ -547,6 +550,10 @@ class Matchmaker(LeaderSide):
             bytes_per_value=rnd.me.bytes_per_value,
             heartbeats=True,
             measured_uplink=rnd.me.measured_uplink,
+            # a leader merging away brings its followers' minimums along
+            min_group_size=max(
+                [self.min_group_size, *(m.min_group_size for m in rnd.followers.values())]
+            ),
         )
 
     def _note_schema_refusal(self, rnd: MatchmakingRound, peer: PeerID, reply: Any) -> None:

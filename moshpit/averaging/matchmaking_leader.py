@@ -106,6 +106,7 @@ class LeaderSide:
             request.addrs,
             request.bytes_per_value,
             request.measured_uplink,
+            request.min_group_size,
         )
         rnd.lead.followers[peer] = member
         rnd.joins += 1
@@ -252,10 +253,19 @@ class LeaderSide:
             return False
         members = [rnd.me, *rnd.followers.values()]
         return (
-            len(members) >= self.min_group_size
+            len(members) >= self._group_minimum(rnd)
             and any(m.mode != MODE_AUX for m in members)  # someone has tensors
             and any(m.mode != MODE_CLIENT for m in members)  # someone can reduce
         )
+
+    def _group_minimum(self, rnd: MatchmakingRound) -> int:
+        """The smallest group every member accepts: a follower's ``min_group_size`` binds the
+        group as much as ours. A training peer sets it to the peers it knows at its epoch, and
+        a leader whose view lags (a peer it has not seen yet) would otherwise start a pair the
+        moment the two of them are all it can see, a round the follower then rejects as
+        incomplete. Capped at the target size, which always finalizes."""
+        wanted = max([self.min_group_size, *(m.min_group_size for m in rnd.followers.values())])
+        return min(wanted, self.target_group_size)
 
     @staticmethod
     def _member_deadline(rnd: MatchmakingRound) -> float:

@@ -131,6 +131,7 @@ class JoinRequest:
     bytes_per_value: float | None = None
     heartbeats: bool = False  # the joiner understands "wait" messages while it follows
     measured_uplink: float | None = None  # bytes/s its recent rounds sent (no stated bandwidth)
+    min_group_size: int = 1  # the smallest group it (or a member it brings) may run in
 
     def to_msg(self, prefix: str) -> dict[str, Any]:
         msg = {
@@ -152,6 +153,8 @@ class JoinRequest:
             msg["hb"] = True
         if self.measured_uplink is not None:
             msg["mbw"] = self.measured_uplink
+        if self.min_group_size > 1:
+            msg["min"] = self.min_group_size
         return msg
 
     @classmethod
@@ -183,6 +186,11 @@ class JoinRequest:
         measured = msg.get("mbw")
         if measured is not None and not valid_rate(measured):
             raise MatchmakingError("a measured uplink must be a finite positive number of bytes/s")
+        minimum = msg.get("min", 1)
+        if isinstance(minimum, bool) or not isinstance(minimum, int):
+            raise MatchmakingError("'min' (the smallest group the joiner runs in) must be an int")
+        if not 1 <= minimum <= MAX_GROUP_SIZE:
+            raise MatchmakingError(f"'min' must be in 1..{MAX_GROUP_SIZE}, not {minimum}")
         return cls(
             key,
             order,
@@ -196,6 +204,7 @@ class JoinRequest:
             None if bpv is None else float(bpv),
             heartbeats,
             None if measured is None else float(measured),
+            minimum,
         )
 
 

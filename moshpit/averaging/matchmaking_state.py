@@ -96,6 +96,7 @@ class Member:
     addrs: tuple[str, ...] = ()  # where the other members can dial it
     bytes_per_value: float | None = None  # its codec's wire bytes per value, last round
     measured_uplink: float | None = None  # bytes/s its recent rounds sent (GroupInfo)
+    min_group_size: int = 1  # the smallest group it runs in (its own, or its merged group's)
 
 
 @dataclass

@@ -158,6 +158,11 @@ class LocalBackend:
         self.dispatcher.handlers.pop(prefix, None)
 
 
+KEYLESS = dict(  # a key without grid bits, as the averager sets it up
+    target_group_size=4, min_matchmaking_time=2.0, request_timeout=1.0, start_when_all_joined=True
+)
+
+
 def make(net, n, **kwargs) -> list[Matchmaker]:
     defaults = dict(
         target_group_size=4, min_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0
@@ -446,6 +451,40 @@ async def test_malformed_requests_are_rejected_and_leader_keeps_working(autojump
         nursery.cancel_scope.cancel()
 
 
+async def test_a_group_never_runs_below_a_members_minimum(autojump_clock):
+    """``min_group_size`` binds every member, not only the leader: a follower that needs 3
+    (it knows a third peer at this epoch) is not run in a pair because the leader needs only
+    2 and everyone declared so far has joined. The group waits for the third peer and starts
+    the moment it joins (well before ``min_matchmaking_time``); a training round of 2 would
+    have been rejected by the follower and retried."""
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        leader, needs_three, late = (
+            Matchmaker(LocalBackend(net), "run", min_group_size=size, **KEYLESS)
+            for size in (2, 3, 2)
+        )
+        mms = [leader, needs_three, late]
+        results, finished = await run_all(mms, ["run.0b"] * 3, starts=[0.0, 0.05, 0.6])
+        groups = check_consistent(mms, results)
+        assert [sorted(i for i, _ in m) for m in groups.values()] == [[0, 1, 2]]
+        assert 0.6 <= max(finished.values()) < 1.5  # min_matchmaking_time is 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_minimum_nobody_can_meet_runs_no_group(autojump_clock):
+    """The third peer never comes: the pair does not run (the follower's minimum would be
+    broken); both give up at their deadline with no group."""
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        mms = [
+            Matchmaker(LocalBackend(net), "run", min_group_size=size, **KEYLESS) for size in (2, 3)
+        ]
+        results, finished = await run_all(mms, ["run.0b"] * 2, window=4.0, starts=[0.0, 0.05])
+        assert results == {0: None, 1: None}
+        assert min(finished.values()) >= 3.9
+        nursery.cancel_scope.cancel()
+
+
 def test_join_request_validation():
     ok = JoinRequest("k", 1.0, 2.0, "node", None, None, 1)
     assert JoinRequest.from_msg(ok.to_msg("p")) == ok
@@ -453,6 +492,9 @@ def test_join_request_validation():
     assert JoinRequest.from_msg(dense.to_msg("p")) == dense
     beats = JoinRequest("k", 1.0, 2.0, "node", None, None, 1, heartbeats=True)
     assert JoinRequest.from_msg(beats.to_msg("p")) == beats
+    needy = JoinRequest("k", 1.0, 2.0, "node", None, None, 1, min_group_size=3)
+    assert JoinRequest.from_msg(needy.to_msg("p")) == needy
+    assert "min" not in ok.to_msg("p")  # an older leader sees the message it always did
     for field, value in [
         ("hb", 1),
         ("hb", "yes"),
@@ -466,6 +508,10 @@ def test_join_request_validation():
         ("dl", 1e12),
         ("bw", -3.0),
         ("n", True),
+        ("min", True),
+        ("min", 0),
+        ("min", 10**6),
+        ("min", 2.0),
         ("key", 3),
     ]:
         msg = ok.to_msg("p")
