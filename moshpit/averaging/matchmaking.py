@@ -80,6 +80,7 @@ from moshpit.averaging.matchmaking_blocks import Block, block_of, rank
 from moshpit.averaging.matchmaking_leader import LeaderSide
 from moshpit.averaging.matchmaking_messages import (
     BUSY,
+    BUSY_NOW,
     MATCHMAKING_PROTOCOL,
     MAX_ADDRS,
     MAX_GATHER_BYTES,
@@ -127,7 +128,13 @@ __all__ = [  # the public names, wherever they live
 
 logger = logging.getLogger(__name__)
 
-MAX_TRIES = 3  # join attempts per declaration that answered "busy"/timed out/redirected
+MAX_TRIES = 3  # join attempts per declaration that timed out or redirected
+# "busy" answers per declaration. Busy is a round trip, not a timeout, and it ends when the
+# candidate's own request does: two late arrivals on a key whose group had formed used to
+# give up on each other after 3 (the earlier one was asking the finished peers one by one),
+# and both stayed alone for the whole window (the full stack at 256 peers, a peer back from
+# a cut). 24 polls: 6 s of the candidate asking others at the default 0.25-s poll.
+MAX_BUSY = 24
 # a candidate redirected us to a leader we saw go silent: it will notice too, not a try spent
 ORPHANED = "orphaned"
 
@@ -288,6 +295,7 @@ class Matchmaker(LeaderSide):
         with trio.move_on_after(self.request_timeout):
             await self.backend.declare(rnd.key, rnd.order, expiration, self.mode, **extra)
         attempts: dict[tuple[PeerID, float], int] = {}  # declaration -> tries (MAX_TRIES: done)
+        busy: dict[tuple[PeerID, float], int] = {}  # declaration -> "busy" answers (MAX_BUSY)
         next_poll = trio.current_time()
         read_joins = -1  # rnd.joins when the last read of the key began
         while True:
@@ -320,7 +328,12 @@ class Matchmaker(LeaderSide):
                     if isinstance(outcome, GroupInfo):
                         return outcome
                     tag = (cand.peer, cand.order)
-                    if outcome != ORPHANED:
+                    if outcome == BUSY_NOW:
+                        busy[tag] = busy.get(tag, 0) + 1
+                        if busy[tag] >= MAX_BUSY:
+                            attempts[tag] = MAX_TRIES
+                            rnd.passed_over.add(cand.peer)
+                    elif outcome != ORPHANED:
                         attempts[tag] = attempts.get(tag, 0) + 1 if outcome == RETRY else MAX_TRIES
                         if attempts[tag] >= MAX_TRIES:
                             rnd.passed_over.add(cand.peer)
@@ -454,17 +467,18 @@ class Matchmaker(LeaderSide):
     ) -> GroupInfo | str | None:
         """Join ``peer``, following redirects (each one strictly earlier in the order).
 
-        Returns a GroupInfo, :data:`RETRY` (the candidate may still lead later: it was busy or
-        following someone), :data:`ORPHANED` (it follows a leader we lost: ask again, it will
-        notice) or None (it will not take us this round).
+        Returns a GroupInfo, :data:`RETRY` (the candidate may still lead later: it timed out
+        or follows someone), :data:`BUSY_NOW` (it is asking a leader itself right now),
+        :data:`ORPHANED` (it follows a leader we lost: ask again, it will notice) or None (it
+        will not take us this round).
         """
         retry = False
         for _ in range(MAX_GROUP_SIZE):
             result = await self._try_join(rnd, peer, addrs)
             if isinstance(result, GroupInfo):
                 return result
-            if result == RETRY:
-                return RETRY
+            if result in (RETRY, BUSY_NOW):
+                return result
             if not isinstance(result, tuple):
                 return RETRY if retry else None
             retry = True  # the candidate follows someone; it may lead again if that fails
@@ -616,7 +630,7 @@ class Matchmaker(LeaderSide):
         if kind == "reject":
             why = reply.get("why")
             logger.debug("join rejected: %s", why if isinstance(why, str) else "?")
-            return "reject", RETRY if why == BUSY else None
+            return "reject", BUSY_NOW if why == BUSY else None
         if kind == "redirect":
             to = reply.get("to")
             if not isinstance(to, bytes) or len(to) > 128:

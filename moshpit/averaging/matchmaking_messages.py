@@ -49,7 +49,9 @@ WITHDRAWN_EXTRA_SECONDS = 0.01
 MAX_SCHEMA_BYTES = 64  # a tensor-schema hash (the averager sends 16 bytes)
 MAX_WHY_CHARS = 512  # a reject reason we keep from another peer
 RETRY = "retry"  # outcome of a join attempt worth repeating later in the round
-# what one join attempt ends with: a group, RETRY, a redirect (peer, its addresses) or None
+BUSY_NOW = "busy now"  # the candidate was asking a leader itself: ask again at the next poll
+# what one join attempt ends with: a group, RETRY or BUSY_NOW, a redirect (peer, its
+# addresses) or None
 JoinOutcome = GroupInfo | tuple["PeerID", tuple[str, ...]] | str | None
 BUSY = "busy: asking another leader, retry shortly"
 SCHEMA_MISMATCH = "tensor schema mismatch"  # prefix of the reject reason for other tensors

@@ -90,3 +90,25 @@ async def test_the_last_block_starts_once_complete(autojump_clock):
         assert sorted(len(members) for members in groups.values()) == [4] + [16] * 6
         assert max(finished.values()) < 1.0
         nursery.cancel_scope.cancel()
+
+
+async def test_late_arrivals_left_over_by_a_full_group_pair_up(autojump_clock):
+    """16 peers fill a line's group just before two late arrivals are visible (in the
+    256-peer simulation: peers back from a cut, sent to one line by the hole rule). The
+    earlier of the two first asks the finished peers one by one ("not looking"), and answers
+    the later one "busy" meanwhile. Three busy answers used to count as three failed tries:
+    the later one gave up on the only peer still looking, and both stayed alone for the
+    whole window (10 s). Now they pair up once the earlier one is free: after
+    ``min_matchmaking_time`` (5 s), the wait of a group short of its target."""
+    for options in [dict(), EARLY]:  # a grid key, and the shared key
+        async with trio.open_nursery() as nursery:
+            net = LocalNet(nursery, latency=0.05, visibility_delay=0.3)
+            mms = make(net, 18, target_group_size=16, min_matchmaking_time=5.0, **options)
+            key = "run.0b1111" if not options else "run.0b"
+            results, finished = await run_all(
+                mms, [key] * 18, window=10.0, starts=[0.0] * 16 + [0.1, 0.2]
+            )
+            groups = check_consistent(mms, results)
+            assert sorted(len(m) for m in groups.values()) == [2, 16], options
+            assert max(finished[16], finished[17]) < 6.0, (options, finished)
+            nursery.cancel_scope.cancel()
