@@ -26,6 +26,7 @@ from moshpit.averaging.matchmaking import (
     MatchmakingError,
     SchemaMemory,
 )
+from moshpit.averaging.matchmaking_state import MatchmakingRound, Member
 
 
 class ChannelStream:
@@ -483,6 +484,21 @@ async def test_a_minimum_nobody_can_meet_runs_no_group(autojump_clock):
         assert results == {0: None, 1: None}
         assert min(finished.values()) >= 3.9
         nursery.cancel_scope.cancel()
+
+
+def test_a_leader_merging_away_brings_its_followers_minimum():
+    """A leader that joins an earlier one takes its followers along; the largest minimum
+    among them goes into its request, or the earlier leader could start a group too small
+    for one of them."""
+    mm = Matchmaker(LocalBackend(LocalNet(None)), "run", target_group_size=8, min_group_size=2)
+    follower = Identity.generate().peer_id
+    me = Member(mm.backend.local_peer, "node", None, None, 10.0)
+    rnd = MatchmakingRound(key="run.0b", order=1.0, deadline=10.0, started=0.0, me=me)
+    assert mm._join_request(rnd, 5.0).min_group_size == 2
+    rnd.lead.followers[follower] = Member(follower, "node", None, None, 10.0, min_group_size=5)
+    request = mm._join_request(rnd, 5.0)
+    assert request.size == 2 and request.min_group_size == 5
+    assert JoinRequest.from_msg(request.to_msg("run")).min_group_size == 5
 
 
 def test_join_request_validation():
