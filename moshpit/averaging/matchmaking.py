@@ -565,9 +565,7 @@ class Matchmaker(LeaderSide):
             heartbeats=True,
             measured_uplink=rnd.me.measured_uplink,
             # a leader merging away brings its followers' minimums along
-            min_group_size=max(
-                [self.min_group_size, *(m.min_group_size for m in rnd.followers.values())]
-            ),
+            min_group_size=self._group_minimum(rnd),
         )
 
     def _note_schema_refusal(self, rnd: MatchmakingRound, peer: PeerID, reply: Any) -> None:
