@@ -243,6 +243,24 @@ class RulesSwarm:
             groups.extend(order[k : k + m] for k in range(0, len(order), m))
         return by_key, groups
 
+    def follow_longer_keys(self, probes: dict[int, str | None], live: set[int]) -> None:
+        """The probes read before declaring (``probe_before_declaring``): the counts are
+        the live peers' keys as the round starts, before anyone moves."""
+        early = [
+            i for i, probe in probes.items()
+            if probe is not None and i in live and self.managers[i].probe_before_declaring
+        ]  # fmt: skip
+        if not early:
+            return
+        at_start = defaultdict(int)
+        for i in live:
+            at_start[self.managers[i].key] += 1
+        for i in early:
+            key = probes[i]
+            assert key is not None
+            own = min(at_start[self.managers[i].key], MAX_CANDIDATES)
+            self.managers[i].follow_longer_now(min(at_start[key], MAX_CANDIDATES), own)
+
     def round(self) -> None:
         cfg, n = self.cfg, self.cfg.peers
         failing = {i for i in range(n) if self.rng.random() < cfg.fail}
@@ -250,9 +268,12 @@ class RulesSwarm:
             failing = set(self.replay[self.rounds_done])
         self.rounds_done += 1
         in_groups = set(range(n)) - failing if cfg.failure == "sitout" else set(range(n))
-        by_key, groups = self.form_groups(sorted(in_groups))
-        # adaptive grids: one round in PROBE_EVERY a peer also counts a longer key's peers
+        # adaptive grids: one round in PROBE_EVERY a peer also counts a longer key's peers;
+        # a new or lonely one does it before declaring, and follows them at once when its
+        # own key is empty (it reads the declarations of the keys as the round starts)
         probes = {i: self.managers[i].longer_key() for i in range(n)}
+        self.follow_longer_keys(probes, in_groups)
+        by_key, groups = self.form_groups(sorted(in_groups))
         counts = {key: min(len(peers), MAX_CANDIDATES) for key, peers in by_key.items()}
         keys_before = [m.key for m in self.managers]
 

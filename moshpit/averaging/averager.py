@@ -582,13 +582,25 @@ class Averager:
             False, key, reason="cancelled: the averager was shut down", next_group_key=key
         )
 
-    async def _count_declared(self, key: str, out: list[int]) -> None:
-        """Distinct peers of our schema declared under ``key`` (appended to ``out``)."""
+    async def _count_declared(
+        self, key: str, out: list[int], looking_now: bool = False, with_us: bool = False
+    ) -> None:
+        """Distinct peers of our schema declared under ``key`` (appended to ``out``).
+        ``looking_now``: only those still looking (a withdrawn declaration of a round that
+        ended is kept until it expires, up to ``matchmaking_timeout`` later); ``with_us``:
+        and us, as ``take_count`` counts."""
+        _, backend, _, host = self._attached()
+        me = host.peer_id
         with trio.move_on_after(self.request_timeout):
-            found = await self._attached()[1].list_candidates(key)  # not counted: other key
-            out.append(
-                len({c.peer for c in found if self.schema is None or c.schema == self.schema})
-            )
+            found = await backend.list_candidates(key)  # not counted: other key
+            peers = {
+                c.peer
+                for c in found
+                if (self.schema is None or c.schema == self.schema)
+                and (c.looking or not looking_now)
+                and c.peer != me
+            }
+            out.append(len(peers) + 1 if with_us else len(peers))
 
     def _hard_step_bound(self) -> float:
         """The longest a step without ``timeout`` should take: its phases' timeouts. A step
@@ -660,7 +672,7 @@ class Averager:
         mode, why = self._round_mode()
         if mode is None:
             return StepResult(False, key, reason=why, next_group_key=key)
-        group, declared = await self._find_group(key, mode, why, matchmaking_deadline, gather)
+        group, declared, key = await self._find_group(key, mode, why, matchmaking_deadline, gather)
         matchmaking_seconds = trio.current_time() - started
         if group is None:
             next_key = self.keys.update_without_group(declared)
@@ -728,17 +740,21 @@ class Averager:
 
     async def _find_group(
         self, key: str, mode: str, why: str, deadline: float, gather: Any
-    ) -> tuple[GroupInfo | None, int]:
-        """Matchmaking under ``key`` until ``deadline``: the group (None: none formed) and
-        how many peers of our schema declared there (the grid's evidence)."""
+    ) -> tuple[GroupInfo | None, int, str]:
+        """Matchmaking under ``key`` until ``deadline``: the group (None: none formed), how
+        many peers of our schema declared there (the grid's evidence), and the key (a new or
+        lonely peer may move to a longer one first: ``_follow_the_swarm``)."""
         matchmaker, backend, _, _ = self._attached()
         if mode != matchmaker.mode:
             logger.info("averaging in %s mode%s", mode, f": {why}" if why else "")
             matchmaker.mode = mode
+        longer_key = self.keys.longer_key()  # adaptive grids: is the swarm ahead of us?
+        if longer_key is not None and self.keys.probe_before_declaring:
+            if await self._follow_the_swarm(key, longer_key, deadline):
+                key, longer_key = self.keys.key, None
         # the key length may have changed since the last round (adaptive grid)
         matchmaker.start_when_all_joined = self.keys.num_bits == 0
         backend.seen.clear()
-        longer_key = self.keys.longer_key()  # adaptive grids: is the swarm ahead of us?
         longer_count: list[int] = []
         async with trio.open_nursery() as probing:
             if longer_key is not None:
@@ -759,7 +775,22 @@ class Averager:
                 len(conflicts),
                 key,
             )
-        return group, declared
+        return group, declared, key
+
+    async def _follow_the_swarm(self, key: str, longer_key: str, deadline: float) -> bool:
+        """Read our key and ``longer_key`` before declaring; True if we moved to the longer
+        one (nobody else under ours, a group's worth under it: ``follow_longer_now``). Both
+        count the peers looking now: keys change every round, so the records a round left
+        under a key name peers that have moved on."""
+        own: list[int] = []
+        longer: list[int] = []
+        with trio.move_on_at(deadline):
+            async with trio.open_nursery() as reads:
+                reads.start_soon(self._count_declared, key, own, True, True)
+                reads.start_soon(self._count_declared, longer_key, longer, True)
+        if not own or not longer:
+            return False  # a read timed out: declare under our key as usual
+        return self.keys.follow_longer_now(longer[0], own[0])
 
     def _alone_reason(self, key: str, waited: float) -> str:
         """Why no group formed under ``key``; a schema conflict is logged (WARNING once)."""

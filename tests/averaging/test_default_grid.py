@@ -11,9 +11,10 @@ from collections import Counter
 
 import pytest
 import torch
+import trio
 
 from dht.kademlia.clock import dht_clock, trio_clock
-from moshpit.averaging.group_keys import GroupKeyManager
+from moshpit.averaging.group_keys import PROBE_EVERY, GroupKeyManager
 from tests.averaging.test_moshpit import flat, moshpit_swarm, stats, step_all
 
 
@@ -85,6 +86,98 @@ def test_a_peer_left_on_the_shared_key_finds_a_swarm_two_dimensions_ahead():
         km.update_without_group(declared=1)
     assert km.num_bits == swarm_bits
     assert rounds <= 4, rounds  # the swarm is averaging to 1e-9 in ~10 rounds meanwhile
+
+
+def test_a_count_of_one_does_not_hold_back_the_grid():
+    # 150 peers in groups of 16: a peer cut off in the first round counted only itself (1),
+    # then 150 on the shared key. The median of the two (75) is below the band that grows
+    # the grid (16**1.75 = 128), so it stayed on the shared key while the others grew, and
+    # kept a cluster apart for rounds. Being alone argues for shrinking, not against growing.
+    km = GroupKeyManager("p", 16, rng=random.Random(2))
+    km.update_without_group(declared=1)
+    km.update_after_round(random.randbytes(8), list(range(16)), 3, declared=150)
+    assert km.num_bits == 4  # 150 = 16**1.8: a 2-d grid, as the others
+    # alone under a grid that is too large, counts of 1 still shrink it
+    for _ in range(6):
+        km.update_without_group(declared=1)
+    assert km.num_bits == 0
+
+
+def test_a_new_peer_looks_ahead_in_its_first_round_and_follows_at_once():
+    km = GroupKeyManager("p", 4, rng=random.Random(3))
+    probe = km.longer_key()  # the first round looks one dimension on, before declaring
+    assert probe is not None and km.probe_before_declaring
+    assert len(probe.rpartition(".0b")[2]) == 2
+    assert km.follow_longer_now(count=3, own=1)
+    assert km.key == probe and km.num_bits == 2
+    # it averaged there: its next look comes on the usual schedule, and only while declaring
+    km.update_after_round(random.randbytes(8), ["a", "b", "c", "d"], "a", declared=4)
+    assert km.num_bits == 2
+    looks = [km.longer_key() for _ in range(PROBE_EVERY - 1)]  # rounds 2..PROBE_EVERY
+    assert [k is not None for k in looks] == [False] * (PROBE_EVERY - 2) + [True]
+    assert not km.probe_before_declaring  # it has a group now: it looks while declaring
+
+
+@pytest.mark.parametrize(
+    "count, own, follows",
+    [(3, 1, True), (2, 1, True), (1, 1, False), (0, 1, False), (3, 2, False), (9, 5, False)],
+)
+def test_a_new_peer_follows_only_from_an_empty_key_to_a_group(count, own, follows):
+    km = GroupKeyManager("p", 4, rng=random.Random(4))
+    probe = km.longer_key()
+    assert km.follow_longer_now(count, own) is follows
+    assert km.key == (probe if follows else "p.0b")
+
+
+def test_the_first_look_of_a_new_swarm_leaves_the_schedule_alone():
+    # everyone starts at once: nobody is ahead, the look finds nobody and changes nothing
+    km = GroupKeyManager("p", 4, rng=random.Random(5))
+    first = km.longer_key()
+    assert first is not None and len(first.rpartition(".0b")[2]) == 2
+    km.observe_longer(0, own=40)
+    km.update_after_round(random.randbytes(8), ["a", "b", "c", "d"], "a", declared=40)
+    looks = [km.longer_key() for _ in range(PROBE_EVERY - 1)]
+    assert looks[:-1] == [None] * (PROBE_EVERY - 2) and looks[-1] is not None  # as before
+    assert len(looks[2].rpartition(".0b")[2]) == 2  # still one dimension on
+
+
+def test_a_user_grid_never_looks_ahead():
+    km = GroupKeyManager("p", 4, initial_group_bits="01")
+    assert km.longer_key() is None and not km.probe_before_declaring
+    assert not km.follow_longer_now(count=9, own=1) and km.key == "p.0b01"
+
+
+async def test_a_volunteer_joining_an_adaptive_swarm_averages_in_its_first_round(
+    autojump_clock, virtual_dht_time
+):
+    # 12 peers in groups of 4 grow from the shared key to 4 keys of 3 (12 = 4**1.8) after
+    # two rounds. A 13th peer that starts then (a restarted VM) begins on the shared key,
+    # where nobody is any more: before, it averaged alone there for three rounds.
+    n, m = 13, 4
+    async with moshpit_swarm(n, None, target_group_size=m, min_matchmaking_time=2.0) as (
+        averagers,
+        _,
+    ):
+        newcomer = averagers[-1]
+        swarm = averagers[:-1]
+        for _ in range(3):
+            await step_all(swarm)
+        assert Counter(a.keys.num_bits for a in swarm) == {2: n - 1}
+        assert newcomer.keys.num_bits == 0
+        results: dict[str, object] = {}
+
+        async def join_late() -> None:
+            await trio.sleep(0.5)  # the others have declared
+            results["newcomer"] = await newcomer.astep()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(join_late)
+            results["swarm"] = await step_all(swarm)
+        first = results["newcomer"]
+        assert first.succeeded, first.reason
+        assert first.group_key.startswith("test.0b") and len(first.group_key) == len("test.0b01")
+        assert 2 <= first.group_size <= m
+        assert newcomer.keys.num_bits == 2
 
 
 async def test_default_swarm_of_64_forms_moshpit_groups(autojump_clock, virtual_dht_time):
