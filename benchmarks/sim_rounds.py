@@ -256,10 +256,12 @@ class RulesSwarm:
         for i in live:
             at_start[self.managers[i].key] += 1
         for i in early:
-            key = probes[i]
+            manager, key = self.managers[i], probes[i]
             assert key is not None
-            own = min(at_start[self.managers[i].key], MAX_CANDIDATES)
-            self.managers[i].follow_longer_now(min(at_start[key], MAX_CANDIDATES), own)
+            own = min(at_start[manager.key], MAX_CANDIDATES)
+            candidates = [key, *manager.other_longer_keys()]
+            count, best = max((min(at_start[k], MAX_CANDIDATES), k) for k in candidates)
+            manager.follow_longer_now(count, own, best)
 
     def round(self) -> None:
         cfg, n = self.cfg, self.cfg.peers

@@ -783,14 +783,18 @@ class Averager:
         count the peers looking now: keys change every round, so the records a round left
         under a key name peers that have moved on."""
         own: list[int] = []
-        longer: list[int] = []
+        candidates = [longer_key, *self.keys.other_longer_keys()]
+        counts: list[list[int]] = [[] for _ in candidates]
         with trio.move_on_at(deadline):
             async with trio.open_nursery() as reads:
                 reads.start_soon(self._count_declared, key, own, True, True)
-                reads.start_soon(self._count_declared, longer_key, longer, True)
-        if not own or not longer:
-            return False  # a read timed out: declare under our key as usual
-        return self.keys.follow_longer_now(longer[0], own[0])
+                for candidate, count in zip(candidates, counts, strict=True):
+                    reads.start_soon(self._count_declared, candidate, count, True)
+        found = [(c[0], k) for c, k in zip(counts, candidates, strict=True) if c]
+        if not own or not found:
+            return False  # the reads timed out: declare under our key as usual
+        most, best = max(found)  # the most peers looking: room for us, most likely
+        return self.keys.follow_longer_now(most, own[0], best)
 
     def _alone_reason(self, key: str, waited: float) -> str:
         """Why no group formed under ``key``; a schema conflict is logged (WARNING once)."""

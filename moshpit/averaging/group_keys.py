@@ -53,6 +53,8 @@ DIMENSION_MARGIN = 0.75
 # rounds between two looks at the grid one dimension longer (GroupKeyManager.longer_key):
 # a split heals within this many rounds, and the other rounds cost no extra DHT read
 PROBE_EVERY = 4
+# keys a new or lonely peer reads on the longer grid before it declares (follow_longer_now)
+FOLLOW_READS = 4
 MAX_PROBE_DIMS = 3  # an empty longer key sends the next probe up to this many dimensions on
 # rounds along an axis that size its line for the hole rule (GroupKeyManager._line_length): a
 # member of the line missed one of them with chance ~8% at p = 0.01 and lines of 8
@@ -222,6 +224,8 @@ class GroupKeyManager:
         self._probing = 0  # dimensions the last longer_key added (0: none yet)
         self._probe_bits = ""  # the bits of the last longer_key
         self._grouped = False  # averaged in a group at least once
+        self._unshifted = self.bits  # the key before the last shift dropped a coordinate
+        self._pending_dims = 0  # dimensions still to grow, one per round (_resize)
 
     @property
     def axis(self) -> int:
@@ -233,10 +237,11 @@ class GroupKeyManager:
         return make_group_key(self.prefix, self.bits)
 
     def _shift_in(self, coordinate: int) -> str:
+        coord = format(coordinate % (1 << self.coord_bits), f"0{self.coord_bits}b")
+        self._unshifted = self.bits + coord  # nothing dropped: what a growing key keeps
         if self.num_bits == 0:
             return self.key
-        coord = format(coordinate % (1 << self.coord_bits), f"0{self.coord_bits}b")
-        self.bits = (self.bits + coord)[-self.num_bits :]
+        self.bits = self._unshifted[-self.num_bits :]
         return self.key
 
     @property
@@ -325,12 +330,37 @@ class GroupKeyManager:
         a key nobody else uses is a round lost (the others probe while they declare)."""
         return self.adaptive and self._probing > 0 and (not self._grouped or self._missed >= 2)
 
-    def follow_longer_now(self, count: int, own: int) -> bool:
-        """Before declaring: ``count`` distinct peers are under :meth:`longer_key`, ``own``
-        under ours (us included). If nobody else is under ours and the longer key holds a
-        group (``count >= 2``), take the longer key's bits for this round and return True;
-        the longer key's peers are the swarm we lost. Otherwise nothing changes (the probe
-        still counts after the round, :meth:`observe_longer`).
+    def other_longer_keys(self) -> list[str]:
+        """Up to ``FOLLOW_READS - 1`` more keys of the last :meth:`longer_key`'s length
+        under our bits (all of them where the longer grid has that few). A peer about to
+        follow the swarm reads them too: one key of a grid whose keys hold a few peers each
+        may hold nobody still looking (its group full and started, or its peers elsewhere
+        this round)."""
+        dims = self._probing
+        if not self.adaptive or dims < 1:
+            return []
+        width = dims * self.coord_bits
+        base, probed = self._probe_bits[:-width], self._probe_bits[-width:]
+
+        def coords(value: int) -> str:  # ``dims`` digits in base ``axis``, coord_bits each
+            digits = []
+            for _ in range(dims):
+                value, digit = divmod(value, self.axis)
+                digits.append(format(digit, f"0{self.coord_bits}b"))
+            return "".join(reversed(digits))
+
+        choices = self.axis**dims
+        drawn = (coords(v) for v in self._rng.sample(range(choices), min(FOLLOW_READS, choices)))
+        others = [c for c in drawn if c != probed][: FOLLOW_READS - 1]
+        return [make_group_key(self.prefix, base + c) for c in others]
+
+    def follow_longer_now(self, count: int, own: int, key: str | None = None) -> bool:
+        """Before declaring: ``count`` distinct peers are under ``key`` (:meth:`longer_key`,
+        or one of :meth:`other_longer_keys`), ``own`` under ours (us included). If nobody
+        else is under ours and the longer key holds a group (``count >= 2``), take that
+        key's bits for this round and return True; its peers are the swarm we lost.
+        Otherwise nothing changes (the probe still counts after the round,
+        :meth:`observe_longer`).
 
         Without it, a volunteer restarting after a preemption sat alone under the shared
         key for its first three rounds while the swarm averaged on its grid (a lone round,
@@ -341,8 +371,18 @@ class GroupKeyManager:
         dims = self._probing
         if not self.adaptive or dims < 1 or own > 1 or count < 2:
             return False
+        bits = self._probe_bits
+        if key is not None:
+            prefix, bits = parse_group_key(key)
+            width = dims * self.coord_bits
+            if (
+                prefix != self.prefix
+                or len(bits) != len(self._probe_bits)
+                or (bits[: len(bits) - width] != self._probe_bits[: len(bits) - width])
+            ):
+                raise ValueError(f"{key!r} is not a key of the grid we looked at")
         old_key = self.key
-        self.bits = self._probe_bits
+        self.bits = bits
         self.num_bits = len(self.bits)
         self._probing = 0  # used up: observe_longer after the round has nothing to add
         self._probe_dims = 1
@@ -376,28 +416,39 @@ class GroupKeyManager:
             # (a new peer's first look finds nobody ahead when the whole swarm is new)
             self._probe_dims = dims % MAX_PROBE_DIMS + 1
 
-    def _resize(self, first_coordinate: int | None) -> None:
-        """Grow or shrink the key to the wanted number of dimensions after a round."""
+    def _resize(self) -> None:
+        """Grow or shrink the key to the wanted number of dimensions after a round.
+
+        Growing keeps the coordinate this round's shift dropped (on the shared key: the
+        position just shifted in), so the new key's coordinates are all positions in groups:
+        distinct within each group, which spreads its members evenly. A grid wanted two or
+        more dimensions longer grows one dimension per round: a random coordinate in place
+        of a position filled the keys unevenly (Poisson), and groups of the target size
+        could not form on the crowded and the sparse keys alike (64 peers in groups of 4 go
+        from the shared key to 4 bits: 14.3 rounds to a variance of 1e-9 with one random
+        coordinate, 9.25 one dimension per round; ``sim_rounds.py --adaptive``). A peer that
+        follows a swarm found ahead of it (``observe_longer``) jumps at once: it has to land
+        on the swarm's grid, not on a stage of its own."""
         wanted = self._wanted_dimensions()
+        jump = False
         if self._grow_by:
             if wanted < self.dimensions + self._grow_by:
                 wanted = self.dimensions + self._grow_by
                 self._forget_estimates()  # they were why we stayed behind
+                jump = True
             self._grow_by = 0
+        elif self._pending_dims and wanted <= self.dimensions:
+            wanted = self.dimensions + self._pending_dims
+        self._pending_dims = 0
         if wanted == self.dimensions:
             return
         old_key, old_dims = self.key, self.dimensions
         if wanted > self.dimensions:
-            axis = self.axis
-            coords = []
-            for k in range(wanted - self.dimensions):
-                # the first new coordinate is the position in the group we just averaged in
-                # (distinct within the group, so its members spread out); the rest are random
-                c = first_coordinate if k == 0 and first_coordinate is not None else None
-                coords.append(c if c is not None else self._rng.randrange(axis))
-            self.bits += "".join(
-                format(c % (1 << self.coord_bits), f"0{self.coord_bits}b") for c in coords
-            )
+            extra = wanted - self.dimensions - 1
+            coords = [self._rng.randrange(self.axis) for _ in range(extra)] if jump else []
+            if not jump:
+                self._pending_dims = extra
+            self.bits = self._unshifted + "".join(format(c, f"0{self.coord_bits}b") for c in coords)
         else:
             keep = (wanted - 1) * self.coord_bits
             self.bits = self.bits[len(self.bits) - keep :] if keep else ""  # drop the oldest
@@ -441,7 +492,7 @@ class GroupKeyManager:
         coordinate = self._coordinate(position)
         self._shift_in(coordinate)
         if self.adaptive:
-            self._resize(coordinate)
+            self._resize()
         return self.key
 
     def _coordinate(self, position: int) -> int:
@@ -523,5 +574,5 @@ class GroupKeyManager:
         self._line_lengths.append(line if line is not None else 0)
         self._shift_in(coordinate)
         if self.adaptive:
-            self._resize(None)
+            self._resize()
         return self.key

@@ -14,7 +14,7 @@ import torch
 import trio
 
 from dht.kademlia.clock import dht_clock, trio_clock
-from moshpit.averaging.group_keys import PROBE_EVERY, GroupKeyManager
+from moshpit.averaging.group_keys import FOLLOW_READS, PROBE_EVERY, GroupKeyManager
 from tests.averaging.test_moshpit import flat, moshpit_swarm, stats, step_all
 
 
@@ -44,8 +44,10 @@ def test_grows_to_the_grid_of_the_observed_swarm_and_shrinks_back():
     _round(km, declared=64)
     assert km.num_bits == 0  # one estimate is not enough to move
     _round(km, declared=64)
-    assert km.num_bits == 4 and km.dimensions == 3  # 64 = 4**3: a 4x4x4 grid
-    assert km.swarm_size_estimate == 64
+    # 64 = 4**3: a 4x4x4 grid, one dimension per round (keys of positions fill evenly)
+    assert km.num_bits == 2 and km.dimensions == 2
+    _round(km, declared=16)  # the count of a 2-bit key; the next dimension comes anyway
+    assert km.num_bits == 4 and km.dimensions == 3
     # on the grid, ~4 peers per key (16 keys) keep the estimate at ~64: no flapping
     for declared in [4, 5, 3, 4, 6, 2, 4]:
         _round(km, declared)
@@ -127,6 +129,26 @@ def test_a_new_peer_follows_only_from_an_empty_key_to_a_group(count, own, follow
     probe = km.longer_key()
     assert km.follow_longer_now(count, own) is follows
     assert km.key == (probe if follows else "p.0b")
+
+
+def test_a_new_peer_reads_other_keys_of_the_longer_grid_and_follows_the_fullest():
+    km = GroupKeyManager("p", 4, rng=random.Random(6))
+    probe = km.longer_key()
+    others = km.other_longer_keys()
+    # a 2-bit grid has 4 keys: the probe and the 3 others are all of them
+    assert sorted([probe, *others]) == ["p.0b00", "p.0b01", "p.0b10", "p.0b11"]
+    with pytest.raises(ValueError, match="not a key of the grid"):
+        km.follow_longer_now(3, 1, "p.0b0101")
+    with pytest.raises(ValueError, match="not a key of the grid"):
+        km.follow_longer_now(3, 1, "q.0b01")
+    assert km.follow_longer_now(3, 1, others[1]) and km.key == others[1]
+    # on a larger grid: FOLLOW_READS - 1 distinct others, under our bits, of the probe's length
+    big = GroupKeyManager("p", 16, initial_group_bits="1010", rng=random.Random(7), adaptive=True)
+    probe = big.longer_key()
+    others = big.other_longer_keys()
+    assert len(others) == FOLLOW_READS - 1 and len({probe, *others}) == FOLLOW_READS
+    assert all(k.startswith("p.0b1010") and len(k) == len(probe) for k in others)
+    assert GroupKeyManager("p", 4, initial_group_bits="01").other_longer_keys() == []
 
 
 def test_the_first_look_of_a_new_swarm_leaves_the_schedule_alone():
