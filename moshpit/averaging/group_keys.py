@@ -280,7 +280,8 @@ class GroupKeyManager:
         150 peers in groups of 16 read ~150 on the shared key, and a peer that had also
         counted 1 in a round it was cut off held a median of 75, stayed on the shared key
         while the rest grew, and kept a cluster of 5 apart for 2-4 rounds (10.2 rounds to a
-        variance of 1e-9, now 9.1; 256 peers 7.85, now 6.5: ``sim_rounds.py --adaptive``)."""
+        variance of 1e-9, now 9.1; 256 peers 7.85, now 6.3, with the two changes beside it:
+        ``sim_rounds.py --adaptive``)."""
         est = self.swarm_size_estimate
         d = self.dimensions
         if est is None or self._since_resize < MIN_ESTIMATES or self.target_group_size < 2:
@@ -365,8 +366,8 @@ class GroupKeyManager:
         Without it, a volunteer restarting after a preemption sat alone under the shared
         key for its first three rounds while the swarm averaged on its grid (a lone round,
         a second to start probing every round, a third before the grown key applied); and
-        1024 peers in groups of 16 needed a 9th round to a variance of 1e-9 in 1 run in 11,
-        whenever a peer cut off in both of the first two rounds was left behind
+        1024 peers in groups of 16 needed a 9th round to a variance of 1e-9 in about 1 run
+        in 11 (100 seeds), when a peer cut off in both of the first two rounds was left behind
         (``benchmarks/sim_rounds.py --adaptive``)."""
         dims = self._probing
         if not self.adaptive or dims < 1 or own > 1 or count < 2:
