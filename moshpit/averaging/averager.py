@@ -36,6 +36,7 @@ from moshpit.averaging.averager_services import AllReduceServices
 from moshpit.averaging.averager_services import CountingBackend as _CountingBackend
 from moshpit.averaging.config import AveragerConfig
 from moshpit.averaging.errors import AveragingError
+from moshpit.averaging.grid_reads import count_declared, follow_the_swarm
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE, GroupInfo
 from moshpit.averaging.group_keys import GroupKeyManager
 from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, Matchmaker, SchemaMemory
@@ -582,26 +583,6 @@ class Averager:
             False, key, reason="cancelled: the averager was shut down", next_group_key=key
         )
 
-    async def _count_declared(
-        self, key: str, out: list[int], looking_now: bool = False, with_us: bool = False
-    ) -> None:
-        """Distinct peers of our schema declared under ``key`` (appended to ``out``).
-        ``looking_now``: only those still looking (a withdrawn declaration of a round that
-        ended is kept until it expires, up to ``matchmaking_timeout`` later); ``with_us``:
-        and us, as ``take_count`` counts."""
-        _, backend, _, host = self._attached()
-        me = host.peer_id
-        with trio.move_on_after(self.request_timeout):
-            found = await backend.list_candidates(key)  # not counted: other key
-            peers = {
-                c.peer
-                for c in found
-                if (self.schema is None or c.schema == self.schema)
-                and (c.looking or not looking_now)
-                and c.peer != me
-            }
-            out.append(len(peers) + 1 if with_us else len(peers))
-
     def _hard_step_bound(self) -> float:
         """The longest a step without ``timeout`` should take: its phases' timeouts. A step
         is abandoned ``HARD_STEP_SLACK`` seconds after this (or after its own ``timeout``),
@@ -743,14 +724,17 @@ class Averager:
     ) -> tuple[GroupInfo | None, int, str]:
         """Matchmaking under ``key`` until ``deadline``: the group (None: none formed), how
         many peers of our schema declared there (the grid's evidence), and the key (a new or
-        lonely peer may move to a longer one first: ``_follow_the_swarm``)."""
+        lonely peer may move to a longer one first: ``grid_reads.follow_the_swarm``)."""
         matchmaker, backend, _, _ = self._attached()
         if mode != matchmaker.mode:
             logger.info("averaging in %s mode%s", mode, f": {why}" if why else "")
             matchmaker.mode = mode
+        me, timeout = self._attached()[3].peer_id, self.request_timeout
         longer_key = self.keys.longer_key()  # adaptive grids: is the swarm ahead of us?
         if longer_key is not None and self.keys.probe_before_declaring:
-            if await self._follow_the_swarm(key, longer_key, deadline):
+            if await follow_the_swarm(
+                self.keys, backend, key, longer_key, self.schema, me, timeout, deadline
+            ):
                 key, longer_key = self.keys.key, None
         # the key length may have changed since the last round (adaptive grid)
         matchmaker.start_when_all_joined = self.keys.num_bits == 0
@@ -758,7 +742,8 @@ class Averager:
         longer_count: list[int] = []
         async with trio.open_nursery() as probing:
             if longer_key is not None:
-                probing.start_soon(self._count_declared, longer_key, longer_count)
+                look = (backend, longer_key, self.schema, me, timeout, longer_count)
+                probing.start_soon(lambda: count_declared(*look))
             group = await matchmaker.look_for_group(key, deadline, gather)
             # evidence only: worth a short wait at most (one round in PROBE_EVERY)
             probing.cancel_scope.deadline = trio.current_time() + PROBE_WAIT_SECONDS
@@ -776,25 +761,6 @@ class Averager:
                 key,
             )
         return group, declared, key
-
-    async def _follow_the_swarm(self, key: str, longer_key: str, deadline: float) -> bool:
-        """Read our key and ``longer_key`` before declaring; True if we moved to the longer
-        one (nobody else under ours, a group's worth under it: ``follow_longer_now``). Both
-        count the peers looking now: keys change every round, so the records a round left
-        under a key name peers that have moved on."""
-        own: list[int] = []
-        candidates = [longer_key, *self.keys.other_longer_keys()]
-        counts: list[list[int]] = [[] for _ in candidates]
-        with trio.move_on_at(deadline):
-            async with trio.open_nursery() as reads:
-                reads.start_soon(self._count_declared, key, own, True, True)
-                for candidate, count in zip(candidates, counts, strict=True):
-                    reads.start_soon(self._count_declared, candidate, count, True)
-        found = [(c[0], k) for c, k in zip(counts, candidates, strict=True) if c]
-        if not own or not found:
-            return False  # the reads timed out: declare under our key as usual
-        most, best = max(found)  # the most peers looking: room for us, most likely
-        return self.keys.follow_longer_now(most, own[0], best)
 
     def _alone_reason(self, key: str, waited: float) -> str:
         """Why no group formed under ``key``; a schema conflict is logged (WARNING once)."""

@@ -224,6 +224,7 @@ class GroupKeyManager:
         self._probing = 0  # dimensions the last longer_key added (0: none yet)
         self._probe_bits = ""  # the bits of the last longer_key
         self._grouped = False  # averaged in a group at least once
+        self._last_count: int | None = None  # peers seen under our key in the last round
         self._unshifted = self.bits  # the key before the last shift dropped a coordinate
         self._pending_dims = 0  # dimensions still to grow, one per round (_resize)
 
@@ -325,11 +326,16 @@ class GroupKeyManager:
     @property
     def probe_before_declaring(self) -> bool:
         """Whether the averager should read our key and :meth:`longer_key` before it
-        declares, and move there at once (:meth:`follow_longer_now`): true for a peer that
-        never averaged in a group yet, or that was alone twice in a row. For those, the
-        swarm having grown without them is the likely story, and a round spent alone under
-        a key nobody else uses is a round lost (the others probe while they declare)."""
-        return self.adaptive and self._probing > 0 and (not self._grouped or self._missed >= 2)
+        declares, and move there at once (:meth:`follow_longer_now`): true in a peer's first
+        round, and once it was alone twice in a row with nobody else under its key the last
+        time. For those, the swarm having grown without them is the likely story, and a round
+        spent alone under a key nobody else uses is a round lost (the others probe while
+        they declare). Not for a peer left over on a crowded key: the reads would make it
+        declare last, and the last to declare on a full key is the one left over again (the
+        full stack, 64 peers in groups of 8: the same two peers alone round after round)."""
+        first_round = not self._grouped and self._missed == 0
+        stranded = self._missed >= 2 and self._last_count in (None, 1)
+        return self.adaptive and self._probing > 0 and (first_round or stranded)
 
     def other_longer_keys(self) -> list[str]:
         """Up to ``FOLLOW_READS - 1`` more keys of the last :meth:`longer_key`'s length
@@ -487,6 +493,7 @@ class GroupKeyManager:
         self._line_lengths.append(len(members))
         self._missed = 0
         self._grouped = True
+        self._last_count = declared
         self._first_look = False  # not new any more (if it never looked, no need now)
         if declared is not None:
             self.observe_declared(declared)
@@ -566,6 +573,7 @@ class GroupKeyManager:
         """
         if declared is not None:
             self.observe_declared(declared)
+        self._last_count = declared
         self._missed += 1
         line = self._line_length(declared)
         if self._missed == 1 and line is not None:

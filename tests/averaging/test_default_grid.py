@@ -163,6 +163,25 @@ def test_the_first_look_of_a_new_swarm_leaves_the_schedule_alone():
     assert len(looks[2].rpartition(".0b")[2]) == 2  # still one dimension on
 
 
+def test_only_a_peer_stranded_on_an_empty_key_looks_before_declaring():
+    # alone twice on a key nobody else uses: the swarm probably left; look first
+    stranded = GroupKeyManager(
+        "p", 8, initial_group_bits="010", rng=random.Random(8), adaptive=True
+    )
+    stranded.longer_key()  # its first look, before the rounds below
+    for _ in range(2):
+        stranded.update_without_group(declared=1)
+    assert stranded.longer_key() is not None and stranded.probe_before_declaring
+    # alone twice as the 9th peer of a full key: reading first would make it declare last,
+    # and the last to declare on a full key is left over again
+    crowded = GroupKeyManager("p", 8, initial_group_bits="010", rng=random.Random(9), adaptive=True)
+    crowded.longer_key()
+    crowded.update_after_round(random.randbytes(8), list(range(8)), 0, declared=8)
+    for _ in range(2):
+        crowded.update_without_group(declared=9)
+    assert crowded.longer_key() is not None and not crowded.probe_before_declaring
+
+
 def test_a_user_grid_never_looks_ahead():
     km = GroupKeyManager("p", 4, initial_group_bits="01")
     assert km.longer_key() is None and not km.probe_before_declaring
