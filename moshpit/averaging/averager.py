@@ -725,11 +725,11 @@ class Averager:
         """Matchmaking under ``key`` until ``deadline``: the group (None: none formed), how
         many peers of our schema declared there (the grid's evidence), and the key (a new or
         lonely peer may move to a longer one first: ``grid_reads.follow_the_swarm``)."""
-        matchmaker, backend, _, _ = self._attached()
+        matchmaker, backend, _, host = self._attached()
         if mode != matchmaker.mode:
             logger.info("averaging in %s mode%s", mode, f": {why}" if why else "")
             matchmaker.mode = mode
-        me, timeout = self._attached()[3].peer_id, self.request_timeout
+        me, timeout = host.peer_id, self.request_timeout
         longer_key = self.keys.longer_key()  # adaptive grids: is the swarm ahead of us?
         if longer_key is not None and self.keys.probe_before_declaring:
             if await follow_the_swarm(

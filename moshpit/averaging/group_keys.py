@@ -199,9 +199,8 @@ class GroupKeyManager:
         self.target_group_size = target_group_size
         # adapt the key length to the observed swarm unless the user sized the grid
         self.adaptive = adaptive
-        self._estimates: deque[float] = deque(maxlen=ESTIMATE_WINDOW)
-        # which of them came from a count of 1 (nobody else seen: see _wanted_dimensions)
-        self._alone_counts: deque[bool] = deque(maxlen=ESTIMATE_WINDOW)
+        # (estimate, whether its count was 1: nobody else seen; see _wanted_dimensions)
+        self._estimates: deque[tuple[float, bool]] = deque(maxlen=ESTIMATE_WINDOW)
         self._since_resize = 0
         # the length of our line in recent rounds (the group we averaged in, or the line we
         # missed), newest last, and rounds missed since the last group: they say where a peer
@@ -253,7 +252,7 @@ class GroupKeyManager:
     @property
     def swarm_size_estimate(self) -> float | None:
         """Median of the recent per-round estimates (None before the first observation)."""
-        return statistics.median(self._estimates) if self._estimates else None
+        return statistics.median(e for e, _ in self._estimates) if self._estimates else None
 
     def _keys_in_use(self) -> int:
         # coordinates are positions in groups of <= M (or random below 2**coord_bits)
@@ -263,13 +262,8 @@ class GroupKeyManager:
         """Record that ``count`` distinct peers (us included) were declared under our key."""
         if not self.adaptive or count < 1:
             return
-        self._estimates.append(float(count * self._keys_in_use()))
-        self._alone_counts.append(count == 1)
+        self._estimates.append((float(count * self._keys_in_use()), count == 1))
         self._since_resize += 1
-
-    def _forget_estimates(self) -> None:
-        self._estimates.clear()
-        self._alone_counts.clear()
 
     def _level(self, estimate: float) -> float:
         return math.log(max(estimate, 1.0)) / math.log(self.target_group_size)
@@ -288,8 +282,7 @@ class GroupKeyManager:
         if est is None or self._since_resize < MIN_ESTIMATES or self.target_group_size < 2:
             return d
         level = self._level(est)
-        pairs = zip(self._estimates, self._alone_counts, strict=True)
-        seen_others = [e for e, alone in pairs if not alone]
+        seen_others = [e for e, alone in self._estimates if not alone]
         if seen_others:
             level_seen = self._level(statistics.median(seen_others))
             if level_seen > d + DIMENSION_MARGIN:
@@ -390,13 +383,9 @@ class GroupKeyManager:
                 raise ValueError(f"{key!r} is not a key of the grid we looked at")
         old_key = self.key
         self.bits = bits
-        self.num_bits = len(self.bits)
         self._probing = 0  # used up: observe_longer after the round has nothing to add
-        self._probe_dims = 1
-        self._since_resize = 0
-        self._forget_estimates()  # they measured a key the swarm has left
-        while len(self._line_lengths) > 1:
-            self._line_lengths.popleft()
+        self._estimates.clear()  # they measured a key the swarm has left
+        self._on_new_grid()
         logger.info(
             "nobody under %s, %d peer(s) under %s: following them this round", old_key, count,
             self.key,
@@ -423,6 +412,16 @@ class GroupKeyManager:
             # (a new peer's first look finds nobody ahead when the whole swarm is new)
             self._probe_dims = dims % MAX_PROBE_DIMS + 1
 
+    def _on_new_grid(self) -> None:
+        """Bookkeeping once ``bits`` changed length (a resize, or following a longer key)."""
+        self.num_bits = len(self.bits)
+        self._since_resize = 0
+        self._probe_dims = 1  # the next look ahead starts one dimension on
+        # the axes changed: older line lengths belong to another grid (the newest one stays,
+        # a rough guess until this grid has its own)
+        while len(self._line_lengths) > 1:
+            self._line_lengths.popleft()
+
     def _resize(self) -> None:
         """Grow or shrink the key to the wanted number of dimensions after a round.
 
@@ -441,7 +440,7 @@ class GroupKeyManager:
         if self._grow_by:
             if wanted < self.dimensions + self._grow_by:
                 wanted = self.dimensions + self._grow_by
-                self._forget_estimates()  # they were why we stayed behind
+                self._estimates.clear()  # they were why we stayed behind
                 jump = True
             self._grow_by = 0
         elif self._pending_dims and wanted <= self.dimensions:
@@ -459,13 +458,7 @@ class GroupKeyManager:
         else:
             keep = (wanted - 1) * self.coord_bits
             self.bits = self.bits[len(self.bits) - keep :] if keep else ""  # drop the oldest
-        self.num_bits = len(self.bits)
-        self._since_resize = 0
-        self._probe_dims = 1  # a new grid: the next look ahead starts one dimension on
-        # the axes changed: older line lengths belong to another grid (the newest one stays,
-        # a rough guess until this grid has its own)
-        while len(self._line_lengths) > 1:
-            self._line_lengths.popleft()
+        self._on_new_grid()
         logger.info(
             "swarm size estimate %.0f peers (group size %d): grid of %d -> %d dimension(s), "
             "key %s -> %s",
