@@ -263,6 +263,33 @@ class RulesSwarm:
             count, best = max((min(at_start[k], MAX_CANDIDATES), k) for k in candidates)
             manager.follow_longer_now(count, own, best)
 
+    def join_groups_with_room(
+        self, by_key: dict[str, list[int]], groups: list[list[int]], failing: set[int]
+    ) -> None:
+        """A live peer alone under its key reads ``sibling_keys`` part way into the round and
+        moves to a group there with room (``key_with_room``, ``move_sideways``), as
+        ``grid_reads.find_group_on_grid`` does; the groups are the keys' as they formed, and
+        the peers move one after another (the full stack spreads their looks in time)."""
+        m = self.cfg.group_size
+        by_first = {g[0]: g for g in groups}
+        looking = {  # groups still looking part way in: 2 or more, room for one more
+            self.managers[g[0]].key: g for g in groups if 2 <= len(g) < m
+        }
+        for g in [g for g in groups if len(g) == 1 and g[0] not in failing]:
+            i = g[0]
+            manager = self.managers[i]
+            room = [(len(looking[k]), k) for k in manager.sibling_keys() if k in looking]
+            key = manager.key_with_room(room)
+            if key is None:
+                continue
+            by_key[manager.key].remove(i)
+            manager.move_sideways(key)
+            by_key[key].append(i)
+            looking[key].append(i)
+            groups.remove(by_first[i])
+            if len(looking[key]) >= m:
+                del looking[key]
+
     def round(self) -> None:
         cfg, n = self.cfg, self.cfg.peers
         failing = {i for i in range(n) if self.rng.random() < cfg.fail}
@@ -276,6 +303,7 @@ class RulesSwarm:
         probes = {i: self.managers[i].longer_key() for i in range(n)}
         self.follow_longer_keys(probes, in_groups)
         by_key, groups = self.form_groups(sorted(in_groups))
+        self.join_groups_with_room(by_key, groups, failing)
         counts = {key: min(len(peers), MAX_CANDIDATES) for key, peers in by_key.items()}
         keys_before = [m.key for m in self.managers]
 

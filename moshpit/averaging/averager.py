@@ -36,7 +36,7 @@ from moshpit.averaging.averager_services import AllReduceServices
 from moshpit.averaging.averager_services import CountingBackend as _CountingBackend
 from moshpit.averaging.config import AveragerConfig
 from moshpit.averaging.errors import AveragingError
-from moshpit.averaging.grid_reads import count_declared, follow_the_swarm
+from moshpit.averaging.grid_reads import find_group_on_grid
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE, GroupInfo
 from moshpit.averaging.group_keys import GroupKeyManager
 from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, Matchmaker, SchemaMemory
@@ -51,8 +51,6 @@ if TYPE_CHECKING:
     from dht.p2p.identity import PeerID
 
 logger = logging.getLogger(__name__)
-# the longest a step waits, after matchmaking, for its look at the longer grid
-PROBE_WAIT_SECONDS = 1.0
 HARD_STEP_SLACK = 30.0  # s past a step's bound before it is abandoned (a safety net)
 # The all-reduce gets allreduce_timeout plus this many times what the group's slowest stated
 # link needs to carry the round: a fixed timeout failed every round of a model whose bytes
@@ -724,33 +722,16 @@ class Averager:
     ) -> tuple[GroupInfo | None, int, str]:
         """Matchmaking under ``key`` until ``deadline``: the group (None: none formed), how
         many peers of our schema declared there (the grid's evidence), and the key (a new or
-        lonely peer may move to a longer one first: ``grid_reads.follow_the_swarm``)."""
+        lonely peer may move to a longer one: ``grid_reads.find_group_on_grid``)."""
         matchmaker, backend, _, host = self._attached()
         if mode != matchmaker.mode:
             logger.info("averaging in %s mode%s", mode, f": {why}" if why else "")
             matchmaker.mode = mode
-        me, timeout = host.peer_id, self.request_timeout
-        longer_key = self.keys.longer_key()  # adaptive grids: is the swarm ahead of us?
-        if longer_key is not None and self.keys.probe_before_declaring:
-            if await follow_the_swarm(
-                self.keys, backend, key, longer_key, self.schema, me, timeout, deadline
-            ):
-                key, longer_key = self.keys.key, None
-        # the key length may have changed since the last round (adaptive grid)
-        matchmaker.start_when_all_joined = self.keys.num_bits == 0
-        backend.seen.clear()
-        longer_count: list[int] = []
-        async with trio.open_nursery() as probing:
-            if longer_key is not None:
-                look = (backend, longer_key, self.schema, me, timeout, longer_count)
-                probing.start_soon(lambda: count_declared(*look))
-            group = await matchmaker.look_for_group(key, deadline, gather)
-            # evidence only: worth a short wait at most (one round in PROBE_EVERY)
-            probing.cancel_scope.deadline = trio.current_time() + PROBE_WAIT_SECONDS
+        group, declared, key = await find_group_on_grid(
+            self.keys, matchmaker, backend, key, self.schema, host.peer_id, self.request_timeout,
+            min(self.request_timeout, self.min_matchmaking_time / 2), deadline, gather,
+        )  # fmt: skip
         self.in_group = group is not None
-        declared = backend.take_count(key)
-        if longer_count:
-            self.keys.observe_longer(longer_count[0], declared)
         conflicts = matchmaker.last_schema_conflicts
         if conflicts and group is not None:
             # logged once at INFO, then at DEBUG: the peer stays under the key round after

@@ -55,6 +55,9 @@ DIMENSION_MARGIN = 0.75
 PROBE_EVERY = 4
 # keys a new or lonely peer reads on the longer grid before it declares (follow_longer_now)
 FOLLOW_READS = 4
+# other keys of its own grid a peer still alone part way into a round reads, for a group with
+# room (GroupKeyManager.sibling_keys): on 3 bits (groups of 8) that is every key
+SIDE_READS = 7
 MAX_PROBE_DIMS = 3  # an empty longer key sends the next probe up to this many dimensions on
 # rounds along an axis that size its line for the hole rule (GroupKeyManager._line_length): a
 # member of the line missed one of them with chance ~8% at p = 0.01 and lines of 8
@@ -341,18 +344,66 @@ class GroupKeyManager:
             return []
         width = dims * self.coord_bits
         base, probed = self._probe_bits[:-width], self._probe_bits[-width:]
-
-        def coords(value: int) -> str:  # ``dims`` digits in base ``axis``, coord_bits each
-            digits = []
-            for _ in range(dims):
-                value, digit = divmod(value, self.axis)
-                digits.append(format(digit, f"0{self.coord_bits}b"))
-            return "".join(reversed(digits))
-
         choices = self.axis**dims
-        drawn = (coords(v) for v in self._rng.sample(range(choices), min(FOLLOW_READS, choices)))
+        picks = self._rng.sample(range(choices), min(FOLLOW_READS, choices))
+        drawn = (self._coordinates(v, dims) for v in picks)
         others = [c for c in drawn if c != probed][: FOLLOW_READS - 1]
         return [make_group_key(self.prefix, base + c) for c in others]
+
+    def _coordinates(self, value: int, count: int) -> str:
+        """``value`` as ``count`` digits in base ``axis``, ``coord_bits`` bits each."""
+        digits = []
+        for _ in range(count):
+            value, digit = divmod(value, self.axis)
+            digits.append(format(digit, f"0{self.coord_bits}b"))
+        return "".join(reversed(digits))
+
+    def sibling_keys(self) -> list[str]:
+        """Up to ``SIDE_READS`` other keys of our grid (our key's length), drawn at random.
+
+        A peer still alone part way into a round reads them for a group with room, and moves
+        there (:meth:`move_sideways`). On a grid whose keys hold a group each, one peer too
+        many under one key leaves a key a peer short somewhere else: the group of the first
+        fills and starts, the peer left over goes to where its line's free place would be,
+        which is taken, and the pattern of one key of 9 and one of 7 (groups of 8) came back
+        round after round, a peer alone each time (the full stack, 64 peers in groups of 8,
+        ``sim_swarm.py``). Where the key holds no whole coordinates (a grid the user laid
+        out with fewer bits than a coordinate), random bits of our length."""
+        n = self.num_bits
+        if n == 0:
+            return []
+        count, rest = divmod(n, self.coord_bits)
+        if rest:
+            picks = self._rng.sample(range(1 << n), min(SIDE_READS + 1, 1 << n))
+            drawn = [format(v, f"0{n}b") for v in picks]
+        else:
+            choices = self.axis**count
+            picks = self._rng.sample(range(choices), min(SIDE_READS + 1, choices))
+            drawn = [self._coordinates(v, count) for v in picks]
+        return [make_group_key(self.prefix, b) for b in drawn if b != self.bits][:SIDE_READS]
+
+    def key_with_room(self, looking: list[tuple[int, str]]) -> str | None:
+        """Of ``(peers looking now, key)`` read under :meth:`sibling_keys`, a key whose group
+        has room for us (at least 2 looking, fewer than the target), drawn at random: the
+        peers left over in one round read the same counts at about the same moment, and the
+        fullest one for each sent all of them to one key (the full stack, 64 peers in groups
+        of 8: three of them onto one key of 7, two left over again). None: no such key."""
+        with_room = sorted(k for c, k in looking if 2 <= c < self.target_group_size)
+        return self._rng.choice(with_room) if with_room else None
+
+    def move_sideways(self, key: str) -> None:
+        """Take ``key`` (one of :meth:`sibling_keys`) for this round: the group we find
+        there places us after the round, as it places its other members."""
+        prefix, bits = parse_group_key(key)
+        if prefix != self.prefix or len(bits) != self.num_bits:
+            raise ValueError(f"{key!r} is not a key of our grid ({self.key!r})")
+        logger.info("alone under %s: moving to %s, where a group has room", self.key, key)
+        self.bits = bits
+
+    def would_follow(self, count: int, own: int) -> bool:
+        """Whether :meth:`follow_longer_now` would move us (asked before leaving a search
+        under our key part way into a round, which only pays if we move)."""
+        return self.adaptive and self._probing > 0 and own <= 1 and count >= 2
 
     def follow_longer_now(self, count: int, own: int, key: str | None = None) -> bool:
         """Before declaring: ``count`` distinct peers are under ``key`` (:meth:`longer_key`,
@@ -368,9 +419,9 @@ class GroupKeyManager:
         1024 peers in groups of 16 needed a 9th round to a variance of 1e-9 in about 1 run
         in 11 (100 seeds), when a peer cut off in both of the first two rounds was left behind
         (``benchmarks/sim_rounds.py --adaptive``)."""
-        dims = self._probing
-        if not self.adaptive or dims < 1 or own > 1 or count < 2:
+        if not self.would_follow(count, own):
             return False
+        dims = self._probing
         bits = self._probe_bits
         if key is not None:
             prefix, bits = parse_group_key(key)

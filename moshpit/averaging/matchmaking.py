@@ -241,6 +241,37 @@ class Matchmaker(LeaderSide):
             self._withdrawn = (key, expiration + WITHDRAWN_EXTRA_SECONDS)
             self.backend.withdraw(key, order, expiration, mode, schema=self.schema)
 
+    @property
+    def alone(self) -> bool:
+        """A search is under way, nobody has joined us, and we are not joining anyone."""
+        rnd = self._round
+        return (
+            rnd is not None
+            and not rnd.finished
+            and not rnd.followers
+            and not rnd.probing
+            and rnd.following is None
+        )
+
+    @property
+    def saw_others_looking(self) -> bool:
+        """Whether a read of the key during the search under way showed another peer
+        looking (a peer that did has no reason to leave it for another key)."""
+        rnd = self._round
+        return rnd is not None and bool(rnd.seen_looking - {rnd.me.peer})
+
+    def leave_if_alone(self) -> bool:
+        """End the search under way (``look_for_group`` returns None at once) if nobody has
+        joined us and we are not joining anyone; False (nothing changes) otherwise. For a
+        peer that finds the swarm under another key part way into a round: its declaration
+        here is then withdrawn by the caller, and it looks for a group there."""
+        rnd = self._round
+        if rnd is None or not self.alone:
+            return False
+        rnd.finished = True
+        rnd.notify()
+        return True
+
     # ---- the searching side ----
 
     async def look_for_group(
@@ -322,7 +353,7 @@ class Matchmaker(LeaderSide):
                 ]
                 candidates = self._in_block_order(rnd, candidates, now)
                 for cand in candidates[:MAX_CANDIDATES]:
-                    if trio.current_time() >= rnd.deadline:
+                    if trio.current_time() >= rnd.deadline or rnd.finished:
                         break
                     outcome = await self._follow_chain(rnd, cand.peer, cand.addrs)
                     if isinstance(outcome, GroupInfo):

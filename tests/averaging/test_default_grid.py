@@ -221,6 +221,42 @@ async def test_a_volunteer_joining_an_adaptive_swarm_averages_in_its_first_round
         assert newcomer.keys.num_bits == 2
 
 
+async def test_a_volunteer_starting_with_the_swarms_round_averages_in_it(
+    autojump_clock, virtual_dht_time
+):
+    # As above, but the 13th peer steps at the same moment as the others, as every peer of
+    # sim_swarm.py does: its look before declaring runs while their declarations are still
+    # being stored, and finds nobody. Before, it then sat alone under the shared key for
+    # the whole round (4 s, twice the others' round). It declares, looks again once the
+    # others have declared, and moves to them within the round.
+    n, m = 13, 4
+    async with moshpit_swarm(n, None, target_group_size=m, min_matchmaking_time=2.0) as (
+        averagers,
+        _,
+    ):
+        newcomer = averagers[-1]
+        swarm = averagers[:-1]
+        for _ in range(3):
+            await step_all(swarm)
+        assert Counter(a.keys.num_bits for a in swarm) == {2: n - 1}
+        results = await step_all(averagers)
+        first = results[-1]
+        assert first.succeeded, first.reason
+        assert len(first.group_key) == len("test.0b01") and 2 <= first.group_size <= m
+        assert all(r.succeeded for r in results), [r.reason for r in results]
+        assert newcomer.keys.num_bits == 2
+        # the shared key it left reads as "not looking" (withdrawn) before its record
+        # expires: a later straggler's look is not misled into staying there for it
+        await trio.sleep(0.5)
+        backend = swarm[0]._attached()[1]
+        left = [
+            c
+            for c in await backend.list_candidates("test.0b")
+            if c.peer == newcomer._attached()[3].peer_id
+        ]
+        assert left and not any(c.looking for c in left)
+
+
 async def test_default_swarm_of_64_forms_moshpit_groups(autojump_clock, virtual_dht_time):
     n, m = 64, 4
     async with moshpit_swarm(n, None, target_group_size=m, min_matchmaking_time=1.0) as (
@@ -254,3 +290,60 @@ async def test_default_swarm_of_64_forms_moshpit_groups(autojump_clock, virtual_
         for a in averagers:
             with a.get_tensors() as ts:
                 assert flat(ts).shape == mean0.shape
+
+
+@pytest.mark.parametrize("late", [0.0, 0.3])
+async def test_the_peer_left_over_on_a_full_key_finds_the_key_a_peer_short(
+    autojump_clock, virtual_dht_time, late
+):
+    # Groups of 4 on a grid: 5 peers under one key and 3 under another (a peer too many
+    # here, one short there, as a missed round leaves them). The first four fill a group
+    # and start; before, the fifth sat the round out, and the pattern came back round after
+    # round (sim_swarm.py, 64 peers in groups of 8: keys of 9 and 7, a peer alone each
+    # round). Alone part way into the round, it reads the other keys and joins the three.
+    bits = ["00"] * 5 + ["01"] * 3
+    async with moshpit_swarm(8, bits, target_group_size=4, min_matchmaking_time=2.0) as (
+        averagers,
+        _,
+    ):
+
+        async def step(i: int) -> None:
+            if i == 4:
+                await trio.sleep(late)  # declares after the other four: the one left over
+            results[i] = await averagers[i].astep()
+
+        results: dict[int, object] = {}
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(step, i)
+        assert all(r.succeeded for r in results.values()), [r.reason for r in results.values()]
+        sizes = sorted(r.group_size for r in results.values())
+        assert sizes == [4] * 8
+        assert Counter(r.group_key for r in results.values()) == {"test.0b00": 4, "test.0b01": 4}
+        if late:
+            assert results[4].group_key == "test.0b01"
+
+
+def test_sibling_keys_cover_a_small_grid_and_a_key_with_room_is_drawn_among_them():
+    km = GroupKeyManager("p", 8, rng=random.Random(0))
+    assert km.sibling_keys() == []  # the shared key has no siblings
+    km.bits = "101"  # a grid of 8 keys (groups of 8): every other key is read
+    km.num_bits = 3
+    siblings = km.sibling_keys()
+    assert sorted(siblings) == sorted(f"p.0b{v:03b}" for v in range(8) if v != 5)
+    # room: 2 or more looking (a group forming), fewer than the target (not full)
+    looking = [(7, "p.0b000"), (8, "p.0b001"), (1, "p.0b010"), (7, "p.0b011"), (0, "p.0b100")]
+    drawn = Counter(km.key_with_room(looking) for _ in range(400))
+    assert set(drawn) == {"p.0b000", "p.0b011"}  # both: peers left over together spread
+    assert min(drawn.values()) > 120
+    assert km.key_with_room([(8, "p.0b000"), (1, "p.0b001")]) is None
+    km.move_sideways("p.0b011")
+    assert km.key == "p.0b011"
+    for bad in ["p.0b01", "q.0b011", "p.0b0110"]:
+        with pytest.raises(ValueError, match="not a key of our grid"):
+            km.move_sideways(bad)
+    # a grid of 2**6 keys (groups of 8 on 2 coordinates): a sample of distinct keys
+    km.bits, km.num_bits = "000111", 6
+    many = km.sibling_keys()
+    assert len(many) == len(set(many)) == 7 and km.key not in many
+    assert all(len(k) == len("p.0b000111") for k in many)

@@ -695,3 +695,38 @@ async def test_members_withdraw_their_declarations_once_the_group_formed(autojum
         for peer, (declaration, _, _) in net.directory["run.0b"].items():
             assert declaration.looking == (peer not in grouped)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_search_left_while_alone_ends_at_once_but_not_once_someone_joined(autojump_clock):
+    # Matchmaker.leave_if_alone: a peer that finds the swarm under another key part way
+    # into a round stops here only if that strands nobody (no follower, no leader asked)
+    async with trio.open_nursery() as nursery:
+        net = LocalNet(nursery)
+        (alone,) = make(net, 1, min_matchmaking_time=5.0)
+        assert not alone.leave_if_alone()  # no search under way: nothing to leave
+        ended: list[float] = []
+
+        async def search() -> None:
+            ended.append(-1.0 if await alone.look_for_group("run.0b", 20.0) else 0.0)
+            ended.append(trio.current_time())
+
+        nursery.start_soon(search)
+        await trio.sleep(1.0)
+        assert alone.leave_if_alone()
+        await trio.sleep(0.1)
+        assert ended[0] == 0.0 and ended[1] < 1.1  # None, without waiting out the window
+        assert not alone.leave_if_alone()  # already left
+
+        pair = make(net, 2, min_matchmaking_time=5.0)
+        found: dict[int, GroupInfo | None] = {}
+
+        async def look(i: int) -> None:
+            found[i] = await pair[i].look_for_group("run.0b1", trio.current_time() + 20.0)
+
+        nursery.start_soon(look, 0)
+        nursery.start_soon(look, 1)
+        await trio.sleep(1.0)  # one follows the other by now (the group waits 5 s to fill)
+        assert not pair[0].leave_if_alone() and not pair[1].leave_if_alone()
+        await trio.sleep(10.0)
+        assert found[0] is not None and found[0] == found[1] and found[0].size == 2
+        nursery.cancel_scope.cancel()

@@ -116,3 +116,23 @@ def test_a_size_hint_between_powers_of_m_gives_keys_that_fill_groups():
     for seed in range(2):
         result = RulesSwarm(cfg, seed).run(seed)
         assert result.rounds_to(result.variances, VARIANCE_TARGET, 99) <= 11, result.variances
+
+
+def test_the_driver_moves_a_peer_left_over_to_a_group_with_room():
+    # 9 peers under one key of a grid of groups of 8 and 7 under another: the driver forms
+    # a group of 8 and leaves one over; that peer joins the 7 (GroupKeyManager.key_with_room)
+    swarm = RulesSwarm(Config(16, 8, grid=8, placement="lines", fail=0.0), seed=0)
+    for i, manager in enumerate(swarm.managers):
+        manager.bits = "000" if i < 9 else "001"
+    by_key, groups = swarm.form_groups(range(16))
+    assert sorted(len(g) for g in groups) == [1, 7, 8]
+    swarm.join_groups_with_room(by_key, groups, failing=set())
+    assert sorted(len(g) for g in groups) == [8, 8]
+    assert sorted(len(p) for p in by_key.values()) == [8, 8]
+    # a failed peer does not look around
+    for i, manager in enumerate(swarm.managers):
+        manager.bits = "000" if i < 9 else "001"
+    by_key, groups = swarm.form_groups(range(16))
+    (alone,) = [g[0] for g in groups if len(g) == 1]
+    swarm.join_groups_with_room(by_key, groups, failing={alone})
+    assert sorted(len(g) for g in groups) == [1, 7, 8]
