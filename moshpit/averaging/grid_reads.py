@@ -162,9 +162,10 @@ async def find_group_on_grid(
 
     - A new or stranded peer (``keys.probe_before_declaring``) reads before it declares and
       may move to a longer key at once (``follow_the_swarm``).
-    - A peer still alone ``look_after`` seconds in (nobody joined it, it follows nobody, and
-      nobody else is looking under its key) looks around (:func:`_look_around`) and may
-      move for the rest of the round (``Matchmaker.leave_if_alone``). To a longer key, if
+    - A peer still alone part way in (``LOOKS_AROUND`` shares of ``look_after``; nobody
+      joined it, it follows nobody, and nobody else is looking under its key) looks around
+      (:func:`_look_around`) and may move for the rest of the round
+      (``Matchmaker.leave_if_alone``). To a longer key, if
       its look before declaring found nobody: peers that start a round together read each
       other's keys while their declarations are still being stored, so the first look of a
       peer stepping with the swarm finds nothing. And on a grid, to a key of the same
