@@ -188,12 +188,18 @@ def test_a_user_grid_never_looks_ahead():
     assert not km.follow_longer_now(count=9, own=1) and km.key == "p.0b01"
 
 
+@pytest.mark.parametrize("starts_after", [0.5, 0.0])
 async def test_a_volunteer_joining_an_adaptive_swarm_averages_in_its_first_round(
-    autojump_clock, virtual_dht_time
+    autojump_clock, virtual_dht_time, starts_after
 ):
     # 12 peers in groups of 4 grow from the shared key to 4 keys of 3 (12 = 4**1.8) after
     # two rounds. A 13th peer that starts then (a restarted VM) begins on the shared key,
     # where nobody is any more: before, it averaged alone there for three rounds.
+    # starts_after=0.5: the others have declared, and its look before declaring finds them.
+    # starts_after=0: it steps at the same moment as the others (as every peer of
+    # sim_swarm.py does), and that look runs while their declarations are still being
+    # stored and finds nobody: before, it then sat alone under the shared key for the whole
+    # round (4 s, twice the others' round). It looks again part way in and moves to them.
     n, m = 13, 4
     async with moshpit_swarm(n, None, target_group_size=m, min_matchmaking_time=2.0) as (
         averagers,
@@ -207,54 +213,27 @@ async def test_a_volunteer_joining_an_adaptive_swarm_averages_in_its_first_round
         assert newcomer.keys.num_bits == 0
         results: dict[str, object] = {}
 
-        async def join_late() -> None:
-            await trio.sleep(0.5)  # the others have declared
+        async def join() -> None:
+            await trio.sleep(starts_after)
             results["newcomer"] = await newcomer.astep()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(join_late)
+            nursery.start_soon(join)
             results["swarm"] = await step_all(swarm)
         first = results["newcomer"]
         assert first.succeeded, first.reason
         assert first.group_key.startswith("test.0b") and len(first.group_key) == len("test.0b01")
         assert 2 <= first.group_size <= m
+        assert all(r.succeeded for r in results["swarm"]), [r.reason for r in results["swarm"]]
         assert newcomer.keys.num_bits == 2
-
-
-async def test_a_volunteer_starting_with_the_swarms_round_averages_in_it(
-    autojump_clock, virtual_dht_time
-):
-    # As above, but the 13th peer steps at the same moment as the others, as every peer of
-    # sim_swarm.py does: its look before declaring runs while their declarations are still
-    # being stored, and finds nobody. Before, it then sat alone under the shared key for
-    # the whole round (4 s, twice the others' round). It declares, looks again once the
-    # others have declared, and moves to them within the round.
-    n, m = 13, 4
-    async with moshpit_swarm(n, None, target_group_size=m, min_matchmaking_time=2.0) as (
-        averagers,
-        _,
-    ):
-        newcomer = averagers[-1]
-        swarm = averagers[:-1]
-        for _ in range(3):
-            await step_all(swarm)
-        assert Counter(a.keys.num_bits for a in swarm) == {2: n - 1}
-        results = await step_all(averagers)
-        first = results[-1]
-        assert first.succeeded, first.reason
-        assert len(first.group_key) == len("test.0b01") and 2 <= first.group_size <= m
-        assert all(r.succeeded for r in results), [r.reason for r in results]
-        assert newcomer.keys.num_bits == 2
-        # the shared key it left reads as "not looking" (withdrawn) before its record
-        # expires: a later straggler's look is not misled into staying there for it
-        await trio.sleep(0.5)
-        backend = swarm[0]._attached()[1]
-        left = [
-            c
-            for c in await backend.list_candidates("test.0b")
-            if c.peer == newcomer._attached()[3].peer_id
-        ]
-        assert left and not any(c.looking for c in left)
+        if starts_after == 0:
+            # the shared key it left reads as "not looking" (withdrawn) before its record
+            # expires: a later straggler's look is not misled into staying there for it
+            await trio.sleep(0.5)
+            backend = swarm[0]._attached()[1]
+            me = newcomer._attached()[3].peer_id
+            left = [c for c in await backend.list_candidates("test.0b") if c.peer == me]
+            assert left and not any(c.looking for c in left)
 
 
 async def test_default_swarm_of_64_forms_moshpit_groups(autojump_clock, virtual_dht_time):
