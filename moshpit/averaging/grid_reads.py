@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -144,6 +145,63 @@ async def _look_around(
     return (side_key, lambda: keys.move_sideways(side_key)) if side_key is not None else None
 
 
+async def _look_ahead(
+    backend: CountingBackend,
+    longer: str,
+    schema: bytes | None,
+    me: PeerID,
+    read_timeout: float,
+    look_after: float,
+    searched: trio.Event,
+    out: list[int],
+) -> None:
+    """The look ahead's read of ``longer``, ``look_after`` seconds in or once the search
+    ended (``find_group_on_grid`` says why not at the start)."""
+    with trio.move_on_after(look_after):
+        await searched.wait()
+    await count_declared(backend, longer, schema, me, read_timeout, out)
+
+
+async def _look_around_while_alone(
+    keys: GroupKeyManager,
+    matchmaker: Matchmaker,
+    backend: CountingBackend,
+    key: str,
+    longer_key: str | None,
+    schema: bytes | None,
+    me: PeerID,
+    read_timeout: float,
+    look_after: float,
+    deadline: float,
+    searched: trio.Event,
+    moved: list[str],
+) -> None:
+    """At each of ``LOOKS_AROUND``, while the search under ``key`` goes on and we are alone
+    in it: :func:`_look_around`, and if it names a key, end the search (only if that strands
+    nobody) and append the key to ``moved`` for ``find_group_on_grid`` to search there."""
+    started = trio.current_time()
+    for share in LOOKS_AROUND:
+        # at a moment of our own: a peer that reads after another moved sees it there
+        at = started + look_after * share * random.uniform(1.0, 1.0 + LOOK_SPREAD)
+        with trio.move_on_at(at):
+            await searched.wait()
+        if searched.is_set():
+            return
+        if not matchmaker.alone:
+            continue
+        if keys.num_bits == 0 and matchmaker.saw_others_looking:
+            return  # a swarm that starts together: everyone sees the others under its key
+        where = None
+        with trio.move_on_at(deadline):
+            where = await _look_around(keys, backend, key, longer_key, schema, me, read_timeout)
+        # nobody joined us meanwhile, and we follow nobody: leaving strands nobody
+        if where is not None and not searched.is_set() and matchmaker.leave_if_alone():
+            target, take = where
+            take()
+            moved.append(target)
+            return
+
+
 async def find_group_on_grid(
     keys: GroupKeyManager,
     matchmaker: Matchmaker,
@@ -193,41 +251,17 @@ async def find_group_on_grid(
     longer_count: list[int] = []
     moved: list[str] = []
 
-    async def look_ahead(longer: str) -> None:
-        with trio.move_on_after(look_after):
-            await searched.wait()
-        await count_declared(backend, longer, schema, me, read_timeout, longer_count)
-
-    async def look_around_while_alone() -> None:
-        started = trio.current_time()
-        for share in LOOKS_AROUND:
-            # at a moment of our own: a peer that reads after another moved sees it there
-            at = started + look_after * share * random.uniform(1.0, 1.0 + LOOK_SPREAD)
-            with trio.move_on_at(at):
-                await searched.wait()
-            if searched.is_set():
-                return
-            if not matchmaker.alone:
-                continue
-            if keys.num_bits == 0 and matchmaker.saw_others_looking:
-                return  # a swarm that starts together: everyone sees the others under its key
-            where = None
-            with trio.move_on_at(deadline):
-                where = await _look_around(
-                    keys, backend, key, longer_key if look_longer else None, schema, me,
-                    read_timeout,
-                )  # fmt: skip
-            # nobody joined us meanwhile, and we follow nobody: leaving strands nobody
-            if where is not None and not searched.is_set() and matchmaker.leave_if_alone():
-                target, take = where
-                take()
-                moved.append(target)
-                return
-
     async with trio.open_nursery() as probing:
         if longer_key is not None:
-            probing.start_soon(look_ahead, longer_key)
-        probing.start_soon(look_around_while_alone)
+            ahead_read = (backend, longer_key, schema, me, read_timeout)
+            probing.start_soon(
+                partial(_look_ahead, *ahead_read, look_after, searched, longer_count)
+            )
+        ahead = longer_key if look_longer else None
+        reads = (keys, matchmaker, backend, key, ahead, schema, me, read_timeout)
+        probing.start_soon(
+            partial(_look_around_while_alone, *reads, look_after, deadline, searched, moved)
+        )
         group = await matchmaker.look_for_group(key, deadline, gather)
         if group is None and moved:
             matchmaker.withdraw_declaration()  # our old key must not read as looking
