@@ -36,7 +36,7 @@ from moshpit.averaging.averager_services import AllReduceServices
 from moshpit.averaging.averager_services import CountingBackend as _CountingBackend
 from moshpit.averaging.config import AveragerConfig
 from moshpit.averaging.errors import AveragingError
-from moshpit.averaging.grid_reads import find_group_on_grid
+from moshpit.averaging.grid_reads import KeyReads, find_group_on_grid
 from moshpit.averaging.group_info import MODE_AUX, MODE_CLIENT, MODE_NODE, GroupInfo
 from moshpit.averaging.group_keys import GroupKeyManager
 from moshpit.averaging.matchmaking import MAX_GATHER_BYTES, Matchmaker, SchemaMemory
@@ -727,10 +727,11 @@ class Averager:
         if mode != matchmaker.mode:
             logger.info("averaging in %s mode%s", mode, f": {why}" if why else "")
             matchmaker.mode = mode
+        reads = KeyReads(backend, self.schema, host.peer_id, self.request_timeout)
+        look_after = min(self.request_timeout, self.min_matchmaking_time / 2)
         group, declared, key = await find_group_on_grid(
-            self.keys, matchmaker, backend, key, self.schema, host.peer_id, self.request_timeout,
-            min(self.request_timeout, self.min_matchmaking_time / 2), deadline, gather,
-        )  # fmt: skip
+            self.keys, matchmaker, reads, key, look_after, deadline, gather
+        )
         self.in_group = group is not None
         conflicts = matchmaker.last_schema_conflicts
         if conflicts and group is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -31,41 +32,52 @@ LOOKS_AROUND = (0.5, 1.0)
 LOOK_SPREAD = 0.4
 
 
-async def count_declared(
-    backend: CountingBackend,
-    key: str,
-    schema: bytes | None,
-    me: PeerID,
-    read_timeout: float,
-    out: list[int],
-    *,
-    looking_now: bool = False,
-    with_us: bool = False,
-) -> None:
-    """Distinct peers of ``schema`` declared under ``key``, appended to ``out`` (nothing on a
-    timeout). ``looking_now``: only those still looking (a withdrawn declaration of a round
-    that ended is kept until it expires, up to ``matchmaking_timeout`` later); ``with_us``:
-    and us, as ``CountingBackend.take_count`` counts."""
-    with trio.move_on_after(read_timeout):
-        found = await backend.list_candidates(key)
-        peers = {
-            c.peer
-            for c in found
-            if (schema is None or c.schema == schema) and (c.looking or not looking_now)
-            and c.peer != me
-        }  # fmt: skip
-        out.append(len(peers) + 1 if with_us else len(peers))
+@dataclass(frozen=True)
+class KeyReads:
+    """What every read of a key needs: the backend, our schema (peers of another schema are
+    never grouped with us, so they do not count), who we are, and how long a read may take
+    (a read that times out gives no count)."""
+
+    backend: CountingBackend
+    schema: bytes | None
+    me: PeerID
+    read_timeout: float
+
+    async def count(
+        self, key: str, out: list[int], *, looking_now: bool, with_us: bool = False
+    ) -> None:
+        """Distinct peers of our schema declared under ``key``, appended to ``out`` (nothing
+        on a timeout). ``looking_now``: only those still looking (a withdrawn declaration of
+        a round that ended is kept until it expires, up to ``matchmaking_timeout`` later);
+        ``with_us``: and us, as ``CountingBackend.take_count`` counts."""
+        with trio.move_on_after(self.read_timeout):
+            found = await self.backend.list_candidates(key)
+            peers = {
+                c.peer
+                for c in found
+                if (self.schema is None or c.schema == self.schema)
+                and (c.looking or not looking_now) and c.peer != self.me
+            }  # fmt: skip
+            out.append(len(peers) + 1 if with_us else len(peers))
+
+    async def own_and_others(
+        self, key: str, others: list[str]
+    ) -> tuple[int | None, list[tuple[int, str]]]:
+        """The peers looking now under our ``key`` (us included; None if the read timed
+        out), and ``(peers looking now, key)`` for each of ``others`` whose read did not:
+        all at once."""
+        own: list[int] = []
+        counts: list[list[int]] = [[] for _ in others]
+        async with trio.open_nursery() as reads:
+            reads.start_soon(partial(self.count, key, own, looking_now=True, with_us=True))
+            for other, count in zip(others, counts, strict=True):
+                reads.start_soon(partial(self.count, other, count, looking_now=True))
+        found = [(c[0], k) for c, k in zip(counts, others, strict=True) if c]
+        return (own[0] if own else None), found
 
 
 async def follow_the_swarm(
-    keys: GroupKeyManager,
-    backend: CountingBackend,
-    key: str,
-    longer_key: str,
-    schema: bytes | None,
-    me: PeerID,
-    read_timeout: float,
-    deadline: float,
+    keys: GroupKeyManager, reads: KeyReads, key: str, longer_key: str, deadline: float
 ) -> bool:
     """Read our ``key``, ``longer_key`` and ``keys.other_longer_keys()`` before declaring;
     True if ``keys`` moved to a longer one (nobody else under ours, a group's worth under
@@ -74,61 +86,27 @@ async def follow_the_swarm(
     own: int | None = None
     found: list[tuple[int, str]] = []
     with trio.move_on_at(deadline):
-        own, found = await _own_and_others(
-            backend, key, [longer_key, *keys.other_longer_keys()], schema, me, read_timeout
-        )
+        own, found = await reads.own_and_others(key, [longer_key, *keys.other_longer_keys()])
     if own is None or not found:
         return False  # the reads timed out: declare under our key as usual
     most, best = max(found)  # the most peers looking: room for us, most likely
     return keys.follow_longer_now(most, own, best)
 
 
-async def _own_and_others(
-    backend: CountingBackend,
-    key: str,
-    others: list[str],
-    schema: bytes | None,
-    me: PeerID,
-    read_timeout: float,
-) -> tuple[int | None, list[tuple[int, str]]]:
-    """The peers looking now under our ``key`` (us included; None if the read timed out),
-    and ``(peers looking now, key)`` for each of ``others`` whose read did not: all at once."""
-    own: list[int] = []
-    counts: list[list[int]] = [[] for _ in others]
-    async with trio.open_nursery() as reads:
-        reads.start_soon(
-            lambda: count_declared(
-                backend, key, schema, me, read_timeout, own, looking_now=True, with_us=True
-            )
-        )
-        for other, count in zip(others, counts, strict=True):
-            reads.start_soon(
-                lambda k=other, out=count: count_declared(
-                    backend, k, schema, me, read_timeout, out, looking_now=True
-                )
-            )
-    return (own[0] if own else None), [(c[0], k) for c, k in zip(counts, others, strict=True) if c]
-
-
 async def _look_around(
-    keys: GroupKeyManager,
-    backend: CountingBackend,
-    key: str,
-    longer_key: str | None,
-    schema: bytes | None,
-    me: PeerID,
-    read_timeout: float,
-) -> tuple[str, Callable[[], object]] | None:
-    """Where a peer still alone under ``key`` part way into a round should go, and how
-    ``keys`` takes it: a longer key with a group's worth of peers looking (``longer_key``
-    and ``keys.other_longer_keys()``, when given: the swarm grew without us), or else a key
-    of our own grid where a group is still looking and has room (``keys.sibling_keys()``).
-    None: stay (somebody else is looking under ours, or nothing better was read)."""
+    keys: GroupKeyManager, reads: KeyReads, key: str, longer_key: str | None
+) -> Callable[[], object] | None:
+    """Where a peer still alone under ``key`` part way into a round should go, as the call
+    that makes ``keys`` take it: a longer key with a group's worth of peers looking
+    (``longer_key`` and ``keys.other_longer_keys()``, when given: the swarm grew without
+    us), or else a key of our own grid where a group is still looking and has room
+    (``keys.sibling_keys()``). None: stay (somebody else is looking under ours, or nothing
+    better was read)."""
     longer = [longer_key, *keys.other_longer_keys()] if longer_key is not None else []
     side = keys.sibling_keys()
     if not longer and not side:
         return None
-    own, found = await _own_and_others(backend, key, longer + side, schema, me, read_timeout)
+    own, found = await reads.own_and_others(key, longer + side)
     found_longer = [(c, k) for c, k in found if k in longer]
     found_side = [(c, k) for c, k in found if k not in longer]
     logger.debug(
@@ -140,37 +118,27 @@ async def _look_around(
     if found_longer:
         most, best = max(found_longer)
         if keys.would_follow(most, own):
-            return best, lambda: keys.follow_longer_now(most, own, best)
+            return partial(keys.follow_longer_now, most, own, best)
     side_key = keys.key_with_room(found_side)
-    return (side_key, lambda: keys.move_sideways(side_key)) if side_key is not None else None
+    return partial(keys.move_sideways, side_key) if side_key is not None else None
 
 
 async def _look_ahead(
-    backend: CountingBackend,
-    longer: str,
-    schema: bytes | None,
-    me: PeerID,
-    read_timeout: float,
-    look_after: float,
-    searched: trio.Event,
-    out: list[int],
+    reads: KeyReads, longer: str, look_after: float, searched: trio.Event, out: list[int]
 ) -> None:
     """The look ahead's read of ``longer``, ``look_after`` seconds in or once the search
     ended (``find_group_on_grid`` says why not at the start)."""
     with trio.move_on_after(look_after):
         await searched.wait()
-    await count_declared(backend, longer, schema, me, read_timeout, out)
+    await reads.count(longer, out, looking_now=False)
 
 
 async def _look_around_while_alone(
     keys: GroupKeyManager,
     matchmaker: Matchmaker,
-    backend: CountingBackend,
+    reads: KeyReads,
     key: str,
     longer_key: str | None,
-    schema: bytes | None,
-    me: PeerID,
-    read_timeout: float,
     look_after: float,
     deadline: float,
     searched: trio.Event,
@@ -178,7 +146,8 @@ async def _look_around_while_alone(
 ) -> None:
     """At each of ``LOOKS_AROUND``, while the search under ``key`` goes on and we are alone
     in it: :func:`_look_around`, and if it names a key, end the search (only if that strands
-    nobody) and append the key to ``moved`` for ``find_group_on_grid`` to search there."""
+    nobody), move ``keys`` there and append the key to ``moved`` for ``find_group_on_grid``
+    to search there."""
     started = trio.current_time()
     for share in LOOKS_AROUND:
         # at a moment of our own: a peer that reads after another moved sees it there
@@ -191,25 +160,21 @@ async def _look_around_while_alone(
             continue
         if keys.num_bits == 0 and matchmaker.saw_others_looking:
             return  # a swarm that starts together: everyone sees the others under its key
-        where = None
+        move = None
         with trio.move_on_at(deadline):
-            where = await _look_around(keys, backend, key, longer_key, schema, me, read_timeout)
+            move = await _look_around(keys, reads, key, longer_key)
         # nobody joined us meanwhile, and we follow nobody: leaving strands nobody
-        if where is not None and not searched.is_set() and matchmaker.leave_if_alone():
-            target, take = where
-            take()
-            moved.append(target)
+        if move is not None and not searched.is_set() and matchmaker.leave_if_alone():
+            move()
+            moved.append(keys.key)
             return
 
 
 async def find_group_on_grid(
     keys: GroupKeyManager,
     matchmaker: Matchmaker,
-    backend: CountingBackend,
+    reads: KeyReads,
     key: str,
-    schema: bytes | None,
-    me: PeerID,
-    read_timeout: float,
     look_after: float,
     deadline: float,
     gather: Any,
@@ -238,14 +203,13 @@ async def find_group_on_grid(
     longer_key = keys.longer_key()
     look_longer = False
     if longer_key is not None and keys.probe_before_declaring:
-        if await follow_the_swarm(
-            keys, backend, key, longer_key, schema, me, read_timeout, deadline
-        ):
+        if await follow_the_swarm(keys, reads, key, longer_key, deadline):
             key, longer_key = keys.key, None
         else:
             look_longer = True
     # the key length may have changed since the last round (adaptive grid)
     matchmaker.start_when_all_joined = keys.num_bits == 0
+    backend = reads.backend
     backend.seen.clear()
     searched = trio.Event()
     longer_count: list[int] = []
@@ -253,14 +217,21 @@ async def find_group_on_grid(
 
     async with trio.open_nursery() as probing:
         if longer_key is not None:
-            ahead_read = (backend, longer_key, schema, me, read_timeout)
-            probing.start_soon(
-                partial(_look_ahead, *ahead_read, look_after, searched, longer_count)
-            )
+            probing.start_soon(_look_ahead, reads, longer_key, look_after, searched, longer_count)
         ahead = longer_key if look_longer else None
-        reads = (keys, matchmaker, backend, key, ahead, schema, me, read_timeout)
         probing.start_soon(
-            partial(_look_around_while_alone, *reads, look_after, deadline, searched, moved)
+            partial(
+                _look_around_while_alone,
+                keys,
+                matchmaker,
+                reads,
+                key,
+                ahead,
+                look_after,
+                deadline,
+                searched,
+                moved,
+            )  # fmt: skip
         )
         group = await matchmaker.look_for_group(key, deadline, gather)
         if group is None and moved:
