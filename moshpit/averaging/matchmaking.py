@@ -379,16 +379,21 @@ class Matchmaker(LeaderSide):
         """Whom to ask, in turn: on a crowded key our block's leader first, then every
         earlier peer (earliest first); a block leader asks nobody while its block may still
         come (see ``matchmaking_blocks.py``)."""
-        candidates = sorted(candidates, key=lambda c: self._arrival(c.order, c.peer))
+        # a peer that went silent on us is asked last: another try costs a request's time
+        candidates = sorted(
+            candidates, key=lambda c: (c.peer in rnd.silent, self._arrival(c.order, c.peer))
+        )
         if rnd.block is not None and not rnd.block_settled:
             return []  # read again at the next poll: the view of the key is still growing
         leader = self._block_leader(rnd)
         if leader is None:
             return candidates
         if leader == rnd.me.peer:
+            if rnd.leading_since is None:
+                rnd.leading_since = now  # the first leader, or the next one after it went silent
             # a leader nobody joined within a request's time is a leader only in its own
             # read of the key: it looks for a group as before
-            if rnd.followers or now < rnd.started + self.request_timeout:
+            if rnd.followers or now < rnd.leading_since + self.request_timeout:
                 return []
             return candidates
         return sorted(candidates, key=lambda c: c.peer != leader)
@@ -398,7 +403,7 @@ class Matchmaker(LeaderSide):
         """Who leads our block (None: no blocks, or nobody left in ours to lead it)."""
         if rnd.block is None:
             return None
-        return rnd.block.leader(passed_over=rnd.gone | rnd.passed_over)
+        return rnd.block.leader(passed_over=rnd.gone | rnd.passed_over | rnd.silent)
 
     async def _read_declarations(self, rnd: MatchmakingRound) -> list[Declaration]:
         """Read the key; return the declarations we may ask to lead us (not us, not banned,
@@ -459,7 +464,7 @@ class Matchmaker(LeaderSide):
                 # a block leader waits for its block only: the withdrawn peers of a crowded
                 # key are mostly this round's other blocks, and a late arrival (or a peer
                 # back from its last round) ranks after us and starts a block of its own
-                coming = rnd.block.members - rnd.passed_over - rnd.gone - {me}
+                coming = rnd.block.members - rnd.passed_over - rnd.gone - rnd.silent - {me}
             rnd.declared = coming
         elif rnd.joins == joins_before:
             rnd.declared = None  # untrusted read (timed out or missing records): keep waiting
@@ -553,6 +558,7 @@ class Matchmaker(LeaderSide):
                 reply = await stream.receive_msg(max_size=MAX_RESPONSE_BYTES)
             if cs.cancelled_caught:
                 logger.debug("join request to %s timed out", peer)
+                self._went_silent(rnd, peer)
                 return RETRY
             self._note_schema_refusal(rnd, peer, reply)
             kind, outcome = self._parse_reply(reply)
@@ -579,6 +585,18 @@ class Matchmaker(LeaderSide):
             rnd.following, rnd.following_addrs = None, ()
             if stream is not None:
                 await _close_join_stream(stream)
+
+    def _went_silent(self, rnd: MatchmakingRound, peer: PeerID) -> None:
+        """``peer`` did not answer within a request's time. If it led our block, the block's
+        next peer leads now: its other members timed out on the same silent peer at about the
+        same time, and kept on it for ``MAX_TRIES`` requests they spent the round asking the
+        peers of other blocks, whose groups had formed (the full stack, 64 peers on the shared
+        key, one block's leader cut: 7-21 peers alone or in pairs). A lead we take now waits a
+        request's time for them, as after a leader that accepted us went away."""
+        if peer == self._block_leader(rnd):
+            rnd.orphaned = trio.current_time()
+        rnd.silent.add(peer)
+        rnd.notify()
 
     def _join_request(self, rnd: MatchmakingRound, remaining: float) -> JoinRequest:
         """What we tell a leader about ourselves (and the followers we bring along)."""

@@ -138,6 +138,11 @@ class MatchmakingRound:
     # asking this round (they would not take us, or were unreachable): none of them leads it
     block: Block[PeerID] | None = None
     passed_over: set[PeerID] = field(default_factory=set)
+    # peers whose answer to a join request did not come within ``request_timeout`` (a machine
+    # gone quiet: stalled links, no reset): asked again only after everyone else, and none of
+    # them leads our block (see ``Matchmaker._in_block_order``)
+    silent: set[PeerID] = field(default_factory=set)
+    leading_since: float | None = None  # when our reads first made us our block's leader
     block_settled: bool = False  # the last read showed no looking peer not seen before
     seen_looking: set[PeerID] = field(default_factory=set)  # every looking peer read so far
     # peers that average tensors of another schema: never grouped with, reported if alone

@@ -112,3 +112,33 @@ async def test_late_arrivals_left_over_by_a_full_group_pair_up(autojump_clock):
             assert sorted(len(m) for m in groups.values()) == [2, 16], options
             assert max(finished[16], finished[17]) < 6.0, (options, finished)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_block_whose_leader_went_silent_forms_around_the_next_peer(autojump_clock):
+    """24 peers on one key, groups of 8, a 6-s window: the first arrival leads its block,
+    and its links stall before anyone reaches it (a machine gone mid-round: no reset, no
+    EOF). Everyone whose first read showed it asks it first, and times out on it after a
+    request's time. A timed-out peer used to stay a candidate (and its block's leader) for
+    two more tries: with 1-ms links the 7 others of its block formed their group only at the
+    deadline, and with 50-ms links no group formed at all (leaders asked it again instead of
+    taking their blocks). In the full stack, 64 peers on the shared key with one block's
+    leader cut left 7-21 peers alone or in pairs. Now a silent peer is asked last and leads
+    nothing: the block's next peer leads, within a second of the timeout."""
+    for latency in (0.001, 0.05):
+        async with trio.open_nursery() as nursery:
+            net = LocalNet(nursery, latency=latency, visibility_delay=0.1)
+            mms = make(
+                net, 24, target_group_size=8, min_matchmaking_time=5.0, request_timeout=3.0,
+                **EARLY,
+            )  # fmt: skip
+            net.freeze(mms[0].backend.local_peer)
+            results, finished = await run_all(
+                mms, ["run.0b"] * 24, window=6.0, starts=[0.0] + [0.05] * 23
+            )
+            groups = check_consistent(mms, results)
+            sizes = sorted(len(m) for m in groups.values())
+            assert sizes == [7, 8, 8], (latency, sizes)
+            assert results[0] is None
+            # one request's time on the silent peer (3 s), then the block's next peer leads
+            assert max(finished[i] for i in range(1, 24)) < 4.5, (latency, finished)
+            nursery.cancel_scope.cancel()
