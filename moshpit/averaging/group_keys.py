@@ -272,14 +272,24 @@ class GroupKeyManager:
         return math.log(max(estimate, 1.0)) / math.log(self.target_group_size)
 
     def _wanted_dimensions(self) -> int:
-        """Shrink on the median of all recent estimates; grow on the median of those from
+        """Shrink on the median of all recent estimates; grow on the largest of those from
         counts that saw someone else. A count of 1 says our key was empty (or our read of
         it failed), which argues for a smaller grid but says nothing against a larger one:
         150 peers in groups of 16 read ~150 on the shared key, and a peer that had also
         counted 1 in a round it was cut off held a median of 75, stayed on the shared key
         while the rest grew, and kept a cluster of 5 apart for 2-4 rounds (10.2 rounds to a
         variance of 1e-9, now 9.1; 256 peers 7.85, now 6.3, with the two changes beside it:
-        ``sim_rounds.py --adaptive``)."""
+        ``sim_rounds.py --adaptive``). On the shared key a count only misses peers (a read
+        sees the declarations stored so far, a peer stops reading once its group is whole,
+        and a record left by an earlier round names a peer of the swarm all the same), so
+        growth takes the newest count there where it is above that median: a peer whose
+        block filled within its first read of a swarm's first round counted 8 of 64, held a
+        median of 35 after round 2 (below the margin, groups of 8), and stayed on the
+        shared key with the two others of its group while the other 61 grew (the full
+        stack, 64 peers: a round as a pair, then a round to follow the swarm ahead). Not
+        the largest of the window: a swarm that shrank would grow on a count from before.
+        Not on a grid key, whose count includes the last round's peers of that key, who
+        have moved on (64 peers in groups of 4: 29 grew a dimension too far)."""
         est = self.swarm_size_estimate
         d = self.dimensions
         if est is None or self._since_resize < MIN_ESTIMATES or self.target_group_size < 2:
@@ -287,7 +297,10 @@ class GroupKeyManager:
         level = self._level(est)
         seen_others = [e for e, alone in self._estimates if not alone]
         if seen_others:
-            level_seen = self._level(statistics.median(seen_others))
+            seen = statistics.median(seen_others)
+            if self.num_bits == 0:  # the shared key: counts only miss peers
+                seen = max(seen, seen_others[-1])
+            level_seen = self._level(seen)
             if level_seen > d + DIMENSION_MARGIN:
                 level = level_seen
         if d - DIMENSION_MARGIN <= level <= d + DIMENSION_MARGIN:

@@ -313,6 +313,22 @@ def test_a_peer_missing_round_after_round_wanders_at_random():
     assert len(later) > 1
 
 
+def test_a_peer_whose_first_read_saw_a_few_grows_with_the_swarm():
+    # 64 peers on the shared key, groups of 8: a peer whose block filled within its first
+    # read of the swarm's first round counted 8; in round 2 it read 63. The median (35)
+    # kept it on the shared key while the swarm grew; counts only ever miss peers
+    m = GroupKeyManager("p", 8, rng=random.Random(5))
+    m.update_after_round(b"a" * 16, list(range(8)), 0, declared=8)
+    m.update_after_round(b"b" * 16, list(range(8)), 0, declared=63)
+    assert m.num_bits == 3
+    # the newest count, not the largest: a swarm that shrank from 40 to 20 peers does not
+    # grow on the count from before (it would hold keys of 2-3 peers)
+    m = GroupKeyManager("p", 8, rng=random.Random(5))
+    for declared in (40, 20, 20):
+        m.update_after_round(os.urandom(16), list(range(8)), 0, declared=declared)
+    assert m.num_bits == 0
+
+
 def test_a_peer_left_on_a_shorter_grid_follows_the_swarm_that_grew():
     # 58 of 64 peers grew to a 2-d grid (3 bits) while 6 stayed on the shared key: their
     # estimates, from early reads of a crowded key, were low. They then met only each other
