@@ -94,14 +94,20 @@ async def follow_the_swarm(
 
 
 async def _look_around(
-    keys: GroupKeyManager, reads: KeyReads, key: str, longer_key: str | None
+    keys: GroupKeyManager,
+    reads: KeyReads,
+    key: str,
+    longer_key: str | None,
+    left_over: Callable[[], bool] = lambda: False,
 ) -> Callable[[], object] | None:
     """Where a peer still alone under ``key`` part way into a round should go, as the call
     that makes ``keys`` take it: a longer key with a group's worth of peers looking
     (``longer_key`` and ``keys.other_longer_keys()``, when given: the swarm grew without
     us), or else a key of our own grid where a group is still looking and has room
     (``keys.sibling_keys()``). None: stay (somebody else is looking under ours, or nothing
-    better was read)."""
+    better was read). ``left_over``: whether the ranking of our key's peers left us a
+    block of our own (``Matchmaker.left_over``), in which case the others' count is no
+    reason to stay."""
     longer = [longer_key, *keys.other_longer_keys()] if longer_key is not None else []
     side = keys.sibling_keys()
     if not longer and not side:
@@ -113,6 +119,8 @@ async def _look_around(
         "alone under %s part way into the round: %s looking there, longer keys %s, others %s",
         key, "?" if own is None else own, found_longer, found_side,
     )  # fmt: skip
+    if own is not None and own > 1 and left_over():
+        own = 1  # the others fill whole groups without us
     if own is None or own > 1:
         return None
     if found_longer:
@@ -162,7 +170,7 @@ async def _look_around_while_alone(
             return  # a swarm that starts together: everyone sees the others under its key
         move = None
         with trio.move_on_at(deadline):
-            move = await _look_around(keys, reads, key, longer_key)
+            move = await _look_around(keys, reads, key, longer_key, lambda: matchmaker.left_over)
         # nobody joined us meanwhile, and we follow nobody: leaving strands nobody
         if move is not None and not searched.is_set() and matchmaker.leave_if_alone():
             move()

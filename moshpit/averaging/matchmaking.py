@@ -260,6 +260,19 @@ class Matchmaker(LeaderSide):
         rnd = self._round
         return rnd is not None and bool(rnd.seen_looking - {rnd.me.peer})
 
+    @property
+    def left_over(self) -> bool:
+        """Whether the ranking of the key's looking peers left us a block of our own: the
+        others fill whole groups, and nobody is coming to us but a late arrival. A read of
+        the key can still show them looking for a while after their group formed (their
+        withdrawals are DHT stores: 2-3 s on the simulated WAN)."""
+        rnd = self._round
+        return (
+            rnd is not None
+            and rnd.block is not None
+            and rnd.block.members == frozenset((rnd.me.peer,))
+        )
+
     def leave_if_alone(self) -> bool:
         """End the search under way (``look_for_group`` returns None at once) if nobody has
         joined us and we are not joining anyone; False (nothing changes) otherwise. For a

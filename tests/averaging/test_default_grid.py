@@ -303,6 +303,32 @@ async def test_the_peer_left_over_on_a_full_key_finds_the_key_a_peer_short(
             assert results[4].group_key == "test.0b01"
 
 
+async def test_the_peer_the_ranking_leaves_over_moves_before_the_others_withdraw(
+    autojump_clock, virtual_dht_time
+):
+    # The same 5 + 3 peers on 50-ms links with the default request timeout (3 s). The key
+    # of five is ranked into a block of four and a block of one; the four form their group
+    # at once, but their withdrawals are DHT stores and a read still shows them looking at
+    # both looks around (the simulated WAN: 2-3 s after the group formed). The fifth used
+    # to stay for that count, and sat the round out (6 of 6 runs: groups of 4 and 3, one
+    # alone); a block of its own is reason enough to move
+    bits = ["00"] * 5 + ["01"] * 3
+    async with moshpit_swarm(
+        8, bits, latency=0.05, target_group_size=4, min_matchmaking_time=2.0,
+        request_timeout=3.0,
+    ) as (averagers, _):  # fmt: skip
+        results: dict[int, object] = {}
+
+        async def step(i: int) -> None:
+            results[i] = await averagers[i].astep()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(step, i)
+        assert all(r.succeeded for r in results.values()), [r.reason for r in results.values()]
+        assert sorted(r.group_size for r in results.values()) == [4] * 8
+
+
 def test_sibling_keys_cover_a_small_grid_and_a_key_with_room_is_drawn_among_them():
     km = GroupKeyManager("p", 8, rng=random.Random(0))
     assert km.sibling_keys() == []  # the shared key has no siblings
