@@ -22,9 +22,40 @@ import torch
 
 from moshpit.training.errors import NoDonorError, StateDownloadError
 
-__all__ = ["LoopLimits", "LoopProgress", "run_volunteer_loop"]
+__all__ = ["LoopLimits", "LoopProgress", "RateCap", "run_volunteer_loop"]
 
 LOSS_EMA = 0.9  # weight of the older losses in the reported moving average
+# seconds of samples a capped loop may make up after a stall (an averaging round, a state
+# download): a cap is a cap, not an average to be reached over the whole run
+RATE_SLACK = 0.1
+
+
+class RateCap:
+    """Paces a loop to at most ``rate`` samples per second.
+
+    Paced against the loop's start alone, a loop that stalled (an averaging round, a state
+    download) then ran uncapped until it had caught up: a peer capped at 800 samples/s made
+    bursts of its full speed after every round, and published ~1900 samples/s (its samples/s
+    leaves the stalls out, as it should; the bursts stayed in). Here a stall moves the
+    baseline on, so that at most ``slack`` seconds' worth is made up."""
+
+    def __init__(
+        self, rate: float, slack: float = RATE_SLACK, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not rate > 0 or not slack >= 0:
+            raise ValueError(f"rate must be > 0 and slack >= 0, got {rate!r} and {slack!r}")
+        self.rate, self.slack, self._clock = rate, slack, clock
+        self._since = clock()  # the baseline: samples counted from here
+        self._base = 0
+
+    def pause(self, samples: int) -> float:
+        """Seconds to wait before going on, ``samples`` (cumulative) made so far."""
+        now = self._clock()
+        due = self._since + (samples - self._base) / self.rate
+        behind = now - due
+        if behind > self.slack:  # a stall: do not make it up
+            self._since += behind - self.slack
+        return max(0.0, due - now)
 
 
 @dataclass(frozen=True)
@@ -77,6 +108,7 @@ def run_volunteer_loop(
     # report_every seconds the first step's report was skipped
     last_report = -math.inf
     stop = threading.Event() if stop is None else stop
+    cap = RateCap(limits.max_rate) if limits.max_rate else None
     while not stop.is_set():
         x, y = next(batches)
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -100,8 +132,8 @@ def run_volunteer_loop(
             report(progress)
         if done:
             break
-        if limits.max_rate:
-            ahead = progress.samples / limits.max_rate - (time.monotonic() - progress.started)
+        if cap is not None:
+            ahead = cap.pause(progress.samples)
             if ahead > 0:
                 stop.wait(min(ahead, 1.0))  # a stop cuts the pause short
     return progress

@@ -7,10 +7,11 @@ import threading
 import time
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from moshpit.training.errors import NoDonorError
-from moshpit.training.volunteer import LoopLimits, LoopProgress, run_volunteer_loop
+from moshpit.training.volunteer import LoopLimits, LoopProgress, RateCap, run_volunteer_loop
 
 
 class CountingOptimizer:
@@ -84,3 +85,29 @@ def test_duration_ends_the_loop() -> None:
         report=lambda p: None, warn=lambda w: None,
     )  # fmt: skip
     assert done.steps > 1 and time.monotonic() - done.started >= 0.2
+
+
+def test_a_capped_loop_does_not_make_up_a_stall_at_full_speed() -> None:
+    # 800 samples/s in steps of 8 (10 ms each), then a 2-s stall (an averaging round). Paced
+    # against the start alone, the next 1600 samples went through with no pause at all
+    now = [0.0]
+    cap = RateCap(800.0, slack=0.1, clock=lambda: now[0])
+    samples = 0
+    for _ in range(100):  # 1 s at the cap: each step waits out its 10 ms
+        samples += 8
+        now[0] += cap.pause(samples)
+    assert abs(now[0] - 1.0) < 1e-9
+    now[0] += 2.0  # the stall
+    burst = 0
+    while (wait := cap.pause(samples + 8 * (burst + 1))) == 0.0:
+        burst += 1
+    assert burst * 8 <= 0.1 * 800 + 8  # the slack's worth without a pause (a step at the edge)
+    samples += 8 * (burst + 1)
+    now[0] += wait
+    start = now[0]
+    for _ in range(100):  # and the cap holds after it
+        samples += 8
+        now[0] += cap.pause(samples)
+    assert abs((now[0] - start) - 1.0) < 1e-9
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        RateCap(0.0)
