@@ -45,13 +45,12 @@ class RateCap:
         if not rate > 0 or not slack >= 0:
             raise ValueError(f"rate must be > 0 and slack >= 0, got {rate!r} and {slack!r}")
         self.rate, self.slack, self._clock = rate, slack, clock
-        self._since = clock()  # the baseline: samples counted from here
-        self._base = 0
+        self._since = clock()  # when the samples counted would have started at the cap
 
     def pause(self, samples: int) -> float:
         """Seconds to wait before going on, ``samples`` (cumulative) made so far."""
         now = self._clock()
-        due = self._since + (samples - self._base) / self.rate
+        due = self._since + samples / self.rate
         behind = now - due
         if behind > self.slack:  # a stall: do not make it up
             self._since += behind - self.slack
