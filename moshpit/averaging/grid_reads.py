@@ -98,7 +98,7 @@ async def _look_around(
     reads: KeyReads,
     key: str,
     longer_key: str | None,
-    left_over: Callable[[], bool] = lambda: False,
+    left_over: Callable[[], bool],
 ) -> Callable[[], object] | None:
     """Where a peer still alone under ``key`` part way into a round should go, as the call
     that makes ``keys`` take it: a longer key with a group's worth of peers looking
@@ -106,8 +106,8 @@ async def _look_around(
     us), or else a key of our own grid where a group is still looking and has room
     (``keys.sibling_keys()``). None: stay (somebody else is looking under ours, or nothing
     better was read). ``left_over``: whether the ranking of our key's peers left us a
-    block of our own (``Matchmaker.left_over``), in which case the others' count is no
-    reason to stay."""
+    block of our own (``Matchmaker.left_over``, asked once the read is in), in which case
+    the others' count is no reason to stay."""
     longer = [longer_key, *keys.other_longer_keys()] if longer_key is not None else []
     side = keys.sibling_keys()
     if not longer and not side:

@@ -273,8 +273,9 @@ class GroupKeyManager:
 
     def _wanted_dimensions(self) -> int:
         """Shrink on the median of all recent estimates; grow on the median of those from
-        counts that saw someone else (on the shared key, the newest where larger). A count of 1 says our key was empty (or our read of
-        it failed), which argues for a smaller grid but says nothing against a larger one:
+        counts that saw someone else (on the shared key, the newest where larger). A count
+        of 1 says our key was empty (or our read of it failed), which argues for a smaller
+        grid but says nothing against a larger one:
         150 peers in groups of 16 read ~150 on the shared key, and a peer that had also
         counted 1 in a round it was cut off held a median of 75, stayed on the shared key
         while the rest grew, and kept a cluster of 5 apart for 2-4 rounds (10.2 rounds to a
