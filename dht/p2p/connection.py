@@ -37,8 +37,12 @@ class Connection:
         self.session = session
         self.outbound = outbound
         self.remote_addr = remote_addr
-        self.last_used = trio.current_time()  # last stream opened or accepted
+        self.opened_at = trio.current_time()
+        self.last_used = self.opened_at  # last stream opened or accepted
         self.identified = trio.Event()  # our identify exchange on it finished (or failed)
+        # the protocols the remote listed in its identify answer (empty until then, or if
+        # identify failed): hole punching asks whether the peer speaks DCUtR at all
+        self.remote_protocols: frozenset[str] = frozenset()
         # through a circuit relay (relay.py): limited in bytes and time, used only when there
         # is no direct connection; relay_limit is the relay's Limit (None: it stated none)
         self.relayed = False

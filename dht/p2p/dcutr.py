@@ -39,13 +39,15 @@ exchange (logged with the reason, rate-limited), the addresses dialed are filter
 IPv4/IPv6 only; no loopback, link-local, unspecified, multicast, relayed addresses), every
 wait has a timeout, and a peer can start only a few exchanges per minute.
 
-The messages and their strict codec are in ``dcutr_messages.py`` (re-exported here).
+The messages and their strict codec are in ``dcutr_messages.py`` (re-exported here); one
+attempt's dials and socket take-overs in ``dcutr_punch.py``.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ import trio
 
 from .._logging import RateLimitedLogger
 from . import multistream
-from .connection import Connection, close_quietly
+from .connection import Connection
 from .dcutr_messages import (
     MAX_ADDRS,
     MAX_MESSAGE_SIZE,
@@ -65,9 +67,10 @@ from .dcutr_messages import (
     encode_hole_punch,
     frame,
 )
+from .dcutr_punch import STREAM_ERRORS as _STREAM_ERRORS
+from .dcutr_punch import Punch
 from .errors import (
     MessageTooLargeError,
-    P2PError,
     P2PTimeoutError,
     ProtocolNegotiationError,
     ProtocolViolationError,
@@ -82,8 +85,9 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL_ID = "/libp2p/dcutr"
 MAX_TRACKED_PEERS = 1024  # per-peer rate-limit state kept (least recently seen dropped)
-MAX_DIALS_PER_ADDR = 4  # per attempt: the first dial and up to 3 after an immediate failure
-_STREAM_ERRORS = (P2PError, trio.BrokenResourceError, trio.ClosedResourceError)
+# after this many exchanges in a row ended without a direct connection (behind a symmetric
+# NAT every one does), wait_for_direct stops waiting for punches: they go on, nobody waits
+HOPELESS_AFTER_FAILURES = 3
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -210,6 +214,9 @@ class HolePunchConfig:
     # it is closed (it is closed at once when idle); still busy then, the relay's limits end it
     retire_grace: float = 30.0
     retire_poll: float = 0.5
+    # A: after we dial a peer that speaks DCUtR through a relay, how long we count on its
+    # CONNECT arriving (B waits for identify first); wait_for_direct waits no longer for it
+    exchange_expected_within: float = 3.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -232,6 +239,7 @@ class HolePunchConfig:
             "rate_window",
             "retire_grace",
             "retire_poll",
+            "exchange_expected_within",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(
@@ -292,6 +300,10 @@ class HolePuncher:
         # per peer, events set when a direct connection to it registers (see _watch_direct)
         self._direct: dict[PeerID, list[trio.Event]] = {}
         self._recent: OrderedDict[PeerID, deque[float]] = OrderedDict()
+        # set (and replaced) when a connection registers or an exchange ends: what
+        # wait_for_direct wakes on
+        self._changed = trio.Event()
+        self._failed_in_a_row = 0  # exchanges ended without a direct connection since a success
         self._log = RateLimitedLogger(logger, host.limits.log_interval, clock=trio.current_time)
 
     # -- switching ------------------------------------------------------------------------------
@@ -328,8 +340,13 @@ class HolePuncher:
                 return conn.remote_addr
         return ""
 
+    def _wake_waiters(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
     def _on_connection(self, conn: Connection) -> None:
         """Host hook: every registered connection."""
+        self._wake_waiters()
         peer = conn.peer_id
         if not conn.relayed:
             events = self._direct.get(peer)
@@ -359,6 +376,8 @@ class HolePuncher:
 
     def _finish(self, result: HolePunchResult) -> None:
         self.results.append(result)
+        self._failed_in_a_row = 0 if result.success else self._failed_in_a_row + 1
+        self._wake_waiters()
         if result.success:
             self.stats.succeeded += 1
         else:
@@ -368,6 +387,53 @@ class HolePuncher:
                 callback(result)
             except Exception:
                 logger.exception("hole punch observer failed")
+
+    # -- before a bulk transfer ------------------------------------------------------------------
+    def _punch_expected_until(self, peer: PeerID) -> float | None:
+        """Until when a hole punch with ``peer`` may still bring a direct connection (inf
+        while an exchange is under way), or None if none is coming.
+
+        B starts its exchange as the relayed connection registers, so it knows; A only
+        expects one on a relayed connection it dialed to a peer that speaks DCUtR, for
+        ``exchange_expected_within`` seconds, unless an exchange began on it already. Nothing
+        is coming either once our punches keep failing (``HOPELESS_AFTER_FAILURES``)."""
+        if not self.enabled or self._has_direct(peer):
+            return None
+        if self._failed_in_a_row >= HOPELESS_AFTER_FAILURES:
+            return None
+        if peer in self._initiating or peer in self._answering:
+            return math.inf
+        now = trio.current_time()
+        times = self._recent.get(peer)
+        last_exchange = times[-1] if times else -math.inf
+        until = None
+        for conn in self.host.connections(peer):
+            speaks = not conn.identified.is_set() or PROTOCOL_ID in conn.remote_protocols
+            end = conn.opened_at + self.config.exchange_expected_within
+            if conn.relayed and conn.outbound and speaks and last_exchange < conn.opened_at:
+                if end > now and (until is None or end > until):
+                    until = end
+        return until
+
+    async def wait_for_direct(self, peer: PeerID, timeout: float) -> bool:  # noqa: ASYNC109
+        """Wait at most ``timeout`` seconds while a hole punch with ``peer`` is under way or
+        about to begin; True if we hold a direct connection to it now.
+
+        For bulk transfers: a relay's bytes are its operator's (often the one public
+        bootstrap everyone shares), and its circuits are capped, so bytes that can wait a
+        moment for the punched connection should."""
+        with trio.move_on_after(timeout):
+            while (until := self._punch_expected_until(peer)) is not None:
+                changed = self._changed
+                # until identify answers, A cannot tell whether the peer speaks DCUtR at all
+                unidentified = [
+                    c.identified
+                    for c in self.host.connections(peer)
+                    if c.relayed and c.outbound and not c.identified.is_set()
+                ]
+                with trio.move_on_at(until):
+                    await (unidentified[0] if unidentified else changed).wait()
+        return self._has_direct(peer)
 
     async def _our_addrs(self) -> list[Multiaddr]:
         """Our addresses to offer, after a bounded wait for identify on direct connections
@@ -663,10 +729,16 @@ class HolePuncher:
         started = trio.current_time()
         reason = ""
         direct = self._watch_direct(peer)
+        punch = Punch(self.host, self.config, peer, outbound=True, direct=direct)
         try:
             try:
                 connect = await self._receive(stream, HolePunchType.CONNECT)
                 theirs = self._theirs(connect, peer)
+                # B dials half a round trip after its SYNC: under load that SYN can reach
+                # our listener before we read the SYNC. Claimed from now on, such a socket
+                # waits for the punch instead of sitting in the accept path, where both
+                # sides would wait for the other to speak first
+                punch.claim(self._targets(theirs))
                 ours = await self._our_addrs()
                 await self._send(stream, HolePunch(HolePunchType.CONNECT, tuple(ours)))
                 await self._receive(stream, HolePunchType.SYNC)
@@ -694,17 +766,34 @@ class HolePuncher:
                 return
             if not ours:
                 reason = "we had no address to offer"
-            addr = await self._punch(peer, theirs, outbound=True, direct=direct)
+            addr = await self._punch(peer, theirs, outbound=True, direct=direct, punch=punch)
             if addr is None:
                 reason = f"no direct connection within {self.config.punch_timeout:.1f}s"
         finally:
+            await punch.end()
             self._unwatch_direct(peer, direct)
             self._answering.discard(peer)
             self._conclude(peer, False, 1, trio.current_time() - started, reason)
 
     # -- the punch itself -----------------------------------------------------------------------
+    def _targets(self, addrs: list[Multiaddr]) -> list[tuple[Multiaddr, int]]:
+        """The addresses we can punch, each with our listen port of its IP version."""
+        ports = listen_ports(self.host)
+        targets: list[tuple[Multiaddr, int]] = []
+        for addr in addrs:
+            endpoint = _ip_port(addr)
+            if endpoint is not None and endpoint[0].version in ports:
+                targets.append((addr, ports[endpoint[0].version]))
+        return targets
+
     async def _punch(
-        self, peer: PeerID, addrs: list[Multiaddr], *, outbound: bool, direct: trio.Event
+        self,
+        peer: PeerID,
+        addrs: list[Multiaddr],
+        *,
+        outbound: bool,
+        direct: trio.Event,
+        punch: Punch | None = None,
     ) -> str | None:
         """Dial every address from our listen port for ``punch_timeout`` and secure the first
         connection that comes up, ``outbound`` (A) or not (B) whichever way TCP connected;
@@ -715,18 +804,15 @@ class HolePuncher:
         cannot know which one A picked). A socket that reaches A's listener from one of B's
         addresses (no NAT in the way, or B's SYN came first) is taken over from the accept
         path so A stays the initiator; one that reaches B's listener takes the normal
-        inbound path, where B is the responder anyway."""
-        ports = listen_ports(self.host)
-        targets: list[tuple[Multiaddr, int]] = []
-        for addr in addrs:
-            endpoint = _ip_port(addr)
-            if endpoint is not None and endpoint[0].version in ports:
-                targets.append((addr, ports[endpoint[0].version]))
+        inbound path, where B is the responder anyway. ``punch``: A's, its claims made
+        early."""
+        targets = self._targets(addrs)
         if self._has_direct(peer):  # the peer's dial reached our listener already
             return self._direct_addr(peer)
         if not targets:
             return None
-        punch = _Punch(self.host, self.config, peer, outbound=outbound, direct=direct)
+        if punch is None:
+            punch = Punch(self.host, self.config, peer, outbound=outbound, direct=direct)
         winner = await punch.run(targets)
         if winner is not None:
             return winner.remote_addr
@@ -739,128 +825,6 @@ class HolePuncher:
                 "; ".join(f"{k}: {v}" for k, v in punch.failures.items()),
             )
         return None
-
-
-class _Punch:
-    """One attempt's dials, sockets taken over from the accept path, and upgrades (see
-    :meth:`HolePuncher._punch` for the rules). ``failures``: why each address failed."""
-
-    def __init__(
-        self,
-        host: Host,
-        config: HolePunchConfig,
-        peer: PeerID,
-        *,
-        outbound: bool,
-        direct: trio.Event,
-    ) -> None:
-        self.host = host
-        self.config = config
-        self.peer = peer
-        self.outbound = outbound
-        self.direct = direct
-        self.failures: dict[str, str] = {}
-        self.winners: list[Connection] = []
-        self._send, self._taken = trio.open_memory_channel[tuple[trio.abc.Stream, str]](4)
-        self._claim = self._offer  # one bound method: release_inbound compares identity
-        self._claimed: list[str] = []
-
-    async def run(self, targets: list[tuple[Multiaddr, int]]) -> Connection | None:
-        """Dial ``(address, local port)`` targets for ``punch_timeout``; the first connection
-        registered, or None."""
-        try:
-            if self.outbound:
-                for target, _ in targets:
-                    key = ":".join(map(str, target.tcp_endpoint()))  # as accept() names it
-                    if self.host.claim_inbound(key, self._claim):
-                        self._claimed.append(key)
-            async with trio.open_nursery() as upgrades:
-                with trio.move_on_after(self.config.punch_timeout):
-                    async with trio.open_nursery() as dials:
-                        for target, port in targets:
-                            dials.start_soon(self._dial, target, port, upgrades)
-                        dials.start_soon(self._watch, dials)
-                        if self.outbound:
-                            dials.start_soon(self._take_over, upgrades)
-                self._release()  # dialing is over: the accept path gets them back
-        finally:
-            self._release()
-            await self._close_leftovers()
-        return self.winners[0] if self.winners else None
-
-    def _offer(self, raw: trio.abc.Stream, remote: str) -> bool:
-        """The inbound claim: a socket from one of the peer's addresses (A only)."""
-        try:
-            self._send.send_nowait((raw, remote))
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            return False
-        return True
-
-    def _release(self) -> None:
-        for key in self._claimed:
-            self.host.release_inbound(key, self._claim)
-        self._claimed.clear()
-
-    async def _close_leftovers(self) -> None:
-        """Close the sockets handed over but never upgraded."""
-        self._send.close()
-        with trio.CancelScope(shield=True):
-            while True:
-                try:
-                    raw, _ = self._taken.receive_nowait()
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-                await close_quietly(raw)
-            self._taken.close()
-
-    async def _upgrade(self, raw: trio.abc.Stream, name: str, upgrades: trio.Nursery) -> None:
-        host, outbound = self.host, self.outbound
-        try:
-            conn = await host.upgrade_raw_connection(raw, self.peer, outbound=outbound, name=name)
-        except (*_STREAM_ERRORS, OSError) as e:
-            self.failures[name] = error_reason(e)
-            return
-        except Exception as e:  # untrusted input must not take the host down
-            logger.warning("dcutr: securing %s failed: unexpected %s", name, error_reason(e))
-            self.failures[name] = error_reason(e)
-            return
-        if outbound and self.winners:
-            await close_quietly(conn.session)  # lost the race; never started
-            return
-        conn.hole_punched = True
-        if not await host.add_connection(conn):
-            self.failures[name] = "connection limit reached or host closing"
-            return
-        self.winners.append(conn)
-        if outbound:
-            upgrades.cancel_scope.cancel()  # the rest of this attempt, dials included
-
-    async def _dial(self, target: Multiaddr, port: int, upgrades: trio.Nursery) -> None:
-        name = str(target)
-        for _ in range(MAX_DIALS_PER_ADDR):
-            try:
-                raw = await self.host.transport.dial(
-                    target, timeout=self.config.punch_timeout, local_port=port
-                )
-            except P2PTimeoutError as e:
-                self.failures[name] = str(e)
-                return
-            except OSError as e:
-                # refused or unreachable at once: a NAT that reset our SYN before the
-                # other side's SYN opened the way; try again while the attempt lasts
-                self.failures[name] = error_reason(e)
-                await trio.sleep(self.config.redial_interval)
-                continue
-            upgrades.start_soon(self._upgrade, raw, name, upgrades)
-            return
-
-    async def _take_over(self, upgrades: trio.Nursery) -> None:
-        async for raw, remote in self._taken:
-            upgrades.start_soon(self._upgrade, raw, remote, upgrades)
-
-    async def _watch(self, dials: trio.Nursery) -> None:
-        await self.direct.wait()
-        dials.cancel_scope.cancel()
 
 
 def start_hole_punching(host: Host) -> None:

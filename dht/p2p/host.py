@@ -793,14 +793,20 @@ class Host:
         timeout: float = 10.0,  # noqa: ASYNC109 - the documented API takes a timeout
         *,
         lazy: bool = False,
+        direct_wait: float = 0.0,
     ) -> P2PStream:
         """Open a stream speaking ``protocol`` (dialing via the peerstore if needed).
 
         With ``lazy=True`` the protocol proposal is sent along with the first data and a
         refusal surfaces as ProtocolNegotiationError on the first read (saves a round trip).
+        ``direct_wait``: for bulk transfers, seconds the stream may wait for a hole punch that
+        is under way (or that our relayed dial starts) rather than take the relayed
+        connection (``dcutr.HolePuncher.wait_for_direct``); within ``timeout``.
         """
         with trio.move_on_after(timeout) as scope:
-            return await self.open_stream(peer_id, protocol, timeout, lazy=lazy)
+            return await self.open_stream(
+                peer_id, protocol, timeout, lazy=lazy, direct_wait=direct_wait
+            )
         assert scope.cancelled_caught
         raise P2PTimeoutError(f"opening {protocol} to {peer_id.short()} timed out after {timeout}s")
 
@@ -811,11 +817,15 @@ class Host:
         timeout: float,  # noqa: ASYNC109 - bounds the dial only, see the docstring
         *,
         lazy: bool = False,
+        direct_wait: float = 0.0,
     ) -> P2PStream:
         """:meth:`new_stream` without a deadline of its own: ``timeout`` bounds waiting for a
         dial, the caller bounds the whole (protocols that put several steps under one
         deadline: a relay request and its answer, an RPC)."""
         conn = await self._get_connection(peer_id, timeout)
+        if conn.relayed and direct_wait > 0 and self.hole_puncher is not None:
+            if await self.hole_puncher.wait_for_direct(peer_id, direct_wait):
+                conn = self.best_connection(peer_id) or conn
         ystream = await conn.session.open_stream()
         conn.last_used = trio.current_time()
         try:
@@ -917,6 +927,7 @@ class Host:
                 ystream.reset()
                 return
             await ystream.aclose()
+            conn.remote_protocols = frozenset(info.protocols)
             if not conn.relayed:  # over a circuit the remote sees the relay, not us
                 self.observed_addrs.record(conn.peer_id, info.observed_addr)
             addrs = [a for a in info.listen_addrs if a.is_circuit() or self.transport.can_dial(a)]

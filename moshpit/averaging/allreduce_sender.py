@@ -49,6 +49,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A member we reach only through a relay, with a hole punch under way or about to begin (the
+# round's first contact with it often is what starts one): the part waits this long for the
+# direct connection, at most a quarter of the round's sender_timeout, rather than push its
+# bytes through a relay (usually the swarm's one public bootstrap, its circuits capped)
+DIRECT_PATH_WAIT = 5.0
+
 
 class _RoundEnded(Exception):
     """Placeholder error of an exchange cut short by the end of the round."""
@@ -68,7 +74,12 @@ class PartExchange:
         peer = r.group.members[j]
         host = r.service.host
         try:
-            stream = await host.new_stream(peer, r.service.protocol, timeout=r.reducer_timeout)
+            stream = await host.new_stream(
+                peer,
+                r.service.protocol,
+                timeout=r.reducer_timeout,
+                direct_wait=min(DIRECT_PATH_WAIT, r.sender_timeout / 4),
+            )
         except (P2PError, OSError, trio.TooSlowError) as e:
             r.failed_reducers[j] = f"cannot open stream: {type(e).__name__}: {e}"
             logger.info("part %d: cannot reach reducer %s: %s", j, peer, e)

@@ -30,6 +30,7 @@ from dht.p2p.dcutr import (
     DCUtRMessageError,
     HolePunch,
     HolePunchConfig,
+    HolePunchResult,
     HolePunchType,
     decode_hole_punch,
     dialable_addrs,
@@ -393,6 +394,32 @@ async def test_roles_hold_whichever_listener_the_other_syn_reaches(slow, caplog)
         assert not [rec for rec in caplog.records if "handshake" in rec.getMessage()]
 
 
+async def test_a_syn_that_comes_before_a_reads_the_sync_is_still_taken_over(caplog):
+    """A loaded A reads B's SYNC late, and B's SYN (half a round trip after the SYNC)
+    reaches A's listener first. A claims B's addresses as soon as it knows them, so that
+    socket waits for A's punch rather than sitting in the accept path, where neither side
+    would speak first (both responders) until the 2-s handshake limit dropped it."""
+    async with punch_setup(a_transport=_SlowPunchTransport()) as (r, service, a, b, caddr):
+        receive = a.hole_puncher._receive
+
+        async def late_sync(stream, expected):
+            msg = await receive(stream, expected)
+            if expected == HolePunchType.SYNC:
+                await trio.sleep(0.5)  # B's dial lands meanwhile (A's own dials wait 1 s)
+            return msg
+
+        a.hole_puncher._receive = late_sync
+        with caplog.at_level(logging.WARNING):
+            await a.connect([caddr])
+            await wait_until(lambda: b.hole_puncher.results and a.hole_puncher.results)
+        assert b.hole_puncher.results[0].success and a.hole_puncher.results[0].success
+        (a_conn,) = _direct(a, b.peer_id)
+        b_port = b.listen_addrs[0].tcp_endpoint()[1]
+        assert a_conn.outbound and a_conn.remote_addr == f"127.0.0.1:{b_port}"  # taken over
+        assert not [rec for rec in caplog.records if "handshake" in rec.getMessage()]
+        assert not a._inbound_claims
+
+
 async def test_both_dialed_through_relays_at_once():
     """A and B both hold reservations and dial each other's circuit address at the same
     time: each is B on one relayed connection and A on the other. The exchange started by
@@ -547,3 +574,62 @@ async def test_b_gives_up_on_a_peer_that_answers_nonsense_or_nothing():
         assert result.seconds < 3 * (0.3 + 0.05) + 1.0
         assert (await m.call(b.peer_id, ECHO, 3))["echo"] == 3  # still over the relay
         assert b.hole_puncher.busy == 0
+
+
+# -- bulk streams and the punch under way -------------------------------------------------------
+
+
+def _slow_punches(*hosts: Host) -> None:
+    """Both sides' punching dials wait 1 s: a punch that surely outlasts the first stream."""
+    for host in hosts:
+        host.transport = _SlowPunchTransport()
+
+
+async def test_a_bulk_stream_waits_for_the_punch_its_relayed_dial_starts():
+    """A stream opened with ``direct_wait`` to a peer we reach only through a relay waits for
+    the hole punch that the relayed connection started, on both sides of it (B started the
+    exchange, A expects it), and runs on the direct connection; without it, the relay."""
+    async with punch_setup() as (r, service, a, b, caddr):
+        _slow_punches(a, b)
+        a.peerstore.add_addrs(b.peer_id, [caddr])  # A knows B's circuit address only
+        plain = await a.new_stream(b.peer_id, ECHO, timeout=10)
+        assert a.connection_of(plain).relayed  # the default: no wait, the punch still under way
+        plain.reset()
+        assert b.hole_puncher.busy  # B is punching; its own bulk stream to A waits for it
+        from_b = await b.new_stream(a.peer_id, ECHO, timeout=10, direct_wait=8)
+        assert not b.connection_of(from_b).relayed
+        from_b.reset()
+    async with punch_setup() as (r, service, a, b, caddr):
+        _slow_punches(a, b)
+        a.peerstore.add_addrs(b.peer_id, [caddr])
+        # the stream's own dial goes through the relay: A waits for B's exchange to come
+        from_a = await a.new_stream(b.peer_id, ECHO, timeout=10, direct_wait=8)
+        conn = a.connection_of(from_a)
+        assert not conn.relayed and conn.hole_punched
+        assert (await a.call(b.peer_id, ECHO, "direct"))["echo"] == "direct"
+        from_a.reset()
+
+
+async def test_a_bulk_stream_does_not_wait_for_a_punch_nobody_starts():
+    """B does not speak DCUtR (identify says so): A's bulk stream takes the relay at once
+    rather than waiting out ``exchange_expected_within``; and after punches that keep
+    failing (a symmetric NAT) nobody waits for the next one either."""
+    patient = HolePunchConfig(allow_loopback=True, exchange_expected_within=60.0)
+    async with punch_setup(a_setting=patient, b_setting=False) as (r, service, a, b, caddr):
+        a.peerstore.add_addrs(b.peer_id, [caddr])
+        with trio.fail_after(20):  # far below the 60 s A would wait for B's CONNECT
+            stream = await a.new_stream(b.peer_id, ECHO, timeout=30, direct_wait=30)
+        assert a.connection_of(stream).relayed
+        assert PROTOCOL_ID not in a.connection_of(stream).remote_protocols
+        stream.reset()
+    async with punch_setup(a_setting=patient) as (r, service, a, b, caddr):
+        puncher = a.hole_puncher
+        for _ in range(3):  # three exchanges ended without a direct connection
+            puncher._finish(HolePunchResult(b.peer_id, False, False, 1, 5.0))
+        # B speaks DCUtR (identify lists it) but starts no exchange: only A's record decides
+        b.remove_connection_hook(b.hole_puncher._on_connection)
+        a.peerstore.add_addrs(b.peer_id, [caddr])
+        with trio.fail_after(20):
+            stream = await a.new_stream(b.peer_id, ECHO, timeout=30, direct_wait=30)
+        assert a.connection_of(stream).relayed and b.supports(PROTOCOL_ID)
+        stream.reset()
