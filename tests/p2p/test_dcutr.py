@@ -354,9 +354,13 @@ async def test_relayed_connection_is_upgraded_to_a_direct_one():
 class _SlowPunchTransport(TCPTransport):
     """Holds hole-punching dials back, so the other side's SYN reaches our listener."""
 
+    def __init__(self, delay: float = 1.0) -> None:
+        super().__init__()
+        self.delay = delay
+
     async def dial(self, maddr, timeout=10.0, *, local_port=None):  # noqa: ASYNC109
         if local_port is not None:
-            await trio.sleep(1.0)
+            await trio.sleep(self.delay)
         return await super().dial(maddr, timeout, local_port=local_port)
 
 
@@ -580,9 +584,10 @@ async def test_b_gives_up_on_a_peer_that_answers_nonsense_or_nothing():
 
 
 def _slow_punches(*hosts: Host) -> None:
-    """Both sides' punching dials wait 1 s: a punch that surely outlasts the first stream."""
+    """Both sides' punching dials wait 2 s (of the 3 s an attempt may dial): a punch that
+    surely outlasts the first stream."""
     for host in hosts:
-        host.transport = _SlowPunchTransport()
+        host.transport = _SlowPunchTransport(delay=2.0)
 
 
 async def test_a_bulk_stream_waits_for_the_punch_its_relayed_dial_starts():
