@@ -303,7 +303,8 @@ class HolePuncher:
         # set (and replaced) when a connection registers or an exchange ends: what
         # wait_for_direct wakes on
         self._changed = trio.Event()
-        self._failed_in_a_row = 0  # exchanges ended without a direct connection since a success
+        # exchanges (B: attempts) that ended without a direct connection since a success
+        self._failed_in_a_row = 0
         self._log = RateLimitedLogger(logger, host.limits.log_interval, clock=trio.current_time)
 
     # -- switching ------------------------------------------------------------------------------
@@ -376,7 +377,10 @@ class HolePuncher:
 
     def _finish(self, result: HolePunchResult) -> None:
         self.results.append(result)
-        self._failed_in_a_row = 0 if result.success else self._failed_in_a_row + 1
+        if result.success:
+            self._failed_in_a_row = 0
+        elif not result.initiated:  # B counted its attempts as they failed
+            self._failed_in_a_row += 1
         self._wake_waiters()
         if result.success:
             self.stats.succeeded += 1
@@ -502,6 +506,7 @@ class HolePuncher:
                     addr = await self._attempt(conn)
                 except _GiveUp as e:
                     reason = str(e)
+                    self._failed_in_a_row += 1
                     break
                 except (*_STREAM_ERRORS, OSError) as e:
                     reason = error_reason(e)
@@ -512,6 +517,8 @@ class HolePuncher:
                     if addr is not None:
                         break
                     reason = f"no direct connection within {cfg.punch_timeout:.1f}s"
+                self._failed_in_a_row += 1  # each attempt counts, as A counts each exchange
+                self._wake_waiters()
                 if attempts < cfg.max_attempts:
                     await trio.sleep(cfg.retry_delay)
             if not conn.alive and not reason:

@@ -638,3 +638,36 @@ async def test_a_bulk_stream_does_not_wait_for_a_punch_nobody_starts():
             stream = await a.new_stream(b.peer_id, ECHO, timeout=30, direct_wait=30)
         assert a.connection_of(stream).relayed and b.supports(PROTOCOL_ID)
         stream.reset()
+
+
+async def test_each_failed_attempt_of_b_counts_toward_no_longer_waiting():
+    """B's one exchange of 3 failed attempts (a symmetric NAT fails every one) is 3 strikes,
+    as A's 3 answered exchanges are: B's next bulk stream takes the relay at once, even
+    while B tries to punch again."""
+    quick = HolePunchConfig(allow_loopback=True, retry_delay=0.05)
+    async with punch_setup(b_setting=quick) as (r, service, a, b, caddr):
+        stalled = trio.Event()
+
+        async def no_luck(conn):
+            await trio.sleep(0.01)
+            return None  # no direct connection within the attempt
+
+        async def forever(conn):
+            stalled.set()
+            await trio.sleep_forever()
+
+        b.hole_puncher._attempt = no_luck
+        await a.connect([caddr])
+        await wait_until(lambda: b.hole_puncher.results)
+        (result,) = b.hole_puncher.results
+        assert not result.success and result.attempts == 3
+        b.hole_puncher._attempt = forever
+        await a.disconnect(b.peer_id)
+        await wait_until(lambda: not b.is_connected(a.peer_id))
+        await a.connect([caddr])  # a new relayed connection: B starts another exchange
+        with trio.fail_after(10):
+            await stalled.wait()
+            assert b.hole_puncher.busy
+            stream = await b.new_stream(a.peer_id, ECHO, timeout=30, direct_wait=30)
+        assert b.connection_of(stream).relayed
+        stream.reset()
