@@ -99,7 +99,7 @@ def test_peers_of_unequal_speed_share_every_epoch_by_their_samples(mode):
     assert all(total >= TARGET for total in per_epoch[1:]), per_epoch
     # the first is projected from the others' first reports alone (no round has tied their
     # counts to ours yet): a peer slowed after its report (a loaded machine) can leave it up
-    # to about a step of each other peer short (1016 of 1024 in a loaded full run)
+    # to about a step of each other peer short (1016 of 1024 in one full run)
     assert per_epoch[0] >= TARGET - BATCH * (len(FACTORS) - 1), per_epoch
     later = per_epoch[1:]
     assert sum(later) / len(later) <= 1.25 * TARGET + len(FACTORS) * BATCH, per_epoch
