@@ -6,27 +6,15 @@ punching dials held back so that the round surely starts while the punch is unde
 from __future__ import annotations
 
 import torch
-import trio
 
-from dht.p2p import Host, TCPTransport
-from dht.p2p.dcutr import HolePunchConfig
+from dht.p2p import Host
 from dht.p2p.relay import enable_relay_service, relay_client
 from moshpit.averaging.allreduce import AllReduceService
+from tests.p2p.test_dcutr import LOCAL, LOOPBACK, SlowPunchTransport
 
 from .test_allreduce import make_group, run_all
 
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-LOOPBACK = HolePunchConfig(allow_loopback=True, punch_timeout=3.0)
 NUMEL = 8192  # 32 KiB per member: a relayed round fits a spec-sized circuit (128 KiB)
-
-
-class SlowPunchTransport(TCPTransport):
-    """Hole-punching dials (those from a listen port) leave 1 s late."""
-
-    async def dial(self, maddr, timeout=10.0, *, local_port=None):  # noqa: ASYNC109
-        if local_port is not None:
-            await trio.sleep(1.0)
-        return await super().dial(maddr, timeout, local_port=local_port)
 
 
 async def test_a_round_between_relayed_members_waits_for_their_punch():

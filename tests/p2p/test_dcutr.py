@@ -351,7 +351,7 @@ async def test_relayed_connection_is_upgraded_to_a_direct_one():
         assert a._best_connection(b.peer_id) is a_conn  # the direct one lives on
 
 
-class _SlowPunchTransport(TCPTransport):
+class SlowPunchTransport(TCPTransport):
     """Holds hole-punching dials back, so the other side's SYN reaches our listener."""
 
     def __init__(self, delay: float = 1.0) -> None:
@@ -371,10 +371,10 @@ async def test_roles_hold_whichever_listener_the_other_syn_reaches(slow, caplog)
     the socket over from the accept path and still runs the handshake as the initiator, so
     the two sides never both wait as responders. slow=b: A's dial arrives at B's listener,
     whose ordinary accept path makes B the responder, as DCUtR wants."""
-    transports = {"a_transport": _SlowPunchTransport()} if slow == "a" else {}
+    transports = {"a_transport": SlowPunchTransport()} if slow == "a" else {}
     async with punch_setup(**transports) as (r, service, a, b, caddr):
         if slow == "b":
-            b.transport = _SlowPunchTransport()
+            b.transport = SlowPunchTransport()
         with caplog.at_level(logging.WARNING):
             await a.connect([caddr])
             await wait_until(lambda: b.hole_puncher.results and a.hole_puncher.results)
@@ -403,7 +403,7 @@ async def test_a_syn_that_comes_before_a_reads_the_sync_is_still_taken_over(capl
     reaches A's listener first. A claims B's addresses as soon as it knows them, so that
     socket waits for A's punch rather than sitting in the accept path, where neither side
     would speak first (both responders) until the 2-s handshake limit dropped it."""
-    async with punch_setup(a_transport=_SlowPunchTransport()) as (r, service, a, b, caddr):
+    async with punch_setup(a_transport=SlowPunchTransport()) as (r, service, a, b, caddr):
         receive = a.hole_puncher._receive
 
         async def late_sync(stream, expected):
@@ -587,7 +587,7 @@ def _slow_punches(*hosts: Host) -> None:
     """Both sides' punching dials wait 2 s (of the 3 s an attempt may dial): a punch that
     surely outlasts the first stream."""
     for host in hosts:
-        host.transport = _SlowPunchTransport(delay=2.0)
+        host.transport = SlowPunchTransport(delay=2.0)
 
 
 async def test_a_bulk_stream_waits_for_the_punch_its_relayed_dial_starts():
