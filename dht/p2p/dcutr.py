@@ -323,6 +323,12 @@ class HolePuncher:
         if self.host.hole_puncher is self:
             self.host.hole_puncher = None
 
+    def hidden_protocols(self) -> tuple[str, ...]:
+        """What identify leaves out: DCUtR while we have no listen port shared with our
+        dials, without which we cannot punch in either role. A peer that dialed us through
+        a relay then knows no exchange is coming, and does not wait for one."""
+        return () if listen_ports(self.host) else (PROTOCOL_ID,)
+
     def add_observer(self, callback: Callable[[HolePunchResult], None]) -> None:
         self._observers.append(callback)
 

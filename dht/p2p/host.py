@@ -879,11 +879,14 @@ class Host:
 
     # -- identify ------------------------------------------------------------------------
     def _identify_info(self, remote_addr: str) -> identify.IdentifyInfo:
+        protocols = set(self._stream_handlers) | set(self._rpc_handlers)
+        if self.hole_puncher is not None:
+            protocols.difference_update(self.hole_puncher.hidden_protocols())
         return identify.IdentifyInfo(
             listen_addrs=self.listen_addrs
             if self.announced_addrs is None
             else self.announced_addrs(),
-            protocols=sorted(set(self._stream_handlers) | set(self._rpc_handlers)),
+            protocols=sorted(protocols),
             observed_addr=identify.observed_multiaddr(remote_addr),
             public_key=self.peer_id.public_key_proto(),
             agent_version=identify.AGENT_VERSION,

@@ -640,6 +640,35 @@ async def test_a_bulk_stream_does_not_wait_for_a_punch_nobody_starts():
         stream.reset()
 
 
+async def test_a_peer_that_cannot_punch_does_not_say_it_speaks_dcutr():
+    """B listens on no TCP port (so it has no port to punch from, in either role): its
+    identify leaves DCUtR out, and A's bulk stream takes the relay at once rather than wait
+    out ``exchange_expected_within`` for an exchange B will never start. Once B listens, its
+    identify lists DCUtR again."""
+    patient = HolePunchConfig(allow_loopback=True, exchange_expected_within=60.0)
+    async with (
+        Host.open(hole_punching=False) as r,
+        Host.open(hole_punching=patient) as a,
+        Host.open(hole_punching=LOOPBACK) as b,
+    ):
+        (raddr,) = await r.listen(LOCAL)
+        enable_relay_service(r)
+        await a.listen(LOCAL)
+        b.set_rpc_handler(ECHO, echo)
+        (caddr,) = (await relay_client(b).reserve(r.peer_id, [raddr])).circuit_addrs
+        assert b.hole_puncher is not None and b.supports(PROTOCOL_ID)
+        a.peerstore.add_addrs(b.peer_id, [caddr])
+        with trio.fail_after(20):  # far below the 60 s A would wait for B's CONNECT
+            stream = await a.new_stream(b.peer_id, ECHO, timeout=30, direct_wait=30)
+        conn = a.connection_of(stream)
+        assert conn.relayed and conn.identified.is_set()
+        assert PROTOCOL_ID not in conn.remote_protocols and ECHO in conn.remote_protocols
+        stream.reset()
+        assert PROTOCOL_ID not in b._identify_info("/ip4/127.0.0.1/tcp/1").protocols
+        await b.listen(LOCAL)
+        assert PROTOCOL_ID in b._identify_info("/ip4/127.0.0.1/tcp/1").protocols
+
+
 async def test_each_failed_attempt_of_b_counts_toward_no_longer_waiting():
     """B's one exchange of 3 failed attempts (a symmetric NAT fails every one) is 3 strikes,
     as A's 3 answered exchanges are: B's next bulk stream takes the relay at once, even
