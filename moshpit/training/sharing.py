@@ -115,6 +115,10 @@ logger = logging.getLogger(__name__)
 SENDING_AT_ONCE = 2  # answers being transmitted at once (more wait their turn)
 # a download that keeps receiving verified chunks may run this many times its timeout in all
 MAX_DOWNLOAD_STRETCH = 30
+# seconds a request to a donor we reach only through a relay waits for the hole punch under
+# way (at most half of ``request_timeout``): a state is bulk, and the relay is usually the
+# swarm's one public bootstrap, its circuits capped
+DIRECT_PATH_WAIT = 5.0
 
 T = TypeVar("T")
 
@@ -360,7 +364,11 @@ class StateSharing:
                 # lazy: the protocol's answer comes with the reply (which may queue behind
                 # others), so it gets the same time as the reply
                 stream = await self.host.new_stream(
-                    peer, STATE_PROTOCOL, timeout=self._transfer_time(expect_bytes), lazy=True
+                    peer,
+                    STATE_PROTOCOL,
+                    timeout=self._transfer_time(expect_bytes),
+                    lazy=True,
+                    direct_wait=min(DIRECT_PATH_WAIT, self.request_timeout / 2),
                 )
                 channel.open(stream, self.request_timeout)
             try:
