@@ -95,11 +95,11 @@ def test_peers_of_unequal_speed_share_every_epoch_by_their_samples(mode):
         assert value == pytest.approx(expected, rel=1e-5, abs=1e-7), (epoch, value, expected)
         previous = value
     # the swarm's samples per epoch: the target, plus at most about a step of every peer
-    # (the first epoch also holds the steps taken while the others were still joining)
-    assert all(total >= TARGET for total in per_epoch[1:]), per_epoch
-    # the first is projected from the others' first reports alone (no round has tied their
-    # counts to ours yet): a peer slowed after its report (a loaded machine) can leave it up
-    # to about a step of each other peer short (1016 of 1024 in one full run)
-    assert per_epoch[0] >= TARGET - BATCH * (len(FACTORS) - 1), per_epoch
+    # (the first epoch also holds the steps taken while the others were still joining).
+    # Each peer projects the others' counts from their throughput (docs/training.md, "When
+    # the target is reached"): a peer slowed after its last report (a loaded machine) can
+    # leave an epoch up to about a step of each other peer short, never more, and not on
+    # average (full runs saw 1016 of 1024 in a first epoch, and a later epoch under 1024)
+    assert all(total >= TARGET - BATCH * (len(FACTORS) - 1) for total in per_epoch), f"{per_epoch}"
     later = per_epoch[1:]
-    assert sum(later) / len(later) <= 1.25 * TARGET + len(FACTORS) * BATCH, per_epoch
+    assert TARGET <= sum(later) / len(later) <= 1.25 * TARGET + len(FACTORS) * BATCH, f"{per_epoch}"
