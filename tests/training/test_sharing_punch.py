@@ -19,7 +19,13 @@ from dht.p2p import Host
 from dht.p2p.relay import enable_relay_service, relay_client
 from moshpit.training.sharing import StateSharing
 from tests.p2p.test_dcutr import LOCAL, LOOPBACK, SlowPunchTransport
-from tests.training.test_sharing import MemoryStore, assert_state_equal, make_state, stored
+from tests.training.test_sharing import (
+    MemoryStore,
+    assert_state_equal,
+    make_state,
+    schema_of,
+    stored,
+)
 
 SHARING = dict(announce_ttl=30.0, request_timeout=10.0, thread_min_bytes=float("inf"))
 
@@ -46,7 +52,7 @@ class DictNode:
 
 
 async def test_a_download_from_a_donor_first_reached_through_a_relay_waits_for_the_punch():
-    named = make_state(21, scale=2)  # ~40 KiB: the relay could carry it, and must not
+    named = make_state(21, scale=2)  # ~32 KiB: the relay could carry it, and must not
     table: dict[str, dict[str, Any]] = {}
     async with (
         Host.open(hole_punching=False) as r,
@@ -59,9 +65,10 @@ async def test_a_download_from_a_donor_first_reached_through_a_relay_waits_for_t
         for host in (donor_host, joiner_host):
             await host.listen(LOCAL)
         reservation = await relay_client(donor_host).reserve(r.peer_id, [raddr])
-        donor = StateSharing(DictNode(donor_host, table), "punch", MemoryStore(), **SHARING)
+        chunks = MemoryStore()
+        donor = StateSharing(DictNode(donor_host, table), "punch", chunks, **SHARING)
         joiner = StateSharing(DictNode(joiner_host, table), "punch", None, **SHARING)
-        manifest = stored(named, 3, donor.store)  # type: ignore[arg-type]
+        manifest = stored(named, 3, chunks)
         donor.publish(manifest)
         nursery.start_soon(donor.run)
         await donor.announce()
@@ -71,8 +78,7 @@ async def test_a_download_from_a_donor_first_reached_through_a_relay_waits_for_t
         await joiner_host.connect(reservation.circuit_addrs)
         assert joiner_host.best_connection(donor_host.peer_id).relayed
         before = relay.stats.bytes_forwarded
-        schema = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named]
-        result = await joiner.download(schema, timeout=30.0)
+        result = await joiner.download(schema_of(named), timeout=30.0)
         relayed = relay.stats.bytes_forwarded - before
         assert_state_equal(result, named)
         assert result.bytes_by_peer == {donor_host.peer_id: manifest.total_bytes}
