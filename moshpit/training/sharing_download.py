@@ -17,7 +17,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 import torch
 import trio
@@ -68,6 +68,14 @@ __all__ = [
 logger = logging.getLogger("moshpit.training.sharing")  # one logger for state sharing
 
 T = TypeVar("T")
+
+# times the records are read again when every donor asked answered that it serves a newer
+# state than the one it announced (a peer in training publishes every epoch or checkpoint)
+MOVED_ON_REREADS = 3
+
+
+class _DonorsMovedOn(StateDownloadError):
+    """No manifest, and some donor answered that it no longer serves the state we read."""
 
 
 class ChunkSink(Protocol):
@@ -149,10 +157,21 @@ class DownloadRun:
     ) -> DownloadResult:
         """The newest state that fits ``local_schema``, every chunk verified (NoDonorError
         when nobody announces one by ``deadline``, StateMismatchError when it does not fit)."""
-        records = await self._wait_for_records(deadline)
-        # states of another model (another schema announced) are passed over unasked
-        records = records_of_schema(records, state_schema_digest(local_schema))
-        manifest, state = await self._fetch_manifest(records)
+        rereads = 0
+        while True:
+            records = await self._wait_for_records(deadline)
+            # states of another model (another schema announced) are passed over unasked
+            records = records_of_schema(records, state_schema_digest(local_schema))
+            try:
+                manifest, state = await self._fetch_manifest(records)
+                break
+            except _DonorsMovedOn:
+                if rereads >= MOVED_ON_REREADS:
+                    raise
+                rereads += 1
+                # the donor announces its new state as it publishes it: read once more
+                logger.info("the donors moved on to a newer state: reading the records again")
+                await trio.sleep(min(1.0, self.sharing.refresh_interval))
         manifest.check_fits(local_schema)  # StateMismatchError before any chunk is fetched
         dl = Download(manifest, ServedState.of(manifest))
         from_sink = await self._load_from_sink(dl)
@@ -209,7 +228,7 @@ class DownloadRun:
         """The newest state's manifest whose SHA-256 is the signed root (next state if none)."""
         by_peer = {r.peer: r for r in records}
         states = advertised_states(records)
-        tried = 0
+        tried = moved_on = 0
         for state in states:
             donors = list(state.donors)
             random.shuffle(donors)
@@ -221,16 +240,22 @@ class DownloadRun:
                 tried += 1
                 self.sharing._learn_addrs(by_peer[peer])
                 manifest = await self._ask_manifest(peer, state)
-                if manifest is not None:
+                if isinstance(manifest, Manifest):
                     return manifest, state
-        raise StateDownloadError(
+                moved_on += manifest == "moved on"
+        error = _DonorsMovedOn if moved_on else StateDownloadError
+        raise error(
             f"{len(states)} state(s) announced under {self.sharing.key!r} but no manifest "
             f"could be fetched from any of {tried} donor(s)"
+            + (f" ({moved_on} serve a newer state now)" if moved_on else "")
             + (f"; misbehaving: {describe(self.misbehaving)}" if self.misbehaving else "")
         )
 
-    async def _ask_manifest(self, peer: PeerID, state: AdvertisedState) -> Manifest | None:
-        """``state``'s manifest from ``peer``; None if it failed or lied (then it is banned)."""
+    async def _ask_manifest(
+        self, peer: PeerID, state: AdvertisedState
+    ) -> Manifest | Literal["moved on"] | None:
+        """``state``'s manifest from ``peer``; "moved on" if it serves another state now;
+        None if it failed or lied (then it is banned)."""
         try:
             reply = await self.sharing._request(
                 peer, manifest_request(self.sharing.prefix, state.root)
@@ -247,7 +272,7 @@ class DownloadRun:
             return None
         if manifest is None:
             logger.info("%s no longer serves the state it announced", short(peer))
-            return None
+            return "moved on"
         if manifest.epoch != state.epoch or manifest.total_bytes != state.bytes:
             logger.warning(
                 "state %s announced as epoch %d / %d bytes is epoch %d / %d bytes",

@@ -160,6 +160,36 @@ async def test_joiner_picks_newest_epoch_then_most_donors(autojump_clock, virtua
         assert [s.epoch for s in states] == [7, 7]
 
 
+async def test_a_donor_that_moved_on_between_our_read_and_our_request_is_read_again(
+    autojump_clock, virtual_dht_time
+):
+    # A donor that is training publishes a new state every epoch (or checkpoint): the record
+    # we read names a root it may no longer serve when our manifest request arrives (a
+    # request that waited for a hole punch widens that window). That is no failure of the
+    # donor's: we read the records again and download what it serves now.
+    first, second = make_state(31), make_state(32)
+    async with swarm(2) as (peers, _):
+        donor, joiner = peers
+        donor.sharing.publish(stored(first, 4, donor.store))
+        await donor.sharing.announce()
+        read_records = joiner.sharing._read_records
+        moved = []
+
+        async def read_then_donor_moves_on():
+            records = await read_records()
+            if not moved:  # right after our first read: the donor's next state
+                moved.append(True)
+                donor.sharing.publish(stored(second, 4, donor.store))
+                await donor.sharing.announce()
+            return records
+
+        joiner.sharing._read_records = read_then_donor_moves_on
+        result = await joiner.sharing.download(schema_of(second), timeout=30.0)
+        assert moved
+        assert_state_equal(result, second)
+        assert not result.misbehaving and not joiner.sharing._banned_now(donor.node.peer_id)
+
+
 async def test_chunks_come_from_every_donor_in_parallel(autojump_clock, virtual_dht_time):
     named = make_state(4, scale=4)
     async with swarm(5, max_in_flight_per_donor=2) as (peers, _):
