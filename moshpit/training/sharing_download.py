@@ -165,9 +165,9 @@ class DownloadRun:
             try:
                 manifest, state = await self._fetch_manifest(records)
                 break
-            except _DonorsMovedOn:
+            except _DonorsMovedOn as e:
                 if rereads >= MOVED_ON_REREADS:
-                    raise
+                    raise StateDownloadError(str(e)) from None
                 rereads += 1
                 # the donor announces its new state as it publishes it: read once more
                 logger.info("the donors moved on to a newer state: reading the records again")
