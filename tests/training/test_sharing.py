@@ -22,6 +22,7 @@ from dht.p2p import MemoryNetwork, StreamResetError
 from moshpit.training.errors import NoDonorError, StateDownloadError, StateMismatchError
 from moshpit.training.manifest import build_manifest
 from moshpit.training.sharing import STATE_PROTOCOL, StateSharing, state_schema_digest
+from moshpit.training.sharing_download import MOVED_ON_REREADS
 
 CHUNK = 4096
 INF = float("inf")
@@ -188,6 +189,31 @@ async def test_a_donor_that_moved_on_between_our_read_and_our_request_is_read_ag
         assert moved
         assert_state_equal(result, second)
         assert not result.misbehaving and not joiner.sharing._banned_now(donor.node.peer_id)
+
+
+async def test_a_donor_that_keeps_moving_on_is_read_again_a_bounded_number_of_times(
+    autojump_clock, virtual_dht_time
+):
+    async with swarm(2) as (peers, _):
+        donor, joiner = peers
+        donor.sharing.publish(stored(make_state(40), 4, donor.store))
+        await donor.sharing.announce()
+        read_records = joiner.sharing._read_records
+        reads = []
+
+        async def read_then_donor_moves_on():
+            records = await read_records()
+            reads.append(len(reads))
+            donor.sharing.publish(stored(make_state(41 + len(reads)), 4, donor.store))
+            await donor.sharing.announce()
+            return records
+
+        joiner.sharing._read_records = read_then_donor_moves_on
+        with pytest.raises(StateDownloadError, match="serve a newer state now") as caught:
+            await joiner.sharing.download(schema_of(make_state(40)), timeout=30.0)
+        assert type(caught.value) is StateDownloadError
+        assert len(reads) == 1 + MOVED_ON_REREADS
+        assert not joiner.sharing._banned_now(donor.node.peer_id)
 
 
 async def test_chunks_come_from_every_donor_in_parallel(autojump_clock, virtual_dht_time):
