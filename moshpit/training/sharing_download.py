@@ -69,8 +69,9 @@ logger = logging.getLogger("moshpit.training.sharing")  # one logger for state s
 
 T = TypeVar("T")
 
-# times the records are read again when every donor asked answered that it serves a newer
-# state than the one it announced (a peer in training publishes every epoch or checkpoint)
+# times the records are read again when no donor gave a manifest and one of them answered
+# that it serves a newer state than the one it announced (a peer in training publishes
+# every epoch or checkpoint, maybe since we read its record)
 MOVED_ON_REREADS = 3
 
 
@@ -156,7 +157,9 @@ class DownloadRun:
         self, local_schema: Sequence[tuple[str, str, tuple[int, ...]]], deadline: float
     ) -> DownloadResult:
         """The newest state that fits ``local_schema``, every chunk verified (NoDonorError
-        when nobody announces one by ``deadline``, StateMismatchError when it does not fit)."""
+        when nobody announces one by ``deadline``, StateMismatchError when it does not fit).
+        Donors that moved on to a newer state send us back to the records
+        (``MOVED_ON_REREADS`` times)."""
         rereads = 0
         while True:
             records = await self._wait_for_records(deadline)
