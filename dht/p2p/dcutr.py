@@ -88,6 +88,11 @@ MAX_TRACKED_PEERS = 1024  # per-peer rate-limit state kept (least recently seen 
 # after this many exchanges in a row ended without a direct connection (behind a symmetric
 # NAT every one does), wait_for_direct stops waiting for punches: they go on, nobody waits
 HOPELESS_AFTER_FAILURES = 3
+# seconds a bulk transfer to a peer we reach only through a relay may wait for the punch
+# under way (``Host.new_stream(direct_wait=...)``), each caller capping it by its own
+# timeout: a relay's bytes are its operator's (often the swarm's one public bootstrap),
+# and its circuits are capped
+BULK_DIRECT_WAIT = 5.0
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -851,6 +856,7 @@ def start_hole_punching(host: Host) -> None:
 
 
 __all__ = [
+    "BULK_DIRECT_WAIT",
     "MAX_ADDRS",
     "MAX_MESSAGE_SIZE",
     "PROTOCOL_ID",

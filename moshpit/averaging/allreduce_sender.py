@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from compression import CompressedTensor
+from dht.p2p.dcutr import BULK_DIRECT_WAIT
 from dht.p2p.errors import DialRefusedError, P2PError, StreamClosedError
 from moshpit.averaging.allreduce_protocol import (
     RemoteAbort,
@@ -49,12 +50,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A member we reach only through a relay, with a hole punch under way or about to begin (the
-# round's first contact with it often is what starts one): the part waits this long for the
-# direct connection, at most a quarter of the round's sender_timeout, rather than push its
-# bytes through a relay (usually the swarm's one public bootstrap, its circuits capped)
-DIRECT_PATH_WAIT = 5.0
-
 
 class _RoundEnded(Exception):
     """Placeholder error of an exchange cut short by the end of the round."""
@@ -78,7 +73,9 @@ class PartExchange:
                 peer,
                 r.service.protocol,
                 timeout=r.reducer_timeout,
-                direct_wait=min(DIRECT_PATH_WAIT, r.sender_timeout / 4),
+                # the round's first contact with a member behind a NAT often is what
+                # starts the punch: wait for it, within a quarter of sender_timeout
+                direct_wait=min(BULK_DIRECT_WAIT, r.sender_timeout / 4),
             )
         except (P2PError, OSError, trio.TooSlowError) as e:
             r.failed_reducers[j] = f"cannot open stream: {type(e).__name__}: {e}"

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 
+from dht.p2p.dcutr import BULK_DIRECT_WAIT
 from moshpit.netutil import short
 from moshpit.training.errors import StateDownloadError
 from moshpit.training.health import first_non_finite
@@ -115,10 +116,6 @@ logger = logging.getLogger(__name__)
 SENDING_AT_ONCE = 2  # answers being transmitted at once (more wait their turn)
 # a download that keeps receiving verified chunks may run this many times its timeout in all
 MAX_DOWNLOAD_STRETCH = 30
-# seconds a request to a donor we reach only through a relay waits for the hole punch under
-# way (at most half of ``request_timeout``): a state is bulk, and the relay is usually the
-# swarm's one public bootstrap, its circuits capped
-DIRECT_PATH_WAIT = 5.0
 
 T = TypeVar("T")
 
@@ -368,7 +365,8 @@ class StateSharing:
                     STATE_PROTOCOL,
                     timeout=self._transfer_time(expect_bytes),
                     lazy=True,
-                    direct_wait=min(DIRECT_PATH_WAIT, self.request_timeout / 2),
+                    # a state is bulk: wait for a punch under way, within half the timeout
+                    direct_wait=min(BULK_DIRECT_WAIT, self.request_timeout / 2),
                 )
                 channel.open(stream, self.request_timeout)
             try:
