@@ -202,6 +202,9 @@ class StateSharing:
         self.thread_min_bytes = thread_min_bytes
         self.subkey = f"[owner:{node.peer_id.to_base58()}]"
         self._published: ServedState | None = None
+        # the state published before: its chunks (not its manifest) are still served, so a
+        # joiner that chose it before we moved on can finish (see publish)
+        self._previous: ServedState | None = None
         self._downloading: Download | None = None
         self._uploads = 0
         self._senders = trio.Semaphore(SENDING_AT_ONCE)
@@ -244,16 +247,27 @@ class StateSharing:
                 await self._store_record(None)
 
     def publish(self, manifest: Manifest) -> None:
-        """Serve this committed state (replacing the previous one) and announce it soon."""
+        """Serve this committed state (replacing the previous one) and announce it soon.
+
+        The previous state's chunks stay served, its manifest does not: a joiner that
+        fetched that manifest just before we committed this one can finish its download
+        (our store keeps the last checkpoints; a chunk it dropped is answered as not held),
+        and a joiner that asks for the manifest now reads our record again and gets this
+        state. One state back only: a download slower than two of our checkpoints fails
+        over to other holders as before."""
         if self.store is None:
             raise ValueError("cannot publish a state without a store to serve its chunks from")
-        self._published = ServedState.of(manifest)
+        served = ServedState.of(manifest)
+        current = self._published
+        if current is not None and current.manifest.root != served.manifest.root:
+            self._previous = current
+        self._published = served
         self._withdrawn = False
         self._wake.set()
 
     async def withdraw(self) -> None:
         """Stop serving and tombstone our announcement now."""
-        self._published = None
+        self._published = self._previous = None
         self._withdrawn = True
         await self._store_record(None)
 
@@ -319,16 +333,17 @@ class StateSharing:
 
     def _have_reply(self, root: bytes) -> dict[str, Any]:
         """What we hold of ``root``: while downloading it, the chunks in and those being
-        fetched; all of it if we publish it; None (no bitmap) otherwise."""
+        fetched; all of it if we publish it (or published it last); None (no bitmap)
+        otherwise."""
         dl = self._downloading
         if dl is not None and dl.manifest.root == root:
             return have_reply(
                 bitmap([d is not None for d in dl.data]),
                 bitmap([i in dl.in_flight for i in range(len(dl.data))]),
             )
-        published = self._published
-        if published is not None and published.manifest.root == root:
-            return have_reply(bitmap([True] * len(published.index)))
+        for served in (self._published, self._previous):
+            if served is not None and served.manifest.root == root:
+                return have_reply(bitmap([True] * len(served.index)))
         return have_reply(None)
 
     def _transfer_time(self, nbytes: int) -> float:
@@ -392,28 +407,31 @@ class StateSharing:
 
     async def _read_chunks(self, wanted: list[bytes]) -> list[bytes | None]:
         """Up to ``batch_bytes`` of the requested chunks (at least one), None where not held."""
-        published, dl = self._published, self._downloading
+        dl = self._downloading
+        committed = [s for s in (self._published, self._previous) if s is not None]
         out: list[bytes | None] = []
-        from_store: list[tuple[int, bytes]] = []
+        from_store: list[tuple[int, bytes, int]] = []  # (position, digest, size)
         for digest in wanted:
             if dl is not None and (i := dl.served.index.get(digest)) is not None:
                 data = dl.data[i]
                 if data is not None:
                     out.append(data)
                     continue
-            if published is not None and digest in published.index:
-                from_store.append((len(out), digest))
+            size = next((s.sizes[digest] for s in committed if digest in s.index), None)
+            if size is not None:
+                from_store.append((len(out), digest, size))
             out.append(None)
         if from_store:
-            assert published is not None and self.store is not None  # publish() checked it
+            assert self.store is not None  # publish() checked it
             store = self.store
 
             def read() -> list[bytes | None]:
-                return [store.read_chunk(d) for _, d in from_store]
+                # None for a chunk of the previous state our store has since dropped
+                return [store.read_chunk(d) for _, d, _ in from_store]
 
-            nbytes = sum(published.sizes[d] for _, d in from_store)
+            nbytes = sum(size for _, _, size in from_store)
             found = await self._offload(read, nbytes=nbytes)
-            for (pos, _), data in zip(from_store, found, strict=True):
+            for (pos, _, _), data in zip(from_store, found, strict=True):
                 out[pos] = data
         answer = out[: answer_length(out, self.batch_bytes)]
         served = [d for d in answer if d is not None]

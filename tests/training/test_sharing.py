@@ -23,6 +23,7 @@ from moshpit.training.errors import NoDonorError, StateDownloadError, StateMisma
 from moshpit.training.manifest import build_manifest
 from moshpit.training.sharing import STATE_PROTOCOL, StateSharing, state_schema_digest
 from moshpit.training.sharing_download import MOVED_ON_REREADS
+from moshpit.training.sharing_protocol import chunks_request, have_request, manifest_request
 
 CHUNK = 4096
 INF = float("inf")
@@ -214,6 +215,80 @@ async def test_a_donor_that_keeps_moving_on_is_read_again_a_bounded_number_of_ti
         assert type(caught.value) is StateDownloadError
         assert len(reads) == 1 + MOVED_ON_REREADS
         assert not joiner.sharing._banned_now(donor.node.peer_id)
+
+
+async def test_a_donor_that_moves_on_mid_download_still_serves_the_state_we_fetch(
+    autojump_clock, virtual_dht_time
+):
+    # The chunk phase has the manifest phase's race: a donor that commits its next checkpoint
+    # while we fetch the one we chose. Its store keeps the last two (StateStore's keep=2),
+    # so it can finish serving ours; before, it answered "not held" for every chunk left and
+    # a joiner with one donor failed the whole download.
+    first, second = make_state(51, scale=4), make_state(52, scale=4)
+    async with swarm(2) as (peers, _):
+        donor, joiner = peers
+        donor.sharing.publish(stored(first, 4, donor.store))
+        await donor.sharing.announce()
+        read_chunks = donor.sharing._read_chunks
+        moved = []
+
+        async def serve_then_move_on(wanted):
+            answer = await read_chunks(wanted)
+            if not moved:  # after the first batch: the donor's next checkpoint
+                moved.append(True)
+                donor.sharing.publish(stored(second, 5, donor.store))
+                await donor.sharing.announce()
+            return answer
+
+        donor.sharing._read_chunks = serve_then_move_on
+        result = await joiner.sharing.download(schema_of(first), timeout=30.0)
+        assert moved
+        assert_state_equal(result, first)  # the state we chose, whole and verified
+        assert not result.misbehaving and not joiner.sharing._banned_now(donor.node.peer_id)
+        # a new joiner is told about the newer state only: the manifest of the old one is
+        # no longer handed out
+        again = await joiner.sharing.download(schema_of(second), timeout=30.0)
+        assert_state_equal(again, second)
+
+
+async def test_a_donor_serves_the_chunks_of_one_state_back_and_not_its_manifest(
+    autojump_clock, virtual_dht_time
+):
+    # asked over the wire, as a joiner asks: after three commits the donor serves the
+    # chunks of the last two, the manifest of the newest only, and a chunk its store has
+    # dropped (garbage collection) is answered as not held, not as an error
+    states = [make_state(60 + k) for k in range(3)]
+    async with swarm(2) as (peers, _):
+        donor, asker = peers
+        manifests = [stored(s, 4 + k, donor.store) for k, s in enumerate(states)]
+        for m in manifests:
+            donor.sharing.publish(m)
+        digests = [list(m.chunk_refs()) for m in manifests]
+        shared = set(digests[0]) & (set(digests[1]) | set(digests[2]))
+        assert not shared  # three different states: no chunk in common
+        dropped = digests[1][0]
+        del donor.store.chunks[dropped]
+
+        async def ask(request):
+            return await asker.sharing._request(donor.node.peer_id, request)
+
+        prefix = donor.sharing.prefix
+        for k, m in enumerate(manifests):
+            chunks = (await ask(chunks_request(prefix, digests[k][:1])))["chunks"]
+            have = (await ask(have_request(prefix, m.root)))["have"]
+            manifest = (await ask(manifest_request(prefix, m.root)))["manifest"]
+            if k == 0:  # two commits back: nothing
+                assert chunks == [None] and have is None and manifest is None
+            elif k == 1:  # one back: its chunks and its bitmap, not its manifest
+                assert chunks == [None]  # the one the store dropped
+                second = (await ask(chunks_request(prefix, digests[1][1:2])))["chunks"]
+                assert second == [donor.store.chunks[digests[1][1]]]
+                assert have is not None and manifest is None
+            else:
+                assert chunks == [donor.store.chunks[digests[2][0]]]
+                assert have is not None and manifest == m.to_bytes()
+        await donor.sharing.withdraw()  # stops serving all of it
+        assert (await ask(chunks_request(prefix, digests[1][1:2])))["chunks"] == [None]
 
 
 async def test_chunks_come_from_every_donor_in_parallel(autojump_clock, virtual_dht_time):
