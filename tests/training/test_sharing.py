@@ -162,6 +162,24 @@ async def test_joiner_picks_newest_epoch_then_most_donors(autojump_clock, virtua
         assert [s.epoch for s in states] == [7, 7]
 
 
+def donor_moves_on_after_first(obj: Any, method: str, donor, named, epoch: int) -> list[bool]:
+    """Wrap ``obj.method`` so that the donor publishes and announces ``named`` right after
+    the first call returns; the list it returns holds True once that happened."""
+    original = getattr(obj, method)
+    moved: list[bool] = []
+
+    async def then_move_on(*args: Any) -> Any:
+        result = await original(*args)
+        if not moved:
+            moved.append(True)
+            donor.sharing.publish(stored(named, epoch, donor.store))
+            await donor.sharing.announce()
+        return result
+
+    setattr(obj, method, then_move_on)
+    return moved
+
+
 async def test_a_donor_that_moved_on_between_our_read_and_our_request_is_read_again(
     autojump_clock, virtual_dht_time
 ):
@@ -174,18 +192,8 @@ async def test_a_donor_that_moved_on_between_our_read_and_our_request_is_read_ag
         donor, joiner = peers
         donor.sharing.publish(stored(first, 4, donor.store))
         await donor.sharing.announce()
-        read_records = joiner.sharing._read_records
-        moved = []
-
-        async def read_then_donor_moves_on():
-            records = await read_records()
-            if not moved:  # right after our first read: the donor's next state
-                moved.append(True)
-                donor.sharing.publish(stored(second, 4, donor.store))
-                await donor.sharing.announce()
-            return records
-
-        joiner.sharing._read_records = read_then_donor_moves_on
+        # right after our first read: the donor's next state
+        moved = donor_moves_on_after_first(joiner.sharing, "_read_records", donor, second, 4)
         result = await joiner.sharing.download(schema_of(second), timeout=30.0)
         assert moved
         assert_state_equal(result, second)
@@ -229,18 +237,8 @@ async def test_a_donor_that_moves_on_mid_download_still_serves_the_state_we_fetc
         donor, joiner = peers
         donor.sharing.publish(stored(first, 4, donor.store))
         await donor.sharing.announce()
-        read_chunks = donor.sharing._read_chunks
-        moved = []
-
-        async def serve_then_move_on(wanted):
-            answer = await read_chunks(wanted)
-            if not moved:  # after the first batch: the donor's next checkpoint
-                moved.append(True)
-                donor.sharing.publish(stored(second, 5, donor.store))
-                await donor.sharing.announce()
-            return answer
-
-        donor.sharing._read_chunks = serve_then_move_on
+        # after the first batch of chunks: the donor's next checkpoint
+        moved = donor_moves_on_after_first(donor.sharing, "_read_chunks", donor, second, 5)
         result = await joiner.sharing.download(schema_of(first), timeout=30.0)
         assert moved
         assert_state_equal(result, first)  # the state we chose, whole and verified
