@@ -130,9 +130,16 @@ class Proc:
         return "".join(self.stderr)
 
     def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM, then the exit code (SIGKILL and an error if it does not exit in time)."""
+        """SIGTERM, then the exit code (SIGKILL and an error if it does not exit in time).
+
+        The time stretches with the machine's load, past the peer's own 25-s watchdog when
+        it is busy: a peer that hangs on its way out then exits with the watchdog's status
+        and a dump of its threads, instead of being killed without one (a loaded replica:
+        P logged "left the swarm cleanly; exiting" 1.4 s after SIGTERM and was still there
+        at 20 s)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        timeout = patience(timeout)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -136,7 +136,9 @@ def test_published_samples_per_second_matches_each_peers_own_count(tmp_path: Pat
         assert reads == READS, f"only {reads} reads listed all {len(peers)} peers: {rates}"
         capped = [own for name, _, own in checked if name == peers[2].peer_id[-6:]]
         uncapped = [own for name, _, own in checked if name != peers[2].peer_id[-6:]]
-        assert max(capped) < 900 and min(uncapped) > 2000, checked  # the rates really differ
+        # the rates really differ: the cap holds, and the others train well past it (idle:
+        # thousands a second; beside two busy processes 1,287-1,652, so not a fixed 2,000)
+        assert max(capped) < 900 and min(uncapped) > 1.3 * max(capped), checked
     finally:
         for peer in peers:
             peer.stop()
