@@ -21,6 +21,7 @@ import trio
 import moshpit
 from compression import GraVAC, TopK, TwoWayCompression
 from moshpit.training.grad_averager import grads_prefix
+from tests.timing import patience
 from tests.training.saturated_uplink import first_rounds_run_out, forced_views_come_back_empty
 
 # a full group proceeds at once; min_matchmaking_time only bounds how long a leader waits for
@@ -426,7 +427,16 @@ def test_delayed_averaging_with_four_peers_one_slow_keeps_every_peer_in_every_ro
     dhts = make_dhts(4)
     models = [_model() for _ in dhts]
     opts = [
-        _opt(d, m, target_batch_size=4 * BATCH, target_group_size=4, delay_averaging=True)
+        _opt(
+            d,
+            m,
+            target_batch_size=4 * BATCH,
+            target_group_size=4,
+            delay_averaging=True,
+            # four peers in one process: on a loaded machine (a replica beside two busy
+            # processes) all four missed a 6-s matchmaking window together
+            averager_options={**FAST, "request_timeout": patience(2.0)},
+        )
         for d, m in zip(dhts, models, strict=True)
     ]
     peers = [Peer(i, m, o) for i, (m, o) in enumerate(zip(models, opts, strict=True))]
