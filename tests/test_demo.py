@@ -193,7 +193,7 @@ def test_ctrl_c_in_the_training_demo_stops_cleanly_with_the_table_and_a_summary(
 def test_a_frozen_peer_counts_as_stuck_and_fails_the_verdict(tmp_path: Path):
     # SIGSTOP one peer for 8 s: alive, but its samples stop moving (a hung peer)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moshpit", "demo", "--peers", "2", "--samples", "24000",
+        [sys.executable, "-m", "moshpit", "demo", "--peers", "2", "--samples", "16000",
          "--max-rate", "400", "--preemptions", "0", "--stuck-after", "4", "--no-plot", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=tmp_path,
     )  # fmt: skip
