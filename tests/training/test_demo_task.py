@@ -51,19 +51,18 @@ def test_a_fresh_process_trains_on_the_digits_without_loading_sklearn(tmp_path):
     assert out.stdout.split() == ["1258", "539", "False"], out.stderr
 
 
-@pytest.mark.parametrize(
-    "content",
-    [
-        b"not gzip at all",
-        gzip.compress(b"1,2,3\n4,5,6\n"),  # another shape
-        gzip.compress(b"0," * 64 + b"x\n"),  # not a number
-        gzip.compress((b"17," * 64 + b"3\n") * 1797),  # pixels above 16
-        gzip.compress((b"0," * 64 + b"12\n") * 1797),  # a label above 9
-    ],
-)
-def test_an_unexpected_file_falls_back_to_sklearns_own_loader(tmp_path, monkeypatch, content):
+UNEXPECTED = {  # what the file holds, before gzip
+    "another-shape": b"1,2,3\n4,5,6\n",
+    "not-a-number": b"0," * 64 + b"x\n",
+    "pixel-above-16": (b"17," * 64 + b"3\n") * 1797,
+    "label-above-9": (b"0," * 64 + b"12\n") * 1797,
+}
+
+
+@pytest.mark.parametrize("case", ["not-gzip", *UNEXPECTED])
+def test_an_unexpected_file_falls_back_to_sklearns_own_loader(tmp_path, monkeypatch, case):
     path = tmp_path / "digits.csv.gz"
-    path.write_bytes(content)
+    path.write_bytes(b"not gzip at all" if case == "not-gzip" else gzip.compress(UNEXPECTED[case]))
     monkeypatch.setattr(demo_task, "bundled_digits_path", lambda: path)
     assert demo_task._read_bundled_digits() is None
     data = demo_task.load_digits_split()
