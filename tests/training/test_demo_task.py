@@ -36,7 +36,7 @@ def test_the_bundled_file_gives_what_load_digits_gives_without_importing_sklearn
     assert torch.equal(split.x_test, demo_task.load_digits_split().x_test)
 
 
-def test_a_fresh_process_trains_on_the_digits_without_loading_sklearn(tmp_path):
+def test_a_fresh_process_loads_the_digits_without_importing_sklearn():
     import subprocess
 
     code = (
