@@ -1,7 +1,5 @@
 """Entry point for ``python -m moshpit``."""
 
-import sys
+from moshpit.cli import console
 
-from moshpit.cli import main
-
-sys.exit(main())
+console()

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NoReturn
 
 DESCRIPTION = """\
 moshpit: train one PyTorch model together on many machines that come and go.
@@ -104,5 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     return int(importlib.import_module(module_name).run(args) or 0)
 
 
+def console(argv: list[str] | None = None) -> NoReturn:
+    """The ``moshpit`` console script and ``python -m moshpit``: :func:`main` in a process of
+    its own, which then ends without Python's module teardown (``process_exit.py``)."""
+    from moshpit.cli.process_exit import exit_without_teardown
+
+    exit_without_teardown(main(argv))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

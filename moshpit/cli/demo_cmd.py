@@ -670,5 +670,7 @@ def _spread(tensors: list[Any]) -> float:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        sys.exit(worker_main(sys.argv[2:]))
+        from moshpit.cli.process_exit import exit_without_teardown
+
+        exit_without_teardown(worker_main(sys.argv[2:]))
     sys.exit("usage: python -m moshpit.cli.demo_cmd worker ... (or run `moshpit demo`)")

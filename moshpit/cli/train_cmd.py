@@ -699,6 +699,6 @@ def _finish(
 
 
 if __name__ == "__main__":
-    from moshpit.cli import main
+    from moshpit.cli import console
 
-    sys.exit(main(["train", *sys.argv[1:]]))
+    console(["train", *sys.argv[1:]])
