@@ -136,7 +136,8 @@ class Proc:
         it is busy: a peer that hangs on its way out then exits with the watchdog's status
         and a dump of its threads, instead of being killed without one (a loaded replica:
         P logged "left the swarm cleanly; exiting" 1.4 s after SIGTERM and was still there
-        at 20 s)."""
+        at 20 s; most likely Python's teardown of torch's modules, 4-5.5 s under load, which
+        a moshpit process now skips: moshpit/cli/process_exit.py)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         timeout = patience(timeout)

@@ -99,7 +99,9 @@ def bundled_digits_path() -> Path | None:
         spec = importlib.util.find_spec("sklearn")
     except (ImportError, ValueError):  # ValueError: sys.modules["sklearn"] is None
         return None
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+    if spec is None:
+        return None
+    for root in spec.submodule_search_locations or ():
         path = Path(root) / "datasets" / "data" / "digits.csv.gz"
         if path.is_file():
             return path
