@@ -178,8 +178,9 @@ def test_demo_peers_keep_one_thread_and_their_rate_cap(
     swarm = train_demo.Swarm(demo, "/ip4/127.0.0.1/tcp/1/p2p/x", str(tmp_path))
     swarm.spawn(swarm.slots[0])
     (proc,) = started
-    assert proc.cmd[:3] == [sys.executable, "-m", "moshpit.cli.train_cmd"]
-    peer = build_parser(["train"]).parse_args(["train", *proc.cmd[3:]])
+    # the console's own start (process_start.py) and exit (process_exit.py)
+    assert proc.cmd[:4] == [sys.executable, "-m", "moshpit", "train"]
+    peer = build_parser(["train"]).parse_args(proc.cmd[3:])
     # 4 peers on a laptop: one torch thread each (in every thread: OMP_NUM_THREADS), 800/s
     assert peer.threads == 1 and proc.env["OMP_NUM_THREADS"] == "1"
     assert peer.max_rate == 800.0

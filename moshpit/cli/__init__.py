@@ -70,6 +70,11 @@ def version() -> str:
         return __version__
 
 
+def wanted_command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is one), if any."""
+    return next((a for a in argv if a in SUBCOMMANDS), None)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moshpit",
@@ -82,7 +87,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         "-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    wanted = next((a for a in argv if a in SUBCOMMANDS), None)
+    wanted = wanted_command(argv)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:  # import only the module that will run
@@ -107,9 +112,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def console(argv: list[str] | None = None) -> NoReturn:
     """The ``moshpit`` console script and ``python -m moshpit``: :func:`main` in a process of
-    its own, which then ends without Python's module teardown (``process_exit.py``)."""
+    its own: it imports the command with the garbage collector paused (``process_start.py``)
+    and ends without Python's module teardown (``process_exit.py``)."""
     from moshpit.cli.process_exit import exit_without_teardown
+    from moshpit.cli.process_start import import_command
 
+    argv = sys.argv[1:] if argv is None else argv
+    command = wanted_command(argv)
+    if command is not None:
+        import_command(SUBCOMMANDS[command][0])
     exit_without_teardown(main(argv))
 
 

@@ -671,6 +671,8 @@ def _spread(tensors: list[Any]) -> float:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         from moshpit.cli.process_exit import exit_without_teardown
+        from moshpit.cli.process_start import import_paused
 
+        import_paused(("torch", "moshpit.averaging.averager", "dht.facade"))
         exit_without_teardown(worker_main(sys.argv[2:]))
     sys.exit("usage: python -m moshpit.cli.demo_cmd worker ... (or run `moshpit demo`)")

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# What run() imports, and torch._dynamo, which torch's optimizers import on their first step:
+# the console script imports them with the garbage collector paused (process_start.py).
+STARTUP_IMPORTS = ("torch", "torch._dynamo", "moshpit.training.optimizer", "dht.facade")
+
 DEFAULT_RUN_ID = "digits"
 DEFAULT_CHECKPOINT_DIR = "moshpit-checkpoint"
 # the demo task's defaults (moshpit/training/demo_task.py; a test checks that they agree), not

@@ -191,7 +191,7 @@ class Swarm:
     def spawn(self, slot: Slot) -> None:
         args = self.args
         cmd = [
-            sys.executable, "-m", "moshpit.cli.train_cmd",
+            sys.executable, "-m", "moshpit", "train",
             "--initial-peers", self.bootstrap, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--identity", slot.identity, "--checkpoint-dir", slot.checkpoint_dir,
             "--checkpoint-every", "3", "--run-id", RUN_ID, "--mode", args.mode,
