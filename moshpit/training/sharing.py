@@ -521,7 +521,8 @@ class StateSharing:
         chunk verified. Raises NoDonorError, StateMismatchError, StateDownloadError.
 
         ``timeout`` bounds finding donors and any stretch without progress, not a transfer
-        that keeps going: every verified chunk gives the download ``timeout`` more seconds,
+        that keeps going: every verified chunk, and every donor's answer that it moved on to
+        a newer state (the records are read again), gives the download ``timeout`` more seconds,
         up to ``MAX_DOWNLOAD_STRETCH`` times ``timeout`` in all. A fixed limit sized for a
         fast link cut every download of a slow one (26 MB of state at 10 Mbit/s take 21 s:
         a 20 s limit left a laggard behind for good, retrying)."""

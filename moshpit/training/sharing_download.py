@@ -172,7 +172,11 @@ class DownloadRun:
                 if rereads >= MOVED_ON_REREADS:
                     raise StateDownloadError(str(e)) from None
                 rereads += 1
-                # the donor announces its new state as it publishes it: read once more
+                # the donor announces its new state as it publishes it: read once more. A
+                # donor that answered is no stall: the re-read gets the whole timeout again
+                # (a first request that waited for a hole punch may have used most of it)
+                if self.on_progress is not None:
+                    self.on_progress(0)
                 logger.info("the donors moved on to a newer state: reading the records again")
                 await trio.sleep(min(1.0, self.sharing.refresh_interval))
         manifest.check_fits(local_schema)  # StateMismatchError before any chunk is fetched

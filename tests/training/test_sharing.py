@@ -200,6 +200,38 @@ async def test_a_donor_that_moved_on_between_our_read_and_our_request_is_read_ag
         assert not result.misbehaving and not joiner.sharing._banned_now(donor.node.peer_id)
 
 
+async def test_a_donor_that_moved_on_late_in_the_timeout_still_gives_its_new_state(
+    autojump_clock, virtual_dht_time
+):
+    # Found in a NAT test bed run: a newcomer's first manifest request to its only donor, a
+    # volunteer behind a NAT, took most of the 10-s timeout (a relayed connection waiting for
+    # a hole punch), and the donor had written its next checkpoint meanwhile. The answer
+    # ("moved on") came after 5 s; the re-read and the request for the new manifest ran
+    # into the same deadline, and the newcomer trained on from scratch. An answering donor
+    # is progress: the re-read gets the whole timeout again.
+    first, second = make_state(35), make_state(36)
+    async with swarm(2) as (peers, _):
+        donor, joiner = peers
+        donor.sharing.publish(stored(first, 4, donor.store))
+        await donor.sharing.announce()
+        read_records = joiner.sharing._read_records
+        reads = []
+
+        async def read_then_a_slow_request_while_the_donor_moves_on():
+            records = await read_records()
+            reads.append(trio.current_time())
+            if len(reads) == 1:
+                await trio.sleep(9.5)  # our request waits; the donor writes its next state
+                donor.sharing.publish(stored(second, 4, donor.store))
+                await donor.sharing.announce()
+            return records
+
+        joiner.sharing._read_records = read_then_a_slow_request_while_the_donor_moves_on
+        result = await joiner.sharing.download(schema_of(second), timeout=10.0)
+        assert len(reads) == 2 and reads[1] - reads[0] > 10.0
+        assert_state_equal(result, second)
+
+
 async def test_a_donor_that_keeps_moving_on_is_read_again_a_bounded_number_of_times(
     autojump_clock, virtual_dht_time
 ):
