@@ -8,6 +8,11 @@ One JSON object per line:
 
 - ``{"kind": "gloo", ...}``: ``torch.distributed.all_reduce`` (gloo, SUM, unencrypted) of the
   same size with the same processes, median of repeats: the baseline.
+- ``{"kind": "bare_python", ...}``: the floor of any all-reduce written in Python with our
+  encryption: ``bare_allreduce.py``'s butterfly (AES-256-GCM in Noise-sized frames over plain
+  TCP, threads and blocking sockets, nothing else) in the same processes, timed as gloo is;
+  ``vs_gloo`` is what encryption and Python's per-frame work cost before any protocol.
+  Averaging rows add ``allreduce_vs_bare_python`` and ``step_cpu_vs_bare_python_cpu``.
 - one warm-up ``step()`` per configuration is not counted (first-use allocations, dials).
 - ``{"kind": "averaging", ...}``: medians over rounds, ``allreduce_vs_gloo`` (ratio),
   ``matchmaking_s`` (slowest peer: includes the skew between peers' step() calls) and
@@ -96,6 +101,7 @@ def worker(argv: list[str]) -> int:
 
     import torch
     import torch.distributed as dist
+    from bare_allreduce import Mesh
 
     from dht import DHT
     from moshpit.averaging.averager import Averager
@@ -119,32 +125,38 @@ def worker(argv: list[str]) -> int:
         rank=args.rank,
         world_size=args.world,
     )
-    emit({"event": "ready"})
+    mesh = Mesh(args.rank, host=args.host)
+    emit({"event": "ready", "bare_addr": [args.host, mesh.port]})
     averager = None
     tensor = None
+
+    def timed(all_reduce, numel: int, reps: int) -> dict[str, float]:
+        """Median wall, CPU and kernel CPU of ``all_reduce`` on one tensor, after a warm-up."""
+        t = torch.randn(numel)
+        all_reduce(t)
+        times, cpu, sys_cpu = [], [], []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            c0, s0 = time.process_time(), os.times().system
+            all_reduce(t)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            sys_cpu.append(os.times().system - s0)
+        return {
+            "seconds": statistics.median(times),
+            "cpu_s": statistics.median(cpu),
+            "sys_s": statistics.median(sys_cpu),
+        }
+
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "gloo":
-            t = torch.randn(cmd["numel"])
-            dist.all_reduce(t)  # warm-up
-            times, cpu, sys_cpu = [], [], []
-            for _ in range(cmd["reps"]):
-                dist.barrier()
-                t0 = time.perf_counter()
-                c0, s0 = time.process_time(), os.times().system
-                dist.all_reduce(t)
-                times.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
-                sys_cpu.append(os.times().system - s0)
-            del t
-            emit(
-                {
-                    "event": "gloo",
-                    "seconds": statistics.median(times),
-                    "cpu_s": statistics.median(cpu),
-                    "sys_s": statistics.median(sys_cpu),
-                }
-            )
+            emit({"event": "gloo", **timed(dist.all_reduce, cmd["numel"], cmd["reps"])})
+        elif cmd["cmd"] == "bare":
+            if not mesh.links:
+                mesh.connect([tuple(a) for a in cmd["addrs"]], bytes.fromhex(cmd["key"]))
+            emit({"event": "bare", **timed(mesh.allreduce, cmd["numel"], cmd["reps"])})
         elif cmd["cmd"] == "setup":
             tensor = torch.randn(cmd["numel"])
             averager = Averager(
@@ -193,6 +205,7 @@ def worker(argv: list[str]) -> int:
             emit({"event": "teardown"})
         elif cmd["cmd"] == "exit":
             break
+    mesh.close()
     dist.destroy_process_group()
     dht.shutdown()
     return 0
@@ -228,6 +241,8 @@ class Proc:
             except json.JSONDecodeError:
                 continue
             if obj.get("event") == event:
+                if event == "ready":
+                    self.ready = obj
                 return obj
         raise RuntimeError(f"worker exited while waiting for {event!r} (rc={self.p.wait()})")
 
@@ -316,6 +331,21 @@ def cipher_cost_per_byte(total: int = 64 << 20) -> dict[str, float]:
     return {"seal": (c1 - c0) / (reps * frame), "open": (c2 - c1) / (reps * frame)}
 
 
+def run_bare(procs: list[Proc], numel: int, reps: int) -> dict[str, float]:
+    """The floor: the same tensor summed by ``bare_allreduce.Mesh`` in the same processes.
+
+    Summarized as gloo's rows are: the median over peers of wall seconds, the mean of CPU.
+    """
+    addrs = [p.ready["bare_addr"] for p in procs]
+    cmd = {"cmd": "bare", "numel": numel, "reps": reps, "addrs": addrs, "key": os.urandom(32).hex()}
+    got = _all(procs, cmd, "bare")
+    return {
+        "seconds": statistics.median(r["seconds"] for r in got),
+        "cpu_s": statistics.mean(r["cpu_s"] for r in got),
+        "sys_s": statistics.mean(r["sys_s"] for r in got),
+    }
+
+
 def run_configs(
     procs: list[Proc],
     num_peers: int,
@@ -348,6 +378,13 @@ def run_configs(
                **extra}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
+        bare = run_bare(procs, numel, gloo_reps)
+        bare_row = {"kind": "bare_python", "peers": num_peers, "numel": numel,
+                    "seconds": bare["seconds"], "vs_gloo": round(bare["seconds"] / gloo, 2),
+                    "cpu_s_per_peer": round(bare["cpu_s"], 4),
+                    "sys_cpu_s_per_peer": round(bare["sys_s"], 4), **extra}  # fmt: skip
+        rows.append(bare_row)
+        print(json.dumps(bare_row), flush=True)
         variants = [(c, None) for c in codecs]
         if uplink_rate is not None:
             variants = [(c, rate) for c in codecs for rate in (None, uplink_rate)]
@@ -399,6 +436,9 @@ def run_configs(
                 "step_cpu_vs_gloo_cpu": round(cpu_s / gloo_cpu, 2) if gloo_cpu > 0 else None,
                 "gloo_s": round(gloo, 4),
                 "allreduce_vs_gloo": round(ar_s / gloo, 2) if gloo > 0 else None,
+                "bare_python_s": round(bare["seconds"], 4),
+                "allreduce_vs_bare_python": round(ar_s / bare["seconds"], 2),
+                "step_cpu_vs_bare_python_cpu": round(cpu_s / bare["cpu_s"], 2),
                 "bytes_sent_per_peer": int(sent),
                 "tensor_bytes": numel * 4,
                 "peak_extra_mem_bytes": peak,
