@@ -144,6 +144,49 @@ def test_the_thread_limit_reaches_every_thread_of_the_peer():
     assert done.stdout.split() == ["7", "7"], done.stdout
 
 
+# ------------------------------------------------------------------ --max-rate and OpenMP
+
+
+@pytest.mark.parametrize(
+    ("argv", "exported", "policy"),
+    [
+        (["--max-rate", "100"], None, "PASSIVE"),
+        (["--max-rate=50"], None, "PASSIVE"),
+        (["--threads", "2", "--max-rate", "0.5", "--duration", "3"], None, "PASSIVE"),
+        ([], None, None),  # uncapped: OpenMP's default
+        (["--max-rate", "0"], None, None),
+        (["--max-steps", "100"], None, None),
+        (["--max-rate", "oops"], None, None),  # left to the parser's own error
+        (["--max-rate"], None, None),
+        (["--max-rate", "100"], "ACTIVE", "ACTIVE"),  # what the user exported wins
+    ],
+)
+def test_a_rate_cap_lets_idle_torch_threads_sleep(argv, exported, policy):
+    env = {} if exported is None else {"OMP_WAIT_POLICY": exported}
+    train_cmd.prepare_process(["train", *argv], env)
+    assert env.get("OMP_WAIT_POLICY") == policy
+
+
+def test_the_console_sets_the_wait_policy_before_torch_loads():
+    # OpenMP reads OMP_WAIT_POLICY once, when torch loads it: set later, it changes nothing
+    code = (
+        "import os, sys\n"
+        "from moshpit.cli import console, train_cmd\n"
+        "real = train_cmd.prepare_process\n"
+        "def spy(argv, environ=None):\n"
+        "    real(argv, environ)\n"
+        "    print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'), flush=True)\n"
+        "train_cmd.prepare_process = spy\n"
+        "console(['train', '--max-rate', '100', '--help'])\n"
+    )
+    env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "False PASSIVE", done.stdout[:300]
+
+
 class FakePopen:
     """A peer process that exits at once with nothing to say."""
 

@@ -120,7 +120,7 @@ def console(argv: list[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     command = wanted_command(argv)
     if command is not None:
-        import_command(SUBCOMMANDS[command][0])
+        import_command(SUBCOMMANDS[command][0], argv)
     exit_without_teardown(main(argv))
 
 

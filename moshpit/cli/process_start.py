@@ -36,11 +36,18 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def import_command(module_name: str) -> ModuleType:
+def import_command(module_name: str, argv: list[str]) -> ModuleType:
     """Import a command's module and what it names in ``STARTUP_IMPORTS``, with the
-    collector paused."""
+    collector paused.
+
+    In between, the module's ``prepare_process(argv)`` (if it has one) sets what libraries
+    read once when they load, such as OpenMP's environment variables, which torch loads.
+    """
     with collector_paused():
         module = importlib.import_module(module_name)
+        prepare = getattr(module, "prepare_process", None)
+        if prepare is not None:
+            prepare(argv)
         _import_each(getattr(module, "STARTUP_IMPORTS", ()))
     return module
 
