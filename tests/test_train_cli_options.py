@@ -25,6 +25,16 @@ def subparser(name: str) -> argparse.ArgumentParser:
     return sub.choices[name]
 
 
+def run_python(code: str, unset: str) -> str:
+    """What ``python -c code`` printed, in an environment without the variable ``unset``."""
+    env = {k: v for k, v in ENV.items() if k != unset}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def train_args(*argv: str) -> argparse.Namespace:
     return build_parser(["train"]).parse_args(["train", *argv])
 
@@ -136,12 +146,8 @@ def test_the_thread_limit_reaches_every_thread_of_the_peer():
         "t.start(); t.join()\n"
         "print(torch.get_num_threads(), seen[0])\n"
     )
-    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["7", "7"], done.stdout
+    out = run_python(code, unset="OMP_NUM_THREADS")
+    assert out.split() == ["7", "7"], out
 
 
 # ------------------------------------------------------------------ --max-rate and OpenMP
@@ -179,12 +185,8 @@ def test_the_console_sets_the_wait_policy_before_torch_loads():
         "train_cmd.prepare_process = spy\n"
         "console(['train', '--max-rate', '100', '--help'])\n"
     )
-    env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[0] == "False PASSIVE", done.stdout[:300]
+    out = run_python(code, unset="OMP_WAIT_POLICY")
+    assert out.splitlines()[0] == "False PASSIVE", out[:300]
 
 
 class FakePopen:
