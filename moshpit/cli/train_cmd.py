@@ -60,10 +60,10 @@ def prepare_process(argv: list[str], environ: MutableMapping[str, str] | None = 
     A capped peer pauses between steps, and OpenMP's default lets each idle thread of torch's
     teams spin on its core for a while first: on 2 cores with ``--threads 2``, 15 s at 2,000
     samples/s cost 18.4 s of CPU with the default and 8.5 s with ``OMP_WAIT_POLICY=PASSIVE``
-    (the same samples, start-up included), so the cap left the machine no freer. OpenMP reads the variable once,
-    when torch loads: the console script calls this before its startup imports
-    (``process_start.py``). A value the user exported wins; uncapped peers keep the default
-    (PASSIVE cost 9% of their samples there).
+    (the same samples, start-up included), so the cap left the machine no freer. OpenMP
+    reads the variable once, when torch loads: the console script calls this before its
+    startup imports (``process_start.py``). A value the user exported wins; uncapped peers
+    keep the default (PASSIVE cost 9% of their samples there).
     """
     env = os.environ if environ is None else environ
     scan = argparse.ArgumentParser(add_help=False)
