@@ -61,9 +61,13 @@ def main() -> int:
             p.wait()
     for row in (default, passive):
         print(json.dumps({**row, "busy": args.busy, "cores": os.cpu_count()}), flush=True)
-    summary = {"kind": "omp_wait_summary", "busy": args.busy, "cores": os.cpu_count(),
-               "cpu_default_vs_passive": round(default["cpu_s"] / passive["cpu_s"], 1),
-               "wall_default_vs_passive": round(default["wall_s"] / passive["wall_s"], 2)}  # fmt: skip
+    summary = {
+        "kind": "omp_wait_summary",
+        "busy": args.busy,
+        "cores": os.cpu_count(),
+        "cpu_default_vs_passive": round(default["cpu_s"] / passive["cpu_s"], 1),
+        "wall_default_vs_passive": round(default["wall_s"] / passive["wall_s"], 2),
+    }
     print(json.dumps(summary), flush=True)
     return 0
 
